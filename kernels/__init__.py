@@ -1,0 +1,1 @@
+"""Attention and matmul kernels (Triton) beside their pure-PyTorch twins (`reference.py`)."""

@@ -1,0 +1,197 @@
+"""`qspec` command line: parse, call one library function, render. No logic of its own."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from qspec_core.documents import read_document
+from qspec_core.errors import QspecError
+from qspec_core.sampling import SamplingParams
+from qspec_core.session import MODES, SUMMARY_REQUEST, ChatSession
+
+app = typer.Typer(
+    help="qspec: chat with and summarize long documents, fast, on one GPU or a plain CPU.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+out = Console(highlight=False)
+err = Console(stderr=True, highlight=False)
+
+ModelOpt = Annotated[
+    str | None,
+    typer.Option("--model", "-m", help="Model folder (HF safetensors), .gguf file or hub id. "
+                 "Default: SmolLM2-135M-Instruct, converted once into $QSPEC_HOME."),
+]
+ModeOpt = Annotated[str, typer.Option(help=f"Decoding mode: {', '.join(MODES)} (autoregressive).")]
+MaxNewOpt = Annotated[int, typer.Option(min=1, help="Most tokens to generate per answer.")]
+TempOpt = Annotated[float, typer.Option(min=0.0, help="Sampling temperature; 0 is greedy.")]
+TopPOpt = Annotated[float, typer.Option(min=0.0, max=1.0, help="Nucleus sampling mass.")]
+TopKOpt = Annotated[int, typer.Option(min=0, help="Sample from the k likeliest tokens; 0: all.")]
+SeedOpt = Annotated[int, typer.Option(help="Seed of the sampling generator (runs reproduce).")]
+TruncOpt = Annotated[bool, typer.Option(
+    "--truncate", help="Cut the end of a document longer than the model's context.")]
+DtypeOpt = Annotated[str, typer.Option(help="Weights/activations dtype: bf16 (CPU default), "
+                                       "fp16, fp32.")]
+ThreadsOpt = Annotated[int | None, typer.Option(min=1, help="CPU threads (default: all cores).")]
+
+
+def _load(model: str | None, dtype: str, threads: int | None, quiet: bool = False):
+    import torch
+
+    from qspec_core.runtime import DTYPES, load_runtime
+
+    if dtype not in DTYPES:
+        raise QspecError(f"--dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
+    if threads:
+        torch.set_num_threads(threads)
+    log = (lambda msg: None) if quiet else (lambda msg: err.print(f"[dim]{msg}[/dim]"))
+    return load_runtime(model, dtype=dtype, log=log)
+
+
+def _params(temperature: float, top_p: float, top_k: int) -> SamplingParams:
+    try:
+        return SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
+    except ValueError as e:
+        raise QspecError(str(e)) from None
+
+
+@app.command()
+def summarize(
+    file: Annotated[Path, typer.Argument(help="UTF-8 text document to summarize.")],
+    model: ModelOpt = None,
+    mode: ModeOpt = "ar",
+    max_new_tokens: MaxNewOpt = 384,
+    temperature: TempOpt = 0.0,
+    top_p: TopPOpt = 1.0,
+    top_k: TopKOpt = 0,
+    seed: SeedOpt = 0,
+    truncate: TruncOpt = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")]
+    = False,
+    dtype: DtypeOpt = "bf16",
+    threads: ThreadsOpt = None,
+):
+    """Summarize FILE in one go, streaming the summary, then a table of stage timings."""
+    from qspec_cli.render import PrefillProgress, stats_table
+
+    document = read_document(file)
+    params = _params(temperature, top_p, top_k)
+    runtime = _load(model, dtype, threads)
+    session = ChatSession(runtime, document, params=params, seed=seed,
+                          max_new_tokens=max_new_tokens, mode=mode, truncate=truncate)
+    if session.truncated_tokens:
+        err.print(f"[yellow]document truncated: dropped its last {session.truncated_tokens} "
+                  f"tokens to fit the {session.limit}-token context[/yellow]")
+    progress = PrefillProgress(err)
+    try:
+        for piece in session.ask(SUMMARY_REQUEST, on_prefill=progress):
+            if not as_json:
+                out.out(piece, end="")
+    finally:
+        progress.stop()
+    stats = session.last
+    if as_json:
+        result = {
+            "text": session.last_text,
+            "mode": session.mode,
+            "model": runtime.name,
+            "prompt_tokens": stats.prompt_tokens,
+            "new_tokens": stats.new_tokens,
+            "tokens_per_s": round(stats.decode_tokens_per_s, 3),
+            "prefill_tokens_per_s": round(stats.prefill_tokens_per_s, 3),
+            "truncated_tokens": session.truncated_tokens,
+            "timings_s": {k: round(v, 6) for k, v in stats.timings_s.items()},
+        }
+        print(json.dumps(result, ensure_ascii=False))
+    else:
+        out.print()
+        out.print()
+        out.print(stats_table(stats, f"{runtime.name} · mode {session.mode}"))
+
+
+@app.command()
+def chat(
+    document: Annotated[Path | None, typer.Option(
+        "--document", "-d", help="UTF-8 text document to ask about.")] = None,
+    model: ModelOpt = None,
+    mode: ModeOpt = "ar",
+    max_new_tokens: MaxNewOpt = 512,
+    temperature: TempOpt = 0.0,
+    top_p: TopPOpt = 1.0,
+    top_k: TopKOpt = 0,
+    seed: SeedOpt = 0,
+    truncate: TruncOpt = False,
+    dtype: DtypeOpt = "bf16",
+    threads: ThreadsOpt = None,
+):
+    """Interactive multi-turn chat, streamed. Commands: /exit, /reset, /stats.
+
+    Ctrl-C stops the current answer and keeps the session; Ctrl-D or /exit leaves.
+    """
+    from qspec_cli.render import PrefillProgress, stats_table
+
+    text = read_document(document) if document is not None else None
+    params = _params(temperature, top_p, top_k)
+    runtime = _load(model, dtype, threads)
+    session = ChatSession(runtime, text, params=params, seed=seed, max_new_tokens=max_new_tokens,
+                          mode=mode, truncate=truncate, capacity=runtime.context_limit)
+    if session.truncated_tokens:
+        err.print(f"[yellow]document truncated: dropped its last {session.truncated_tokens} "
+                  f"tokens[/yellow]")
+    err.print(f"[dim]{runtime.name} · mode {mode} · /exit /reset /stats · Ctrl-C stops an "
+              "answer[/dim]")
+    progress = PrefillProgress(err)
+    while True:
+        try:
+            question = out.input("[bold]> [/bold]").strip()
+        except (EOFError, KeyboardInterrupt):
+            out.print()
+            return
+        if not question:
+            continue
+        if question in ("/exit", "/quit"):
+            return
+        if question == "/reset":
+            session.reset()
+            err.print("[dim]conversation cleared (the document stays loaded)[/dim]")
+            continue
+        if question == "/stats":
+            out.print(stats_table(session.totals, f"session · {session.turns} answers"))
+            continue
+        reply = session.ask(question, on_prefill=progress)
+        try:
+            for piece in reply:
+                out.out(piece, end="")
+        except KeyboardInterrupt:
+            reply.close()
+            out.print("\n[yellow](stopped)[/yellow]", end="")
+        except QspecError as e:
+            err.print(f"[red]error:[/red] {e}")
+            continue
+        finally:
+            progress.stop()
+        out.print()
+        out.print(stats_table(session.last, ""))
+
+
+def main() -> None:
+    """Console entry point: user errors are one line on stderr and exit code 2."""
+    try:
+        app()
+    except QspecError as e:
+        err.print(f"[red]error:[/red] {e}", markup=True, soft_wrap=True)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        err.print("[yellow]interrupted[/yellow]")
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

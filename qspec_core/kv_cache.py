@@ -1,0 +1,115 @@
+"""KV caches behind one small protocol.
+
+The model never touches K/V tensors after projecting them: each attention layer hands its new
+keys and values to `cache.attend(...)`, which stores them and returns the attention output.
+That call is the seam where the hierarchical INT4/INT8 cache plugs in: it decides what it
+stores (full precision, packed planes) and which view (`path`) the attention reads.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from kernels.reference import causal_attention
+from qspec_core.config import ModelConfig
+
+PATHS = ("fp", "target", "draft")
+
+
+class KVCache(Protocol):
+    """What the model and the generators need from a cache."""
+
+    seq_len: int  # positions [0, seq_len) hold valid K/V
+    max_seq_len: int
+
+    def attend(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        input_pos: torch.Tensor,
+        path: str,
+    ) -> torch.Tensor:
+        """Store k/v [B, n_kv, T, D] at `input_pos` [T]; return attention of q [B, H, T, D]."""
+        ...
+
+    def truncate(self, length: int) -> None:
+        """Forget every position >= length (rollback)."""
+        ...
+
+    def nbytes(self) -> dict[str, int]:
+        """Bytes held, split by kind (payload, scales, full-precision buffer)."""
+        ...
+
+
+class FullPrecisionCache(torch.nn.Module):
+    """Preallocated full-precision K/V for all layers: the autoregressive baseline.
+
+    Writing at positions p..q makes q + 1 the new length, so a write below the current
+    length (a verify step over rejected draft positions) also rolls back what lay beyond.
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        max_seq_len: int,
+        batch_size: int = 1,
+        dtype: torch.dtype = torch.bfloat16,
+        device: torch.device | str = "cpu",
+    ):
+        super().__init__()
+        shape = (
+            config.num_hidden_layers,
+            batch_size,
+            config.num_key_value_heads,
+            max_seq_len,
+            config.head_dim,
+        )  # [L, B, n_kv, S, D]
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.max_seq_len = max_seq_len
+        self.seq_len = 0
+
+    def attend(self, layer, q, k, v, input_pos, path="fp"):
+        if path != "fp":
+            raise ValueError(f"FullPrecisionCache serves only the 'fp' path, not {path!r}")
+        start, end = int(input_pos[0]), int(input_pos[-1]) + 1
+        if end > self.max_seq_len:
+            raise ValueError(f"position {end - 1} is beyond the cache ({self.max_seq_len})")
+        if start > self.seq_len:
+            raise ValueError(f"write at {start} leaves a gap after length {self.seq_len}")
+        self.k[layer, :, :, start:end] = k
+        self.v[layer, :, :, start:end] = v
+        if layer == self.k.shape[0] - 1:
+            self.seq_len = end
+        return causal_attention(q, self.k[layer, :, :, :end], self.v[layer, :, :, :end], input_pos)
+
+    def truncate(self, length: int) -> None:
+        if not 0 <= length <= self.seq_len:
+            raise ValueError(f"cannot truncate a cache of length {self.seq_len} to {length}")
+        self.seq_len = length
+
+    def grow(self, max_seq_len: int) -> None:
+        """Reallocate to a larger capacity, keeping the valid positions."""
+        if max_seq_len <= self.max_seq_len:
+            return
+        for name in ("k", "v"):
+            old = getattr(self, name)
+            new = old.new_zeros(*old.shape[:3], max_seq_len, old.shape[4])
+            new[:, :, :, : self.seq_len] = old[:, :, :, : self.seq_len]
+            setattr(self, name, new)
+        self.max_seq_len = max_seq_len
+
+    def reset(self) -> None:
+        self.seq_len = 0
+
+    def nbytes(self) -> dict[str, int]:
+        """Bytes the valid positions occupy (the preallocated capacity is `capacity_nbytes`)."""
+        per_pos = 2 * self.k[:, :, :, 0].numel() * self.k.element_size()
+        return {"payload": 0, "scales": 0, "full_precision": per_pos * self.seq_len}
+
+    def capacity_nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes

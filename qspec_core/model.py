@@ -1,0 +1,124 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2/2.5, SmolLM2) in plain PyTorch.
+
+Module and parameter names follow Hugging Face, so a checkpoint loads by stripping the
+`model.` prefix. The call is explicit: `model(tokens, input_pos, cache, path)`; attention
+goes through `cache.attend`, which owns K/V storage and the view the `path` reads.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from qspec_core.config import ModelConfig
+from qspec_core.kv_cache import KVCache
+from qspec_core.rope import RotaryEmbedding, apply_rotary
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalize in fp32, cast back, then scale: the order HF uses, so bf16 results agree.
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_heads = config.num_attention_heads
+        self.n_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        qkv_bias = config.attention_bias or config.qkv_bias
+        q_dim, kv_dim = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        self.q_proj = nn.Linear(config.hidden_size, q_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(config.hidden_size, kv_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(config.hidden_size, kv_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(q_dim, config.hidden_size, bias=config.attention_bias)
+
+    def forward(self, x, cos, sin, input_pos, cache: KVCache, path: str) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)  # [B, H|n_kv, T, D]
+        out = cache.attend(self.layer_idx, q, k, v, input_pos, path)  # [B, H, T, D]
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        h, i, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gate_proj = nn.Linear(h, i, bias=bias)
+        self.up_proj = nn.Linear(h, i, bias=bias)
+        self.down_proj = nn.Linear(i, h, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = Attention(config, layer_idx)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x, cos, sin, input_pos, cache, path):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, input_pos, cache, path)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rotary_emb = RotaryEmbedding(config)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        input_pos: torch.Tensor,
+        cache: KVCache,
+        path: str = "fp",
+        last_only: bool = False,
+    ) -> torch.Tensor:
+        """tokens [B, T] at positions input_pos [T] -> logits [B, T, V] (or [B, 1, V]).
+
+        `path` selects the weights and KV view: "fp" (full precision, the baseline),
+        "target" and "draft" (QuantSpec's two paths over one hierarchical cache).
+        `last_only` skips the vocabulary projection for all but the last position (prefill).
+        """
+        x = self.embed_tokens(tokens)
+        cos, sin = self.rotary_emb(input_pos, x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, input_pos, cache, path)
+        if last_only:
+            x = x[:, -1:]
+        return self.lm_head(self.norm(x))

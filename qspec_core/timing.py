@@ -1,0 +1,23 @@
+"""Stage timing: `with timer.stage("prefill"): ...` accumulates wall seconds per stage."""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+
+
+class StageTimer:
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def stage(self, name: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+
+    def merge(self, other: StageTimer) -> None:
+        for name, s in other.seconds.items():
+            self.seconds[name] = self.seconds.get(name, 0.0) + s

@@ -1,0 +1,47 @@
+import os
+
+# Triton runs on CPU only in its interpreter, which must be chosen before any kernel is imported.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import shutil  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+DATA = REPO / "qspec_core" / "data"
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> Path:
+    """The real default model, converted once per machine into the user's qspec cache."""
+    from qspec_core.models import resolve_model
+
+    return resolve_model(None)
+
+
+@pytest.fixture(scope="session")
+def real_runtime(default_model_dir):
+    """The default model in fp32: the bf16 weights upcast, fast on every CPU, exact vs HF."""
+    from qspec_core.runtime import load_runtime
+
+    return load_runtime(str(default_model_dir), dtype="fp32", log=lambda m: None)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, default_model_dir) -> Path:
+    """A tiny random Llama with the real tokenizer (fast CLI and session tests)."""
+    import transformers
+
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    config = transformers.LlamaConfig(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        tie_word_embeddings=True, eos_token_id=2, bos_token_id=1,
+    )
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(default_model_dir / name, folder / name)
+    return folder

@@ -1,0 +1,94 @@
+"""End-to-end checks on the real default model (SmolLM2-135M-Instruct, converted once)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import DATA
+
+from qspec_core.generate import decode, prefill
+from qspec_core.kv_cache import FullPrecisionCache
+from qspec_core.sampling import SamplingParams
+
+pytestmark = pytest.mark.real_model
+
+
+@pytest.fixture(scope="module")
+def hf_model(default_model_dir):
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        default_model_dir, dtype=torch.float32).eval()
+
+
+def test_greedy_continuation_equals_transformers(real_runtime, hf_model):
+    text = (DATA / "gpl-3.0.txt").read_text()[:1500]  # a real text, ~330 tokens
+    ids = real_runtime.tokenizer.encode(text)
+    n_new = 40
+    with torch.no_grad():
+        expected = hf_model.generate(torch.tensor([ids]), max_new_tokens=n_new, do_sample=False,
+                                     min_new_tokens=n_new)[0, len(ids):].tolist()
+    model = real_runtime.model
+    cache = FullPrecisionCache(model.config, len(ids) + n_new, dtype=model.dtype)
+    logits = prefill(model, cache, ids, 0, chunk_size=128)
+    got = list(decode(model, cache, logits, len(ids), n_new, SamplingParams(), None))
+    assert len(got) == n_new
+    assert got == expected
+
+
+def test_prefill_logits_match_transformers(real_runtime, hf_model):
+    ids = real_runtime.tokenizer.encode((DATA / "apache-2.0.txt").read_text()[:3000])
+    with torch.no_grad():
+        expected = hf_model(torch.tensor([ids])).logits[0, -1]
+    model = real_runtime.model
+    cache = FullPrecisionCache(model.config, len(ids), dtype=model.dtype)
+    got = prefill(model, cache, ids, 0, chunk_size=100)
+    assert (got - expected).abs().max() < 1e-3 * expected.abs().max()
+
+
+def test_chat_template_and_tokens_match_transformers(real_runtime, default_model_dir):
+    import transformers
+
+    hf_tok = transformers.AutoTokenizer.from_pretrained(default_model_dir)
+    for messages in (
+        [{"role": "user", "content": "Hi there"}],
+        [{"role": "system", "content": "Doc:\n\nline one\nline two"},
+         {"role": "user", "content": "What?"}, {"role": "assistant", "content": "This."},
+         {"role": "user", "content": "Why ünïcödé?"}],
+    ):
+        expected = hf_tok.apply_chat_template(messages, tokenize=False,
+                                              add_generation_prompt=True)
+        assert real_runtime.tokenizer.render_chat(messages, True) == expected
+        assert real_runtime.tokenizer.encode(expected) == hf_tok(
+            expected, add_special_tokens=False)["input_ids"]
+    assert 2 in real_runtime.stop_ids  # <|im_end|>
+
+
+def test_summarize_json_on_the_real_model(default_model_dir):
+    proc = subprocess.run(
+        [sys.executable, "-m", "qspec_cli.main", "summarize", str(DATA / "apache-2.0.txt"),
+         "--max-new-tokens", "24", "--json", "--dtype", "fp32"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    for key in ("text", "mode", "model", "prompt_tokens", "new_tokens", "tokens_per_s",
+                "timings_s"):
+        assert key in result
+    assert result["mode"] == "ar" and result["model"] == "SmolLM2-135M-Instruct"
+    assert result["prompt_tokens"] > 2000 and 0 < result["new_tokens"] <= 24
+    assert set(result["timings_s"]) >= {"tokenize", "prefill", "decode"}
+    assert result["tokens_per_s"] > 0 and len(result["text"].split()) >= 5
+
+
+def test_our_kernels_package_is_not_taken_for_hf_kernels():
+    # transformers probes for Hugging Face's `kernels` hub package; ours must not look like it,
+    # or transformers would try to fetch kernels from the hub (offline failure).
+    from transformers.utils.import_utils import is_kernels_available
+
+    import kernels
+
+    assert kernels.__file__.endswith("kernels/__init__.py")
+    assert not is_kernels_available()
