@@ -26,8 +26,12 @@ err = Console(stderr=True, highlight=False)
 
 ModelOpt = Annotated[
     str | None,
-    typer.Option("--model", "-m", help="Model folder (HF safetensors), .gguf file or hub id. "
-                 "Default: SmolLM2-135M-Instruct, converted once into $QSPEC_HOME."),
+    typer.Option(
+        "--model",
+        "-m",
+        help="Model folder (HF safetensors), .gguf file or hub id. "
+        "Default: SmolLM2-135M-Instruct, converted once into $QSPEC_HOME.",
+    ),
 ]
 ModeOpt = Annotated[str, typer.Option(help=f"Decoding mode: {', '.join(MODES)} (autoregressive).")]
 MaxNewOpt = Annotated[int, typer.Option(min=1, help="Most tokens to generate per answer.")]
@@ -35,10 +39,13 @@ TempOpt = Annotated[float, typer.Option(min=0.0, help="Sampling temperature; 0 i
 TopPOpt = Annotated[float, typer.Option(min=0.0, max=1.0, help="Nucleus sampling mass.")]
 TopKOpt = Annotated[int, typer.Option(min=0, help="Sample from the k likeliest tokens; 0: all.")]
 SeedOpt = Annotated[int, typer.Option(help="Seed of the sampling generator (runs reproduce).")]
-TruncOpt = Annotated[bool, typer.Option(
-    "--truncate", help="Cut the end of a document longer than the model's context.")]
-DtypeOpt = Annotated[str, typer.Option(help="Weights/activations dtype: bf16 (CPU default), "
-                                       "fp16, fp32.")]
+TruncOpt = Annotated[
+    bool,
+    typer.Option("--truncate", help="Cut the end of a document longer than the model's context."),
+]
+DtypeOpt = Annotated[
+    str, typer.Option(help="Weights/activations dtype: bf16 (CPU default), fp16, fp32.")
+]
 ThreadsOpt = Annotated[int | None, typer.Option(min=1, help="CPU threads (default: all cores).")]
 
 
@@ -47,7 +54,7 @@ def _load(model: str | None, dtype: str, threads: int | None, quiet: bool = Fals
 
     from qspec_core.runtime import DTYPES, load_runtime
 
-    if dtype not in DTYPES:
+    if dtype != "auto" and dtype not in DTYPES:
         raise QspecError(f"--dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
     if threads:
         torch.set_num_threads(threads)
@@ -73,9 +80,10 @@ def summarize(
     top_k: TopKOpt = 0,
     seed: SeedOpt = 0,
     truncate: TruncOpt = False,
-    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")]
-    = False,
-    dtype: DtypeOpt = "bf16",
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print one JSON object on stdout.")
+    ] = False,
+    dtype: DtypeOpt = "auto",
     threads: ThreadsOpt = None,
 ):
     """Summarize FILE in one go, streaming the summary, then a table of stage timings."""
@@ -84,11 +92,20 @@ def summarize(
     document = read_document(file)
     params = _params(temperature, top_p, top_k)
     runtime = _load(model, dtype, threads)
-    session = ChatSession(runtime, document, params=params, seed=seed,
-                          max_new_tokens=max_new_tokens, mode=mode, truncate=truncate)
+    session = ChatSession(
+        runtime,
+        document,
+        params=params,
+        seed=seed,
+        max_new_tokens=max_new_tokens,
+        mode=mode,
+        truncate=truncate,
+    )
     if session.truncated_tokens:
-        err.print(f"[yellow]document truncated: dropped its last {session.truncated_tokens} "
-                  f"tokens to fit the {session.limit}-token context[/yellow]")
+        err.print(
+            f"[yellow]document truncated: dropped its last {session.truncated_tokens} "
+            f"tokens to fit the {session.limit}-token context[/yellow]"
+        )
     progress = PrefillProgress(err)
     try:
         for piece in session.ask(SUMMARY_REQUEST, on_prefill=progress):
@@ -118,8 +135,9 @@ def summarize(
 
 @app.command()
 def chat(
-    document: Annotated[Path | None, typer.Option(
-        "--document", "-d", help="UTF-8 text document to ask about.")] = None,
+    document: Annotated[
+        Path | None, typer.Option("--document", "-d", help="UTF-8 text document to ask about.")
+    ] = None,
     model: ModelOpt = None,
     mode: ModeOpt = "ar",
     max_new_tokens: MaxNewOpt = 512,
@@ -128,7 +146,7 @@ def chat(
     top_k: TopKOpt = 0,
     seed: SeedOpt = 0,
     truncate: TruncOpt = False,
-    dtype: DtypeOpt = "bf16",
+    dtype: DtypeOpt = "auto",
     threads: ThreadsOpt = None,
 ):
     """Interactive multi-turn chat, streamed. Commands: /exit, /reset, /stats.
@@ -140,13 +158,24 @@ def chat(
     text = read_document(document) if document is not None else None
     params = _params(temperature, top_p, top_k)
     runtime = _load(model, dtype, threads)
-    session = ChatSession(runtime, text, params=params, seed=seed, max_new_tokens=max_new_tokens,
-                          mode=mode, truncate=truncate, capacity=runtime.context_limit)
+    session = ChatSession(
+        runtime,
+        text,
+        params=params,
+        seed=seed,
+        max_new_tokens=max_new_tokens,
+        mode=mode,
+        truncate=truncate,
+        capacity=runtime.context_limit,
+    )
     if session.truncated_tokens:
-        err.print(f"[yellow]document truncated: dropped its last {session.truncated_tokens} "
-                  f"tokens[/yellow]")
-    err.print(f"[dim]{runtime.name} · mode {mode} · /exit /reset /stats · Ctrl-C stops an "
-              "answer[/dim]")
+        err.print(
+            f"[yellow]document truncated: dropped its last {session.truncated_tokens} "
+            f"tokens[/yellow]"
+        )
+    err.print(
+        f"[dim]{runtime.name} · mode {mode} · /exit /reset /stats · Ctrl-C stops an answer[/dim]"
+    )
     progress = PrefillProgress(err)
     while True:
         try:
@@ -179,6 +208,64 @@ def chat(
             progress.stop()
         out.print()
         out.print(stats_table(session.last, ""))
+
+
+@app.command()
+def quality(
+    file: Annotated[
+        Path | None,
+        typer.Argument(
+            help="UTF-8 text to evaluate on (default: the bundled Apache-2.0 licence text)."
+        ),
+    ] = None,
+    model: ModelOpt = None,
+    group_size: Annotated[
+        int | None, typer.Option(help="KV quantization group G (default: the model's head_dim).")
+    ] = None,
+    max_tokens: Annotated[int, typer.Option(min=16, help="Evaluate on the first N tokens.")] = 2048,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    dtype: DtypeOpt = "auto",
+    threads: ThreadsOpt = None,
+):
+    """Measure the INT8 (target) and INT4 (draft) KV views against full precision.
+
+    Perplexity, mean next-token KL and top-1 agreement on a real text, and KV bytes per token.
+    """
+    from qspec_core.quality import measure_kv_quality
+
+    path = file or Path(__file__).resolve().parent.parent / "qspec_core/data/apache-2.0.txt"
+    text = read_document(path)
+    runtime = _load(model, dtype, threads)
+    ids = runtime.tokenizer.encode(text)[:max_tokens]
+    with err.status("measuring") as status:
+        result = measure_kv_quality(
+            runtime.model, ids, group_size, on_path=lambda p: status.update(f"path {p}")
+        )
+    if as_json:
+        print(json.dumps({"model": runtime.name, **result.to_dict()}))
+        return
+    from rich.table import Table
+
+    table = Table(
+        title=f"{runtime.name} · {result.tokens} tokens of {path.name} · G = {result.group_size}",
+        title_justify="left",
+    )
+    for col in ("KV", "perplexity", "KL vs fp", "top-1 vs fp", "bytes/token"):
+        table.add_column(col, justify="right" if col != "KV" else "left")
+    fp_bytes = result.bytes_per_token["bf16"]
+    table.add_row(
+        "full precision", f"{result.perplexity['fp']:.4f}", "", "", f"{fp_bytes:,.0f} (bf16)"
+    )
+    for p, label in (("target", "target (INT8)"), ("draft", "draft (INT4)")):
+        table.add_row(
+            label,
+            f"{result.perplexity[p]:.4f}",
+            f"{result.kl_vs_fp[p]:.5f}",
+            f"{result.top1_vs_fp[p]:.2%}",
+            f"{result.bytes_per_token[p]:,.0f}",
+        )
+    out.print(table)
+    out.print(f"top-1 agreement draft vs target: {result.top1_draft_vs_target:.2%}")
 
 
 def main() -> None:

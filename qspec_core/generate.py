@@ -6,7 +6,8 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from qspec_core.kv_cache import KVCache
+from qspec_core.hier_cache import HierarchicalKVCache
+from qspec_core.kv_cache import FullPrecisionCache, KVCache
 from qspec_core.model import Transformer
 from qspec_core.sampling import SamplingParams, sample
 from qspec_core.timing import StageTimer
@@ -36,9 +37,30 @@ def prefill(
         chunk = ids[:, begin : begin + chunk_size]
         pos = torch.arange(start_pos + begin, start_pos + begin + chunk.shape[1], device=ids.device)
         logits = model(chunk, pos, cache, path, last_only=True)
+        cache.commit(cache.seq_len)  # prompt tokens are given, hence confirmed
         if on_progress is not None:
             on_progress(chunk.shape[1])
     return logits[0, -1]
+
+
+@torch.inference_mode()
+def prefill_hierarchical(
+    model: Transformer,
+    cache: HierarchicalKVCache,
+    tokens: list[int],
+    chunk_size: int = PREFILL_CHUNK,
+    on_progress: Callable[[int], None] | None = None,
+) -> torch.Tensor:
+    """QuantSpec's prefill: full-precision attention over the prompt, then one bulk quantization.
+
+    Returns the last position's logits [V] (from the full-precision prefill, as in the paper).
+    The temporary full-precision KV is as large as a plain cache of the prompt.
+    """
+    fp = FullPrecisionCache(model.config, len(tokens), dtype=cache.fp_k.dtype, device=model.device)
+    logits = prefill(model, fp, tokens, 0, "fp", chunk_size, on_progress)
+    cache.reset()
+    cache.load_full_precision(fp.k, fp.v)
+    return logits
 
 
 @torch.inference_mode()
@@ -72,4 +94,5 @@ def decode(
         with timer.stage("decode"):
             tok = torch.tensor([[token]], device=model.device)
             logits = model(tok, torch.tensor([pos], device=model.device), cache, path)[0, -1]
+            cache.commit(pos + 1)  # autoregressive: every fed token is final
         pos += 1

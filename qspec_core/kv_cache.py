@@ -12,7 +12,7 @@ from typing import Protocol
 
 import torch
 
-from kernels.reference import causal_attention
+from kernels.reference import causal_attention, causal_mask
 from qspec_core.config import ModelConfig
 
 PATHS = ("fp", "target", "draft")
@@ -38,6 +38,10 @@ class KVCache(Protocol):
 
     def truncate(self, length: int) -> None:
         """Forget every position >= length (rollback)."""
+        ...
+
+    def commit(self, length: int) -> None:
+        """Positions < length are confirmed by the target path (only those may be quantized)."""
         ...
 
     def nbytes(self) -> dict[str, int]:
@@ -72,6 +76,7 @@ class FullPrecisionCache(torch.nn.Module):
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.max_seq_len = max_seq_len
         self.seq_len = 0
+        self._mask = (None, None)  # (positions key, mask): built once per forward, not per layer
 
     def attend(self, layer, q, k, v, input_pos, path="fp"):
         if path != "fp":
@@ -85,12 +90,21 @@ class FullPrecisionCache(torch.nn.Module):
         self.v[layer, :, :, start:end] = v
         if layer == self.k.shape[0] - 1:
             self.seq_len = end
-        return causal_attention(q, self.k[layer, :, :, :end], self.v[layer, :, :, :end], input_pos)
+        key = (start, end)
+        if self._mask[0] != key:
+            self._mask = (key, causal_mask(input_pos, end))
+        k_all, v_all = self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+        return causal_attention(q, k_all, v_all, input_pos, self._mask[1])
 
     def truncate(self, length: int) -> None:
         if not 0 <= length <= self.seq_len:
             raise ValueError(f"cannot truncate a cache of length {self.seq_len} to {length}")
         self.seq_len = length
+
+    def commit(self, length: int) -> None:
+        """Nothing to do: a full-precision cache never quantizes."""
+        if length > self.seq_len:
+            raise ValueError(f"cannot commit {length} positions of a cache of {self.seq_len}")
 
     def grow(self, max_seq_len: int) -> None:
         """Reallocate to a larger capacity, keeping the valid positions."""

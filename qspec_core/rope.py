@@ -64,7 +64,10 @@ def _yarn(config: ModelConfig, params: dict) -> tuple[torch.Tensor, float]:
     attention_factor = params.get("attention_factor")
     if attention_factor is None:
         m, m_all = params.get("mscale"), params.get("mscale_all_dim")
-        attention_factor = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+        if m and m_all:
+            attention_factor = mscale(factor, m) / mscale(factor, m_all)
+        else:
+            attention_factor = mscale(factor)
 
     beta_fast = params.get("beta_fast") or 32
     beta_slow = params.get("beta_slow") or 1
@@ -82,7 +85,8 @@ def _yarn(config: ModelConfig, params: dict) -> tuple[torch.Tensor, float]:
     ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
     pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
     extrapolation = 1 - ramp  # 1: keep the original frequency, 0: interpolate by `factor`
-    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    interpolated = 1.0 / (factor * pos_freqs)
+    inv_freq = interpolated * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
     return inv_freq, float(attention_factor)
 
 

@@ -51,9 +51,7 @@ class Runtime:
         return tuple(dict.fromkeys(self.tokenizer.eos_token_ids + self.model.config.eos_token_id))
 
 
-def load_runtime(
-    spec: str | None, dtype: str = "auto", device: str = "cpu", log=print
-) -> Runtime:
+def load_runtime(spec: str | None, dtype: str = "auto", device: str = "cpu", log=print) -> Runtime:
     """Resolve `--model` and load it in `dtype` ("auto": `default_dtype`)."""
     if dtype == "auto":
         dtype = default_dtype(device)

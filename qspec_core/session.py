@@ -136,8 +136,10 @@ class ChatSession:
         doc_ids = tok.encode(document)
         budget = self.limit - self.max_new_tokens - overhead
         if budget <= 0:
-            raise QspecError(f"--max-new-tokens {self.max_new_tokens} leaves no room for the "
-                             f"document in a {self.limit}-token context")
+            raise QspecError(
+                f"--max-new-tokens {self.max_new_tokens} leaves no room for the "
+                f"document in a {self.limit}-token context"
+            )
         if len(doc_ids) <= budget:
             return document
         self.truncated_tokens = len(doc_ids) - budget
@@ -147,8 +149,9 @@ class ChatSession:
         size = min(self.limit, max(need, self.capacity or 0))
         if self._cache is None:
             model = self.runtime.model
-            self._cache = FullPrecisionCache(model.config, size, dtype=model.dtype,
-                                             device=model.device)
+            self._cache = FullPrecisionCache(
+                model.config, size, dtype=model.dtype, device=model.device
+            )
         elif self._cache.max_seq_len < need:
             self._cache.grow(size)
         return self._cache
@@ -176,16 +179,25 @@ class ChatSession:
         try:
             progress = on_prefill(len(ids) - reuse) if on_prefill else None
             with timer.stage("prefill"):
-                logits = prefill(self.runtime.model, cache, ids[reuse:], reuse,
-                                 on_progress=progress)
-            for token in decode(self.runtime.model, cache, logits, len(ids),
-                                self.max_new_tokens, self.params, self.generator,
-                                self.runtime.stop_ids, timer=timer):
+                logits = prefill(
+                    self.runtime.model, cache, ids[reuse:], reuse, on_progress=progress
+                )
+            for token in decode(
+                self.runtime.model,
+                cache,
+                logits,
+                len(ids),
+                self.max_new_tokens,
+                self.params,
+                self.generator,
+                self.runtime.stop_ids,
+                timer=timer,
+            ):
                 generated.append(token)
                 new_text = self.runtime.tokenizer.decode(generated)
                 if new_text.endswith("\ufffd"):
                     continue  # an incomplete UTF-8 sequence: wait for the next token
-                yield new_text[len(text):]
+                yield new_text[len(text) :]
                 text = new_text
         finally:
             self._cached_ids = ids + generated
@@ -194,8 +206,10 @@ class ChatSession:
                 generated = generated[:-1]
             stats.timings_s = dict(timer.seconds)
             reply = self.runtime.tokenizer.decode(generated).strip()
-            self.history += [{"role": "user", "content": question},
-                             {"role": "assistant", "content": reply}]
+            self.history += [
+                {"role": "user", "content": question},
+                {"role": "assistant", "content": reply},
+            ]
             self.last_text = reply
             self.totals.add(stats)
             self.turns += 1

@@ -104,8 +104,9 @@ def _compile_template(source: str):
     env = ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
     )
-    env.filters["tojson"] = lambda x, indent=None, **kw: json.dumps(x, ensure_ascii=False,
-                                                                   indent=indent)
+    env.filters["tojson"] = lambda x, indent=None, **kw: json.dumps(
+        x, ensure_ascii=False, indent=indent
+    )
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     return env.from_string(source)

@@ -70,8 +70,10 @@ def build_model(
     for name, tensor in state.items():
         want = model.get_parameter(name).shape
         if tensor.shape != want:
-            raise QspecError(f"checkpoint tensor {name} has shape {list(tensor.shape)}, "
-                             f"config.json implies {list(want)}")
+            raise QspecError(
+                f"checkpoint tensor {name} has shape {list(tensor.shape)}, "
+                f"config.json implies {list(want)}"
+            )
     state = {k: t.to(device=device, dtype=dtype) for k, t in state.items()}
     model.load_state_dict(state, strict=False, assign=True)
     if config.tie_word_embeddings:

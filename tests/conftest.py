@@ -36,9 +36,16 @@ def tiny_model_dir(tmp_path_factory, default_model_dir) -> Path:
 
     folder = tmp_path_factory.mktemp("tiny-llama")
     config = transformers.LlamaConfig(
-        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        tie_word_embeddings=True, eos_token_id=2, bos_token_id=1,
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        eos_token_id=2,
+        bos_token_id=1,
     )
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(config).save_pretrained(folder)

@@ -9,8 +9,13 @@ from qspec_core.weights import build_model
 
 def tiny_hf(model_type: str, seed: int = 0, **overrides):
     kwargs = dict(
-        vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        vocab_size=101,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
         tie_word_embeddings=False,
     )
     kwargs.update(overrides)

@@ -14,8 +14,9 @@ def test_incremental_equals_full_forward(model_type, chunk):
     model = ours_from_hf(tiny_hf(model_type))
     tokens = torch.randint(0, 101, (1, 50), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
-        full = model(tokens, torch.arange(50), FullPrecisionCache(model.config, 64,
-                                                                  dtype=torch.float32))
+        full = model(
+            tokens, torch.arange(50), FullPrecisionCache(model.config, 64, dtype=torch.float32)
+        )
         cache = FullPrecisionCache(model.config, 64, dtype=torch.float32)
         pieces = []
         for start in range(0, 50, chunk):

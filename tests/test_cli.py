@@ -10,8 +10,14 @@ from conftest import DATA
 
 
 def run_qspec(*args, cwd=None, env=None):
-    return subprocess.run([sys.executable, "-m", "qspec_cli.main", *map(str, args)],
-                          capture_output=True, text=True, cwd=cwd, env=env, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "qspec_cli.main", *map(str, args)],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env=env,
+        timeout=600,
+    )
 
 
 def assert_user_error(proc, *words):
@@ -32,11 +38,13 @@ def _bad_files(tmp):
     (tmp / "binary.bin").write_bytes(b"\x7fELF\x00\x01\x02" * 20)
     (tmp / "latin1.txt").write_bytes("caf\xe9 cr\xe8me".encode("latin-1"))
     (tmp / "folder").mkdir()
-    return {"missing": (tmp / "nope.txt", "no such file"),
-            "empty": (tmp / "empty.txt", "empty"),
-            "binary": (tmp / "binary.bin", "binary"),
-            "latin1": (tmp / "latin1.txt", "not UTF-8"),
-            "folder": (tmp / "folder", "folder")}
+    return {
+        "missing": (tmp / "nope.txt", "no such file"),
+        "empty": (tmp / "empty.txt", "empty"),
+        "binary": (tmp / "binary.bin", "binary"),
+        "latin1": (tmp / "latin1.txt", "not UTF-8"),
+        "folder": (tmp / "folder", "folder"),
+    }
 
 
 @pytest.mark.parametrize("kind", ["missing", "empty", "binary", "latin1", "folder"])
@@ -60,8 +68,9 @@ def test_unreadable_document(workdir, tiny_model_dir):
 def test_unknown_model(workdir):
     doc = workdir / "doc.txt"
     doc.write_text("Some text.")
-    assert_user_error(run_qspec("summarize", doc, "--model", workdir / "no-such-model"),
-                      "not found")
+    assert_user_error(
+        run_qspec("summarize", doc, "--model", workdir / "no-such-model"), "not found"
+    )
 
 
 def test_corrupt_checkpoint(workdir, tiny_model_dir):
@@ -81,8 +90,9 @@ def test_document_longer_than_context(workdir, tiny_model_dir):
     doc.write_text((DATA / "apache-2.0.txt").read_text())  # ~2.3k tokens > 512
     proc = run_qspec("summarize", doc, "--model", tiny_model_dir, "--max-new-tokens", "8")
     assert_user_error(proc, "context is 512 tokens", "--truncate")
-    proc = run_qspec("summarize", doc, "--model", tiny_model_dir, "--max-new-tokens", "8",
-                     "--truncate", "--json")
+    proc = run_qspec(
+        "summarize", doc, "--model", tiny_model_dir, "--max-new-tokens", "8", "--truncate", "--json"
+    )
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["truncated_tokens"] > 1000
 
@@ -100,10 +110,22 @@ def test_chat_commands(tiny_model_dir, workdir):
     doc = workdir / "doc.txt"
     doc.write_text("The keeper counted 41 ships.")
     proc = subprocess.run(
-        [sys.executable, "-m", "qspec_cli.main", "chat", "--document", str(doc), "--model",
-         str(tiny_model_dir), "--max-new-tokens", "5"],
-        input="How many ships?\n/stats\n/reset\nAgain?\n/exit\n", capture_output=True,
-        text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "qspec_cli.main",
+            "chat",
+            "--document",
+            str(doc),
+            "--model",
+            str(tiny_model_dir),
+            "--max-new-tokens",
+            "5",
+        ],
+        input="How many ships?\n/stats\n/reset\nAgain?\n/exit\n",
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr
     assert "session · 1 answers" in proc.stdout

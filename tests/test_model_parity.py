@@ -10,10 +10,20 @@ ROPE = {
     "default": None,
     "linear": {"rope_type": "linear", "factor": 2.0},
     "dynamic": {"rope_type": "dynamic", "factor": 2.0},
-    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
-    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
-             "beta_fast": 16.0, "beta_slow": 2.0},
+    "llama3": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16,
+    },
+    "yarn": {
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 32,
+        "beta_fast": 16.0,
+        "beta_slow": 2.0,
+    },
 }
 CASES = [
     ("llama", {}, "default"),
@@ -44,8 +54,9 @@ def test_logits_match_transformers(model_type, overrides, rope):
     ours = ours_from_hf(hf)
     assert ours.config.rope_type == rope
     # dynamic NTK only changes frequencies past max_position_embeddings (64)
-    tokens = torch.randint(0, 101, (2, 80 if rope == "dynamic" else 40),
-                           generator=torch.Generator().manual_seed(1))
+    tokens = torch.randint(
+        0, 101, (2, 80 if rope == "dynamic" else 40), generator=torch.Generator().manual_seed(1)
+    )
     with torch.no_grad():
         expected = hf(tokens).logits
         got = _forward(ours, tokens)

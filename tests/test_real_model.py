@@ -20,7 +20,8 @@ def hf_model(default_model_dir):
     import transformers
 
     return transformers.AutoModelForCausalLM.from_pretrained(
-        default_model_dir, dtype=torch.float32).eval()
+        default_model_dir, dtype=torch.float32
+    ).eval()
 
 
 def test_greedy_continuation_equals_transformers(real_runtime, hf_model):
@@ -28,8 +29,9 @@ def test_greedy_continuation_equals_transformers(real_runtime, hf_model):
     ids = real_runtime.tokenizer.encode(text)
     n_new = 40
     with torch.no_grad():
-        expected = hf_model.generate(torch.tensor([ids]), max_new_tokens=n_new, do_sample=False,
-                                     min_new_tokens=n_new)[0, len(ids):].tolist()
+        expected = hf_model.generate(
+            torch.tensor([ids]), max_new_tokens=n_new, do_sample=False, min_new_tokens=n_new
+        )[0, len(ids) :].tolist()
     model = real_runtime.model
     cache = FullPrecisionCache(model.config, len(ids) + n_new, dtype=model.dtype)
     logits = prefill(model, cache, ids, 0, chunk_size=128)
@@ -54,28 +56,51 @@ def test_chat_template_and_tokens_match_transformers(real_runtime, default_model
     hf_tok = transformers.AutoTokenizer.from_pretrained(default_model_dir)
     for messages in (
         [{"role": "user", "content": "Hi there"}],
-        [{"role": "system", "content": "Doc:\n\nline one\nline two"},
-         {"role": "user", "content": "What?"}, {"role": "assistant", "content": "This."},
-         {"role": "user", "content": "Why ünïcödé?"}],
+        [
+            {"role": "system", "content": "Doc:\n\nline one\nline two"},
+            {"role": "user", "content": "What?"},
+            {"role": "assistant", "content": "This."},
+            {"role": "user", "content": "Why ünïcödé?"},
+        ],
     ):
-        expected = hf_tok.apply_chat_template(messages, tokenize=False,
-                                              add_generation_prompt=True)
+        expected = hf_tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         assert real_runtime.tokenizer.render_chat(messages, True) == expected
-        assert real_runtime.tokenizer.encode(expected) == hf_tok(
-            expected, add_special_tokens=False)["input_ids"]
+        assert (
+            real_runtime.tokenizer.encode(expected)
+            == hf_tok(expected, add_special_tokens=False)["input_ids"]
+        )
     assert 2 in real_runtime.stop_ids  # <|im_end|>
 
 
 def test_summarize_json_on_the_real_model(default_model_dir):
     proc = subprocess.run(
-        [sys.executable, "-m", "qspec_cli.main", "summarize", str(DATA / "apache-2.0.txt"),
-         "--max-new-tokens", "24", "--json", "--dtype", "fp32"],
-        capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "qspec_cli.main",
+            "summarize",
+            str(DATA / "apache-2.0.txt"),
+            "--max-new-tokens",
+            "24",
+            "--json",
+            "--dtype",
+            "fp32",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)
-    for key in ("text", "mode", "model", "prompt_tokens", "new_tokens", "tokens_per_s",
-                "timings_s"):
+    for key in (
+        "text",
+        "mode",
+        "model",
+        "prompt_tokens",
+        "new_tokens",
+        "tokens_per_s",
+        "timings_s",
+    ):
         assert key in result
     assert result["mode"] == "ar" and result["model"] == "SmolLM2-135M-Instruct"
     assert result["prompt_tokens"] > 2000 and 0 < result["new_tokens"] <= 24
@@ -92,3 +117,15 @@ def test_our_kernels_package_is_not_taken_for_hf_kernels():
 
     assert kernels.__file__.endswith("kernels/__init__.py")
     assert not is_kernels_available()
+
+
+def test_kv_views_quality_on_the_real_model(real_runtime):
+    """INT8 (target) KV stays within 1% perplexity of full precision; INT4 (draft) is worse."""
+    from qspec_core.quality import measure_kv_quality
+
+    ids = real_runtime.tokenizer.encode((DATA / "gpl-3.0.txt").read_text())[:640]
+    q = measure_kv_quality(real_runtime.model, ids)
+    assert q.perplexity["target"] < 1.01 * q.perplexity["fp"]
+    assert q.kl_vs_fp["target"] < q.kl_vs_fp["draft"] / 10
+    assert q.top1_vs_fp["target"] > 0.97 and q.top1_draft_vs_target > 0.85
+    assert q.bytes_per_token["draft"] < q.bytes_per_token["target"] < q.bytes_per_token["bf16"]

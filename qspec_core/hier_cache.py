@@ -1,0 +1,293 @@
+"""The hierarchical INT4/INT8 KV cache with a double full-precision buffer (QuantSpec).
+
+One cache serves both paths. Per layer it holds
+  - the quantized history, positions [0, n_quant): packed upper and lower nibble planes with
+    K per-channel metadata (one scale/zero per channel per G tokens) and V per-token metadata
+    (one scale/zero per token per G channels), see `kv_quant.py`;
+  - the full-precision region, positions [n_quant, n_quant + fp_len), capacity 2G: F1 (the
+    oldest G, confirmed, waiting to fill a whole K group) and F2 (recent and unverified).
+The draft path reads the upper plane, the target path both (INT8); both read the same F1/F2.
+
+Rollback is `truncate`, which only shortens the full-precision region. `commit(n)` marks
+positions < n as confirmed by the target; only confirmed KV is ever quantized, and the cache
+enforces it: a write that needs room rotates F1 into the planes (one whole K group, about once
+per G confirmed tokens) and raises `CommitInvariantError` if F1 holds unconfirmed tokens.
+
+Rotation happens at the first write that would overflow 2G. A token at position p then sees
+history quantized up to max(0, (p // G - 1) * G) whenever its forward does not cross a multiple
+of G, so AR decoding and a prefill in G-aligned chunks of G tokens give identical KV. A verify
+forward that crosses a group boundary sees the later boundary for all its tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.reference import hierarchical_attention
+from qspec_core.config import ModelConfig
+from qspec_core.kv_quant import (
+    QuantizedGroupTensor,
+    dequantize_keys,
+    dequantize_values,
+    kv_bytes_per_token,
+    quantize_keys,
+    quantize_values,
+)
+
+VIEWS = {"target": "target", "draft": "draft"}
+
+
+class CommitInvariantError(RuntimeError):
+    """Quantizing would take in KV that the target path has not confirmed."""
+
+
+class HierarchicalKVCache(torch.nn.Module):
+    def __init__(
+        self,
+        config: ModelConfig,
+        max_seq_len: int,
+        group_size: int | None = None,
+        batch_size: int = 1,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        chunk_size: int | None = None,
+    ):
+        super().__init__()
+        D = config.head_dim
+        G = group_size or D
+        if D % 2 or D % G:
+            raise ValueError(f"group size {G} must divide head_dim {D} (an even number)")
+        self.group_size = G
+        self.chunk_size = chunk_size or 8 * G  # flash-decoding chunk of quantized history
+        if self.chunk_size % G:
+            raise ValueError("chunk_size must be a multiple of the group size")
+        self.max_seq_len = max_seq_len
+        L, B, n_kv = config.num_hidden_layers, batch_size, config.num_key_value_heads
+        S = -(-max_seq_len // G) * G  # quantized capacity, whole groups
+        planes = (L, B, n_kv, S, D // 2)  # [L, B, n_kv, S, D/2] uint8, two nibbles per byte
+
+        def buf(name, shape, dt):
+            self.register_buffer(name, torch.zeros(shape, dtype=dt, device=device), False)
+
+        for name in ("k_upper", "k_lower", "v_upper", "v_lower"):
+            buf(name, planes, torch.uint8)
+        buf("k_scale", (L, B, n_kv, S // G, D), torch.float32)  # K: per channel per G tokens
+        buf("k_zero", (L, B, n_kv, S // G, D), torch.float32)
+        buf("v_scale", (L, B, n_kv, S, D // G), torch.float32)  # V: per token per G channels
+        buf("v_zero", (L, B, n_kv, S, D // G), torch.float32)
+        buf("fp_k", (L, B, n_kv, 2 * G, D), dtype)  # [F1 | F2]
+        buf("fp_v", (L, B, n_kv, 2 * G, D), dtype)
+        # Per-layer lengths: equal between forwards; a forward interrupted half-way leaves
+        # the early layers ahead, which stays correct (each layer's data is self-consistent).
+        self.n_quant = [0] * L
+        self.fp_len = [0] * L
+        self.committed = 0
+
+    # ------------------------------------------------------------------ lengths and protocol
+    @property
+    def seq_len(self) -> int:
+        return self.n_quant[-1] + self.fp_len[-1]
+
+    @property
+    def quantized_len(self) -> int:
+        return min(self.n_quant)
+
+    def commit(self, length: int) -> None:
+        """Positions < length are confirmed by the target path (may now be quantized)."""
+        if length > self.seq_len:
+            raise ValueError(f"cannot commit {length} positions of a cache of {self.seq_len}")
+        self.committed = max(self.committed, length)
+
+    def truncate(self, length: int) -> None:
+        """Roll back to `length` positions; only the full-precision region can shrink."""
+        if length > self.seq_len:
+            raise ValueError(f"cannot truncate a cache of length {self.seq_len} to {length}")
+        if length < max(self.n_quant):
+            raise ValueError(
+                f"cannot roll back to {length}: positions < {max(self.n_quant)} are quantized"
+            )
+        for layer in range(len(self.fp_len)):
+            self.fp_len[layer] = length - self.n_quant[layer]
+        self.committed = min(self.committed, length)
+
+    def reset(self) -> None:
+        self.n_quant = [0] * len(self.n_quant)
+        self.fp_len = [0] * len(self.fp_len)
+        self.committed = 0
+
+    # ------------------------------------------------------------------ writes
+    def _rotate(self, layer: int) -> None:
+        """Quantize F1 (G confirmed tokens, one whole K group) and slide F2 down into F1."""
+        G, nq = self.group_size, self.n_quant[layer]
+        if nq + G > self.committed:
+            raise CommitInvariantError(
+                f"rotation would quantize positions {nq}..{nq + G - 1}, but only positions "
+                f"< {self.committed} are confirmed by the target path"
+            )
+        if nq + G > self.k_upper.shape[3]:
+            raise ValueError(f"the cache holds at most {self.max_seq_len} positions")
+        k = quantize_keys(self.fp_k[layer, :, :, :G], G)  # planes [B, n_kv, G, D/2]
+        v = quantize_values(self.fp_v[layer, :, :, :G], G)
+        self.k_upper[layer, :, :, nq : nq + G] = k.upper
+        self.k_lower[layer, :, :, nq : nq + G] = k.lower
+        self.k_scale[layer, :, :, nq // G] = k.scale[:, :, 0]
+        self.k_zero[layer, :, :, nq // G] = k.zero[:, :, 0]
+        self.v_upper[layer, :, :, nq : nq + G] = v.upper
+        self.v_lower[layer, :, :, nq : nq + G] = v.lower
+        self.v_scale[layer, :, :, nq : nq + G] = v.scale
+        self.v_zero[layer, :, :, nq : nq + G] = v.zero
+        rest = self.fp_len[layer] - G
+        for fp in (self.fp_k, self.fp_v):
+            fp[layer, :, :, :rest] = fp[layer, :, :, G : G + rest].clone()
+        self.n_quant[layer] = nq + G
+        self.fp_len[layer] = rest
+
+    def reserve(self, n_tokens: int) -> None:
+        """Rotate now so that the next `n_tokens` writes fit without rotating.
+
+        The speculative engine calls this at the start of a round (n = gamma + 1): rotation
+        then depends only on the committed length, never on how many drafts were accepted,
+        and happens between rounds ("when F2 is full after a verify").
+        """
+        if n_tokens > self.group_size:
+            raise ValueError(f"a round writes at most G = {self.group_size} tokens")
+        for layer in range(len(self.n_quant)):
+            while self.n_quant[layer] + self.fp_len[layer] + n_tokens > (
+                self.n_quant[layer] + 2 * self.group_size
+            ):
+                self._rotate(layer)
+
+    def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int, end: int) -> None:
+        nq = self.n_quant[layer]
+        if start < nq:
+            raise ValueError(f"cannot write position {start}: positions < {nq} are quantized")
+        if start > nq + self.fp_len[layer]:
+            raise ValueError(f"write at {start} leaves a gap after {nq + self.fp_len[layer]}")
+        if end > self.max_seq_len:
+            raise ValueError(f"position {end - 1} is beyond the cache ({self.max_seq_len})")
+        self.fp_len[layer] = start - nq  # a write below the end rolls back what lay beyond
+        while end - self.n_quant[layer] > 2 * self.group_size:
+            if self.n_quant[layer] + self.group_size > start:
+                raise ValueError(
+                    f"a forward of {end - start} tokens does not fit the full-precision "
+                    f"buffer (2G = {2 * self.group_size}); feed at most G tokens at a time"
+                )
+            self._rotate(layer)
+        lo, hi = start - self.n_quant[layer], end - self.n_quant[layer]
+        self.fp_k[layer, :, :, lo:hi] = k
+        self.fp_v[layer, :, :, lo:hi] = v
+        self.fp_len[layer] = hi
+
+    def attend(self, layer, q, k, v, input_pos, path):
+        """Store k/v [B, n_kv, T, D] at input_pos [T] in F2; attend q in the path's view."""
+        view = VIEWS.get(path)
+        if view is None:
+            raise ValueError(f"the hierarchical cache serves 'target' and 'draft', not {path!r}")
+        self._write(layer, k, v, int(input_pos[0]), int(input_pos[-1]) + 1)
+        nq, n_fp = self.n_quant[layer], self.fp_len[layer]
+        return hierarchical_attention(
+            q,
+            lambda s, e: self.dequantize(layer, s, e, view),
+            nq,
+            self.fp_k[layer, :, :, :n_fp],
+            self.fp_v[layer, :, :, :n_fp],
+            input_pos,
+            self.chunk_size,
+        )
+
+    def dequantize(self, layer: int, start: int, end: int, view: str):
+        """History positions [start, end) (multiples of G) of one layer as fp32 (k, v)."""
+        G = self.group_size
+        k = QuantizedGroupTensor(
+            self.k_upper[layer, :, :, start:end],
+            self.k_lower[layer, :, :, start:end],
+            self.k_scale[layer, :, :, start // G : end // G],
+            self.k_zero[layer, :, :, start // G : end // G],
+        )
+        v = QuantizedGroupTensor(
+            self.v_upper[layer, :, :, start:end],
+            self.v_lower[layer, :, :, start:end],
+            self.v_scale[layer, :, :, start:end],
+            self.v_zero[layer, :, :, start:end],
+        )
+        return dequantize_keys(k, G, view), dequantize_values(v, G, view)
+
+    def load_full_precision(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Bulk load after a full-precision prefill: k/v [L, B, n_kv, T, D], all confirmed.
+
+        Quantizes all but the last G..2G tokens (all of them stay full precision if T < 2G).
+        """
+        T, G = k.shape[3], self.group_size
+        if T > self.max_seq_len:
+            raise ValueError(f"{T} positions exceed the cache ({self.max_seq_len})")
+        nq = max(0, (T // G - 1) * G)
+        for layer in range(k.shape[0]):
+            kq = quantize_keys(k[layer, :, :, :nq], G)
+            vq = quantize_values(v[layer, :, :, :nq], G)
+            self.k_upper[layer, :, :, :nq], self.k_lower[layer, :, :, :nq] = kq.upper, kq.lower
+            self.k_scale[layer, :, :, : nq // G], self.k_zero[layer, :, :, : nq // G] = (
+                kq.scale,
+                kq.zero,
+            )
+            self.v_upper[layer, :, :, :nq], self.v_lower[layer, :, :, :nq] = vq.upper, vq.lower
+            self.v_scale[layer, :, :, :nq], self.v_zero[layer, :, :, :nq] = vq.scale, vq.zero
+            self.fp_k[layer, :, :, : T - nq] = k[layer, :, :, nq:]
+            self.fp_v[layer, :, :, : T - nq] = v[layer, :, :, nq:]
+            self.n_quant[layer], self.fp_len[layer] = nq, T - nq
+        self.committed = T
+
+    # ------------------------------------------------------------------ accounting, snapshots
+    def nbytes(self) -> dict[str, int]:
+        """Bytes of the valid data: packed planes, scales/zeros, full-precision region."""
+        G, nq, n_fp = self.group_size, self.quantized_len, self.fp_len[-1]
+        per_tok_plane = self.k_upper[:, :, :, 0].numel()  # L * B * n_kv * D/2 bytes
+        payload = 4 * per_tok_plane * nq  # K and V, upper and lower
+        k_meta = 2 * self.k_scale[:, :, :, 0].numel() * 4 * (nq // G)
+        v_meta = 2 * self.v_scale[:, :, :, 0].numel() * 4 * nq
+        fp = 2 * self.fp_k[:, :, :, 0].numel() * self.fp_k.element_size() * n_fp
+        return {"payload": payload, "scales": k_meta + v_meta, "full_precision": fp}
+
+    def bytes_per_token(self, view: str) -> float:
+        """Bytes a `view` reads per quantized-history token over all layers and KV heads."""
+        L, B, n_kv = self.k_upper.shape[:3]
+        D = 2 * self.k_upper.shape[4]
+        per_head = kv_bytes_per_token(D, view, self.group_size, self.group_size).total
+        return per_head * L * B * n_kv
+
+    def meta(self) -> dict:
+        if len(set(self.n_quant)) != 1 or len(set(self.fp_len)) != 1:
+            raise RuntimeError("layers are out of step (an interrupted forward); truncate first")
+        return {
+            "group_size": self.group_size,
+            "n_quant": self.n_quant[0],
+            "fp_len": self.fp_len[0],
+            "committed": self.committed,
+            "max_seq_len": self.max_seq_len,
+            "fp_dtype": str(self.fp_k.dtype).removeprefix("torch."),
+        }
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """The valid part of every buffer (what a snapshot stores)."""
+        meta = self.meta()
+        G, nq, n_fp = self.group_size, meta["n_quant"], meta["fp_len"]
+        out = {
+            name: getattr(self, name)[:, :, :, :nq]
+            for name in ("k_upper", "k_lower", "v_upper", "v_lower", "v_scale", "v_zero")
+        }
+        out["k_scale"] = self.k_scale[:, :, :, : nq // G]
+        out["k_zero"] = self.k_zero[:, :, :, : nq // G]
+        out["fp_k"] = self.fp_k[:, :, :, :n_fp]
+        out["fp_v"] = self.fp_v[:, :, :, :n_fp]
+        return {k: t.contiguous() for k, t in out.items()}
+
+    def load_state(self, state: dict[str, torch.Tensor], meta: dict) -> None:
+        if meta["group_size"] != self.group_size:
+            raise ValueError(f"state has group size {meta['group_size']}, cache {self.group_size}")
+        nq, n_fp = meta["n_quant"], meta["fp_len"]
+        if nq + n_fp > self.max_seq_len:
+            raise ValueError(f"state holds {nq + n_fp} positions, cache {self.max_seq_len}")
+        for name, tensor in state.items():
+            getattr(self, name)[:, :, :, : tensor.shape[3]] = tensor
+        self.n_quant = [nq] * len(self.n_quant)
+        self.fp_len = [n_fp] * len(self.fp_len)
+        self.committed = meta["committed"]

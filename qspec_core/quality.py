@@ -1,0 +1,82 @@
+"""How close the two KV views are to full precision, on a real model and text.
+
+Teacher-forced: the text is fed through each path in G-aligned chunks of G tokens (so every
+token sees the history quantized exactly as in token-by-token decoding) and the logits of
+every position are compared with those of the full-precision cache.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+
+from qspec_core.hier_cache import HierarchicalKVCache
+from qspec_core.kv_cache import FullPrecisionCache
+from qspec_core.model import Transformer
+
+
+@dataclass
+class KVQuality:
+    tokens: int
+    group_size: int
+    perplexity: dict[str, float]  # per path: fp, target, draft
+    kl_vs_fp: dict[str, float]  # mean KL(p_fp || p_path) per position, nats
+    top1_vs_fp: dict[str, float]  # share of positions whose argmax equals the fp argmax
+    top1_draft_vs_target: float
+    bytes_per_token: dict[str, float]  # over all layers and KV heads
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@torch.inference_mode()
+def _teacher_forced_logits(model: Transformer, cache, ids: list[int], path: str, chunk: int):
+    out = []
+    for start in range(0, len(ids), chunk):
+        piece = ids[start : start + chunk]
+        pos = torch.arange(start, start + len(piece), device=model.device)
+        out.append(model(torch.tensor([piece], device=model.device), pos, cache, path)[0].float())
+        cache.commit(start + len(piece))
+    return torch.cat(out)  # [T, V]
+
+
+def measure_kv_quality(
+    model: Transformer, ids: list[int], group_size: int | None = None, on_path=None
+) -> KVQuality:
+    """Perplexity, KL and top-1 agreement of the target (INT8) and draft (INT4) KV views."""
+    config = model.config
+    G = group_size or config.head_dim
+    targets = torch.tensor(ids[1:], device=model.device)
+    logits = {}
+    for path in ("fp", "target", "draft"):
+        if on_path:
+            on_path(path)
+        if path == "fp":
+            cache = FullPrecisionCache(config, len(ids), dtype=model.dtype, device=model.device)
+        else:
+            cache = HierarchicalKVCache(config, len(ids), G, dtype=model.dtype, device=model.device)
+        logits[path] = _teacher_forced_logits(model, cache, ids, path, G)[:-1]  # predict ids[1:]
+    logp = {p: torch.log_softmax(x, -1) for p, x in logits.items()}
+    ppl = {p: math.exp(float(-lp.gather(-1, targets[:, None]).mean())) for p, lp in logp.items()}
+    p_fp = logp["fp"].exp()
+    kl = {p: float((p_fp * (logp["fp"] - logp[p])).sum(-1).mean()) for p in ("target", "draft")}
+    argmax = {p: x.argmax(-1) for p, x in logits.items()}
+    top1 = {p: float((argmax[p] == argmax["fp"]).float().mean()) for p in ("target", "draft")}
+    fp_bytes = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim
+    probe = HierarchicalKVCache(config, G, G, dtype=model.dtype, device=model.device)
+    return KVQuality(
+        tokens=len(ids),
+        group_size=G,
+        perplexity=ppl,
+        kl_vs_fp=kl,
+        top1_vs_fp=top1,
+        top1_draft_vs_target=float((argmax["draft"] == argmax["target"]).float().mean()),
+        bytes_per_token={
+            "bf16": fp_bytes * 2.0,
+            "fp32": fp_bytes * 4.0,
+            "target": probe.bytes_per_token("target"),
+            "draft": probe.bytes_per_token("draft"),
+        },
+    )

@@ -1,0 +1,221 @@
+"""The hierarchical INT4/INT8 cache: attention, rotation, rollback, commit invariant, state."""
+
+import pytest
+import torch
+from hf_tiny import ours_from_hf, tiny_hf
+
+from kernels.reference import dense_attention, hierarchical_attention
+from qspec_core.generate import prefill, prefill_hierarchical
+from qspec_core.hier_cache import CommitInvariantError, HierarchicalKVCache
+from qspec_core.kv_cache import FullPrecisionCache
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.mark.parametrize("n_kv,rep", [(1, 4), (2, 2), (4, 1), (2, 3)])
+@pytest.mark.parametrize("D", [32, 64, 128])
+@pytest.mark.parametrize("n_quant,n_fp,T", [(0, 5, 1), (96, 17, 1), (160, 40, 6), (64, 1, 1)])
+def test_chunked_lse_attention_equals_dense(n_kv, rep, D, n_quant, n_fp, T):
+    B, H, g = 2, n_kv * rep, _gen(0)
+    hist_k = torch.randn(B, n_kv, n_quant, D, generator=g)
+    hist_v = torch.randn(B, n_kv, n_quant, D, generator=g)
+    fp_k = torch.randn(B, n_kv, n_fp, D, generator=g)
+    fp_v = torch.randn(B, n_kv, n_fp, D, generator=g)
+    q = torch.randn(B, H, T, D, generator=g)
+    pos = torch.arange(n_quant + n_fp - T, n_quant + n_fp)
+    got = hierarchical_attention(
+        q, lambda s, e: (hist_k[:, :, s:e], hist_v[:, :, s:e]), n_quant, fp_k, fp_v, pos, 32
+    )
+    k, v = torch.cat([hist_k, fp_k], 2), torch.cat([hist_v, fp_v], 2)
+    torch.testing.assert_close(got, dense_attention(q, k, v, pos), atol=1e-5, rtol=1e-5)
+
+
+def _tiny(**kw):
+    return ours_from_hf(tiny_hf("llama", **kw))  # head_dim 16 -> G = 16
+
+
+def _cache(model, size=160, **kw):
+    return HierarchicalKVCache(model.config, size, dtype=torch.float32, **kw)
+
+
+def _feed(model, cache, tokens, start, path="target"):
+    """One forward of `tokens` at positions start..; returns logits [T, V]."""
+    pos = torch.arange(start, start + len(tokens))
+    with torch.no_grad():
+        return model(torch.tensor([tokens]), pos, cache, path)[0]
+
+
+def _tokens(n, seed=0):
+    return torch.randint(0, 101, (n,), generator=_gen(seed)).tolist()
+
+
+def test_cache_attention_equals_dense_over_dequantized_view():
+    model = _tiny()
+    cache = _cache(model)
+    ids = _tokens(70)
+    prefill(model, cache, ids, 0, "target", chunk_size=16)
+    assert cache.quantized_len == 48 and cache.fp_len[-1] == 22
+    g, layer = _gen(1), 1
+    q = torch.randn(1, 4, 3, 16, generator=g)
+    k_new, v_new = torch.randn(1, 2, 3, 16, generator=g), torch.randn(1, 2, 3, 16, generator=g)
+    for view in ("target", "draft"):
+        cache.truncate(70)
+        hist_k, hist_v = cache.dequantize(layer, 0, 48, view)
+        fp_k = torch.cat([cache.fp_k[layer, :, :, :22], k_new], 2)
+        fp_v = torch.cat([cache.fp_v[layer, :, :, :22], v_new], 2)
+        pos = torch.arange(70, 73)
+        got = cache.attend(layer, q, k_new, v_new, pos, view)
+        expected = dense_attention(
+            q, torch.cat([hist_k, fp_k], 2), torch.cat([hist_v, fp_v], 2), pos
+        )
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("path", ["target", "draft"])
+@pytest.mark.parametrize("overrides", [{}, {"num_key_value_heads": 1}, {"head_dim": 32}])
+def test_token_by_token_equals_group_aligned_prefill(path, overrides):
+    """AR decoding through a path gives the same KV as re-prefilling in G-aligned chunks."""
+    model = _tiny(**overrides)
+    G = model.config.head_dim
+    ids = _tokens(3 * G + 7)
+    step = _cache(model)
+    for i, t in enumerate(ids):
+        logits_step = _feed(model, step, [t], i, path)[-1]
+        step.commit(i + 1)
+    chunked = _cache(model)
+    logits_chunk = prefill(model, chunked, ids, 0, path, chunk_size=G)
+    assert step.n_quant == chunked.n_quant and step.quantized_len == 2 * G
+    torch.testing.assert_close(logits_step, logits_chunk, atol=1e-4, rtol=1e-4)
+
+
+def test_speculative_like_rounds_equal_a_replay_of_the_committed_tokens():
+    """Draft writes, verify overwrites, rejections, commits, rotations: the cache must equal
+    one that saw only the committed tokens in the same verify forwards."""
+    model = _tiny()
+    prompt = _tokens(37)
+    spec, replay = _cache(model, 256), _cache(model, 256)
+    prefill(model, spec, prompt, 0, "target", chunk_size=16)
+    prefill(model, replay, prompt, 0, "target", chunk_size=16)
+    committed = list(prompt)
+    g = _gen(5)
+    gamma = 4
+    for _ in range(25):
+        c = len(committed)
+        spec.reserve(gamma + 1)  # the engine's round start; the replay sees the same lengths
+        replay.reserve(gamma + 1)
+        drafts = torch.randint(0, 101, (gamma,), generator=g).tolist()
+        next_tok = int(torch.randint(0, 101, (1,), generator=g))
+        for i, t in enumerate([next_tok] + drafts[:-1]):  # draft path appends to F2
+            _feed(model, spec, [t], c + i, "draft")
+        _feed(model, spec, [next_tok] + drafts, c, "target")  # verify overwrites
+        n_acc = int(torch.randint(0, gamma + 1, (1,), generator=g))
+        spec.truncate(c + 1 + n_acc)
+        spec.commit(c + 1 + n_acc)
+        accepted = [next_tok] + drafts[:n_acc]
+        _feed(model, replay, accepted, c, "target")
+        replay.commit(c + len(accepted))
+        committed += accepted
+    assert spec.seq_len == replay.seq_len == len(committed) and spec.quantized_len >= 80
+    assert spec.n_quant == replay.n_quant
+    probe = int(torch.randint(0, 101, (1,), generator=g))
+    a = _feed(model, spec, [probe], len(committed))[-1]
+    b = _feed(model, replay, [probe], len(committed))[-1]
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_rollback_to_committed_middle_and_full():
+    model = _tiny()
+    cache = _cache(model)
+    prefill(model, cache, _tokens(40), 0, "target", chunk_size=16)
+    assert cache.quantized_len == 16
+    _feed(model, cache, _tokens(5, 1), 40)
+    cache.truncate(45)  # full: nothing to drop
+    assert cache.seq_len == 45
+    cache.truncate(42)  # middle of F2
+    assert cache.seq_len == 42 and cache.committed == 40
+    cache.truncate(40)  # back to the committed length
+    with pytest.raises(ValueError, match="quantized"):
+        cache.truncate(10)  # into the quantized history
+    empty = _cache(model)
+    _feed(model, empty, _tokens(3), 0)
+    empty.truncate(0)  # to 0 while nothing is quantized
+    assert empty.seq_len == 0
+
+
+def test_f2_fills_to_capacity_then_rotates_once():
+    model = _tiny()
+    G = model.config.head_dim
+    cache = _cache(model)
+    prefill(model, cache, _tokens(2 * G), 0, "target", chunk_size=G)
+    assert cache.n_quant[0] == 0 and cache.fp_len[0] == 2 * G  # exactly full, no rotation
+    _feed(model, cache, [7], 2 * G)
+    assert cache.n_quant == [G] * 2 and cache.fp_len == [G + 1] * 2
+
+
+def test_rotation_of_unconfirmed_kv_raises():
+    model = _tiny()
+    G = model.config.head_dim
+    cache = _cache(model)
+    for i, t in enumerate(_tokens(2 * G)):  # draft-path writes, never committed
+        _feed(model, cache, [t], i, "draft")
+    with pytest.raises(CommitInvariantError, match="confirmed"):
+        _feed(model, cache, [1], 2 * G, "draft")
+    cache.truncate(2 * G)
+    cache.commit(G)  # F1 confirmed now
+    _feed(model, cache, [1], 2 * G, "draft")
+    assert cache.quantized_len == G
+
+
+def test_bulk_load_keeps_g_to_2g_recent_tokens_and_matches_chunked_views():
+    model = _tiny()
+    G = model.config.head_dim
+    for n in (5, G, 2 * G - 1, 2 * G, 5 * G + 3):
+        cache = _cache(model)
+        logits = prefill_hierarchical(model, cache, _tokens(n), chunk_size=8)
+        expected_q = max(0, (n // G - 1) * G)
+        assert cache.quantized_len == expected_q and cache.seq_len == n == cache.committed
+        assert cache.fp_len[-1] < 2 * G and (n < 2 * G or cache.fp_len[-1] >= G)
+        fp = FullPrecisionCache(model.config, n, dtype=torch.float32)
+        torch.testing.assert_close(logits, prefill(model, fp, _tokens(n), 0))
+
+
+def test_views_differ_and_target_is_closer_to_full_precision():
+    model = _tiny()
+    ids = _tokens(150)
+    fp = FullPrecisionCache(model.config, 160, dtype=torch.float32)
+    ref = prefill(model, fp, ids, 0)
+    errs = {}
+    for path in ("target", "draft"):
+        cache = _cache(model)
+        prefill_hierarchical(model, cache, ids[:-1])
+        errs[path] = (_feed(model, cache, ids[-1:], 149, path)[-1] - ref).abs().max()
+    assert 0 < errs["target"] < errs["draft"] / 4
+
+
+def test_state_round_trip_and_byte_accounting():
+    model = _tiny()
+    cache = _cache(model)
+    prefill_hierarchical(model, cache, _tokens(75))
+    state, meta = cache.state(), cache.meta()
+    nbytes = cache.nbytes()
+    assert nbytes["payload"] == sum(
+        state[n].numel() for n in ("k_upper", "k_lower", "v_upper", "v_lower")
+    )
+    assert nbytes["scales"] == sum(
+        state[n].nbytes for n in ("k_scale", "k_zero", "v_scale", "v_zero")
+    )
+    assert nbytes["full_precision"] == state["fp_k"].nbytes + state["fp_v"].nbytes
+    assert cache.bytes_per_token("draft") < cache.bytes_per_token("target")
+    copy = _cache(model)
+    copy.load_state(state, meta)
+    torch.testing.assert_close(_feed(model, copy, [3], 75), _feed(model, cache, [3], 75))
+
+
+def test_paths_are_checked():
+    model = _tiny()
+    with pytest.raises(ValueError, match="serves 'target' and 'draft'"):
+        _feed(model, _cache(model), [1], 0, "fp")
+    with pytest.raises(ValueError, match="fp"):
+        _feed(model, FullPrecisionCache(model.config, 8, dtype=torch.float32), [1], 0, "draft")
