@@ -211,6 +211,111 @@ def chat(
 
 
 @app.command()
+def convert(
+    model: Annotated[
+        str | None,
+        typer.Argument(help="Source model (folder, .gguf or hub id); default: the default model."),
+    ] = None,
+    output: Annotated[Path, typer.Option("-o", "--output", help="Folder to write.")] = Path(
+        "qspec-draft"
+    ),
+    method: Annotated[
+        str, typer.Option(help="rtn (round to nearest), gptq or awq (both calibrated on --calib).")
+    ] = "rtn",
+    group_size: Annotated[
+        int | None,
+        typer.Option(
+            help="Quantization group along in_features; default 128, or 64 where 128 does not "
+            "divide every layer."
+        ),
+    ] = None,
+    calib: Annotated[
+        Path | None, typer.Option(help="Calibration text (default: the bundled GPL-3.0 text).")
+    ] = None,
+    calib_tokens: Annotated[int, typer.Option(min=64, help="Calibration tokens to use.")] = 1024,
+    draft_from: Annotated[
+        str | None,
+        typer.Option(
+            help="Import the draft from a GPTQ or AWQ checkpoint (folder or hub id) instead."
+        ),
+    ] = None,
+    export_gptq: Annotated[
+        Path | None, typer.Option(help="Also write the draft as a standard GPTQ checkpoint folder.")
+    ] = None,
+    force: Annotated[bool, typer.Option("--force", help="Replace an existing output.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
+    threads: ThreadsOpt = None,
+):
+    """Make a converted model: full-precision target weights plus 4-bit draft weights.
+
+    Every linear layer (lm_head included) gets a 4-bit twin. The report gives each layer's
+    relative weight error and, on the calibration text, the draft's top-1 agreement and KL
+    against the target. Use the output with --model everywhere.
+    """
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+    from qspec_core.convert import convert as run_convert
+    from qspec_core.convert import export_gptq as run_export
+    from qspec_core.models import resolve_model
+
+    if draft_from is None and method not in ("rtn", "gptq", "awq"):
+        raise QspecError(f"--method {method!r} is not available (have: rtn, gptq, awq)")
+    calib_path = calib or Path(__file__).resolve().parent.parent / "qspec_core/data/gpl-3.0.txt"
+    calib_text = read_document(calib_path)
+    runtime = _load(model, "fp32", threads)  # quantization math runs in fp32
+    calib_ids = runtime.tokenizer.encode(calib_text)[:calib_tokens]
+    draft_path = (
+        resolve_model(draft_from, lambda m: err.print(f"[dim]{m}[/dim]")) if draft_from else None
+    )
+    n_layers = sum(1 for _ in runtime.model.modules() if type(_).__name__ == "Linear")
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        console=err,
+        transient=True,
+        disable=as_json,
+    ) as progress:
+        task = progress.add_task(f"{method} 4-bit", total=n_layers)
+        report = run_convert(
+            runtime.folder,
+            output,
+            runtime.model,
+            method,
+            group_size,
+            calib_ids,
+            str(calib_path),
+            force,
+            on_layer=lambda name: progress.advance(task),
+            draft_from=draft_path,
+        )
+    exported = None
+    if export_gptq is not None:
+        config = json.loads((runtime.folder / "config.json").read_text())
+        exported = str(run_export(runtime.model, config, export_gptq))
+    meta = json.loads((output / "qspec_draft.json").read_text())
+    if as_json:
+        print(json.dumps({"output": str(output), "exported_gptq": exported, **meta}))
+        return
+    errors = sorted(report.rel_weight_error.items(), key=lambda kv: -kv[1])
+    out.print(
+        f"wrote {output} · {meta['method']} · group {meta['group_size']} · "
+        f"{len(meta['modules'])} layers in 4 bits"
+    )
+    out.print(
+        f"relative weight error: mean {sum(v for _, v in errors) / len(errors):.4f}, "
+        f"worst {errors[0][1]:.4f} ({errors[0][0]})"
+    )
+    if report.tokens:
+        out.print(
+            f"draft vs target on {min(report.tokens, 1024)} calibration tokens: top-1 "
+            f"agreement {report.top1_agreement:.2%}, KL {report.kl:.4f} nats"
+        )
+    if exported:
+        out.print(f"GPTQ checkpoint: {exported}")
+
+
+@app.command()
 def quality(
     file: Annotated[
         Path | None,

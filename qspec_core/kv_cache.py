@@ -52,6 +52,8 @@ class KVCache(Protocol):
 class FullPrecisionCache(torch.nn.Module):
     """Preallocated full-precision K/V for all layers: the autoregressive baseline.
 
+    It serves every path with full-precision KV ("draft" then means 4-bit weights only).
+
     Writing at positions p..q makes q + 1 the new length, so a write below the current
     length (a verify step over rejected draft positions) also rolls back what lay beyond.
     """
@@ -79,8 +81,10 @@ class FullPrecisionCache(torch.nn.Module):
         self._mask = (None, None)  # (positions key, mask): built once per forward, not per layer
 
     def attend(self, layer, q, k, v, input_pos, path="fp"):
-        if path != "fp":
-            raise ValueError(f"FullPrecisionCache serves only the 'fp' path, not {path!r}")
+        # Every path reads full-precision KV here: with path="draft" this is the draft-w4
+        # ablation (4-bit weights, full-precision KV).
+        if path not in PATHS:
+            raise ValueError(f"unknown path {path!r} (have: {', '.join(PATHS)})")
         start, end = int(input_pos[0]), int(input_pos[-1]) + 1
         if end > self.max_seq_len:
             raise ValueError(f"position {end - 1} is beyond the cache ({self.max_seq_len})")

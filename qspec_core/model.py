@@ -16,6 +16,19 @@ from qspec_core.kv_cache import KVCache
 from qspec_core.rope import RotaryEmbedding, apply_rotary
 
 
+class Linear(nn.Linear):
+    """nn.Linear with an optional 4-bit twin (`draft`) that the draft path uses instead."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.draft: nn.Module | None = None  # set by `attach_draft`; then a submodule
+
+    def forward(self, x: torch.Tensor, path: str = "fp") -> torch.Tensor:
+        if path == "draft" and self.draft is not None:
+            return self.draft(x)
+        return super().forward(x)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -39,31 +52,31 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         qkv_bias = config.attention_bias or config.qkv_bias
         q_dim, kv_dim = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-        self.q_proj = nn.Linear(config.hidden_size, q_dim, bias=qkv_bias)
-        self.k_proj = nn.Linear(config.hidden_size, kv_dim, bias=qkv_bias)
-        self.v_proj = nn.Linear(config.hidden_size, kv_dim, bias=qkv_bias)
-        self.o_proj = nn.Linear(q_dim, config.hidden_size, bias=config.attention_bias)
+        self.q_proj = Linear(config.hidden_size, q_dim, bias=qkv_bias)
+        self.k_proj = Linear(config.hidden_size, kv_dim, bias=qkv_bias)
+        self.v_proj = Linear(config.hidden_size, kv_dim, bias=qkv_bias)
+        self.o_proj = Linear(q_dim, config.hidden_size, bias=config.attention_bias)
 
     def forward(self, x, cos, sin, input_pos, cache: KVCache, path: str) -> torch.Tensor:
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q = self.q_proj(x, path).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x, path).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x, path).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)  # [B, H|n_kv, T, D]
         out = cache.attend(self.layer_idx, q, k, v, input_pos, path)  # [B, H, T, D]
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1), path)
 
 
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         h, i, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.gate_proj = nn.Linear(h, i, bias=bias)
-        self.up_proj = nn.Linear(h, i, bias=bias)
-        self.down_proj = nn.Linear(i, h, bias=bias)
+        self.gate_proj = Linear(h, i, bias=bias)
+        self.up_proj = Linear(h, i, bias=bias)
+        self.down_proj = Linear(i, h, bias=bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x: torch.Tensor, path: str = "fp") -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x, path)) * self.up_proj(x, path), path)
 
 
 class DecoderLayer(nn.Module):
@@ -76,7 +89,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, cos, sin, input_pos, cache, path):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, input_pos, cache, path)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x), path)
 
 
 class Transformer(nn.Module):
@@ -88,7 +101,7 @@ class Transformer(nn.Module):
             DecoderLayer(config, i) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary_emb = RotaryEmbedding(config)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -112,7 +125,8 @@ class Transformer(nn.Module):
         """tokens [B, T] at positions input_pos [T] -> logits [B, T, V] (or [B, 1, V]).
 
         `path` selects the weights and KV view: "fp" (full precision, the baseline),
-        "target" and "draft" (QuantSpec's two paths over one hierarchical cache).
+        "target" and "draft" (QuantSpec's two paths over one hierarchical cache). The draft
+        path uses each linear's 4-bit twin when the model has one (`attach_draft`).
         `last_only` skips the vocabulary projection for all but the last position (prefill).
         """
         x = self.embed_tokens(tokens)
@@ -121,4 +135,19 @@ class Transformer(nn.Module):
             x = layer(x, cos, sin, input_pos, cache, path)
         if last_only:
             x = x[:, -1:]
-        return self.lm_head(self.norm(x))
+        return self.lm_head(self.norm(x), path)
+
+
+def linear_layers(model: Transformer) -> dict[str, Linear]:
+    """Every linear layer by its HF name ("layers.0.self_attn.q_proj", ..., "lm_head")."""
+    return {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
+
+
+def attach_draft(model: Transformer, drafts: dict[str, nn.Module]) -> None:
+    """Give the named linear layers their 4-bit twins (the draft path's weights)."""
+    layers = linear_layers(model)
+    unknown = drafts.keys() - layers.keys()
+    if unknown:
+        raise KeyError(f"no such linear layers: {sorted(unknown)[:4]}")
+    for name, draft in drafts.items():
+        layers[name].draft = draft  # registered as a submodule: `<name>.draft.packed`, ...

@@ -25,7 +25,8 @@ def checkpoint_files(folder: Path) -> list[Path]:
         except (json.JSONDecodeError, KeyError) as e:
             raise QspecError(f"corrupt checkpoint index {index}: {e}") from None
         return [folder / name for name in sorted(set(weight_map.values()))]
-    files = sorted(folder.glob("*.safetensors"))
+    # draft.safetensors holds a converted model's 4-bit draft, loaded separately
+    files = sorted(f for f in folder.glob("*.safetensors") if f.name != "draft.safetensors")
     if not files:
         raise QspecError(f"no *.safetensors weights in {folder}")
     return files
@@ -91,4 +92,8 @@ def load_model(folder: Path, dtype=torch.bfloat16, device="cpu") -> Transformer:
         config = ModelConfig.from_file(config_path)
     except (json.JSONDecodeError, KeyError) as e:
         raise QspecError(f"corrupt config.json in {folder}: {e}") from None
-    return build_model(config, load_state_dict(folder), dtype=dtype, device=device)
+    model = build_model(config, load_state_dict(folder), dtype=dtype, device=device)
+    from qspec_core.convert import load_draft  # a converted folder also carries its 4-bit draft
+
+    load_draft(folder, model)
+    return model

@@ -217,5 +217,5 @@ def test_paths_are_checked():
     model = _tiny()
     with pytest.raises(ValueError, match="serves 'target' and 'draft'"):
         _feed(model, _cache(model), [1], 0, "fp")
-    with pytest.raises(ValueError, match="fp"):
-        _feed(model, FullPrecisionCache(model.config, 8, dtype=torch.float32), [1], 0, "draft")
+    with pytest.raises(ValueError, match="unknown path"):
+        _feed(model, FullPrecisionCache(model.config, 8, dtype=torch.float32), [1], 0, "int2")

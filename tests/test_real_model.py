@@ -129,3 +129,24 @@ def test_kv_views_quality_on_the_real_model(real_runtime):
     assert q.kl_vs_fp["target"] < q.kl_vs_fp["draft"] / 10
     assert q.top1_vs_fp["target"] > 0.97 and q.top1_draft_vs_target > 0.85
     assert q.bytes_per_token["draft"] < q.bytes_per_token["target"] < q.bytes_per_token["bf16"]
+
+
+def test_convert_cli_on_the_default_model(default_model_dir, tmp_path):
+    """`qspec convert` (RTN, group 64) on the real model: the draft differs from the target,
+    and the converted folder loads with its draft."""
+    out = tmp_path / "smol-rtn"
+    proc = subprocess.run(
+        [sys.executable, "-m", "qspec_cli.main", "convert", "-o", str(out), "--method", "rtn",
+         "--calib-tokens", "128", "--json"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr
+    meta = json.loads(proc.stdout)
+    assert meta["group_size"] == 64  # 128 does not divide hidden 576; never 32 (see facts)
+    assert len(meta["modules"]) == 30 * 7 + 1
+    report = meta["report"]
+    assert 0.3 < report["top1_agreement"] < 0.99 and report["kl"] > 0.01  # differs, not noise
+    from qspec_core.weights import load_model
+
+    model = load_model(out, dtype=torch.float32)
+    assert model.lm_head.draft is not None and model.layers[5].mlp.down_proj.draft is not None

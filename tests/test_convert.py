@@ -1,0 +1,293 @@
+"""4-bit draft weights: RTN/GPTQ quantizers, the W4A16 module, convert -> load -> generate,
+GPTQ import/export, and bad inputs."""
+
+import json
+
+import pytest
+import torch
+from hf_tiny import tiny_hf
+
+from qspec_core.convert import convert, export_gptq, import_draft
+from qspec_core.errors import QspecError
+from qspec_core.gptq import HessianCollector, gptq_quantize
+from qspec_core.kv_cache import FullPrecisionCache
+from qspec_core.model import linear_layers
+from qspec_core.quant_formats import Int4Weight, read_quantized_checkpoint
+from qspec_core.quant_linear import Int4Linear, dequantize, rtn_quantize
+from qspec_core.weights import load_model
+
+
+def _g(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def test_rtn_reconstruction_is_within_half_a_step():
+    w = torch.randn(48, 256, generator=_g(0))
+    q, scale, zero = rtn_quantize(w, 64)
+    err = (dequantize(q, scale, zero) - w).abs().reshape(48, 4, 64)
+    assert (err <= scale[..., None] / 2 + 1e-6).all()
+    assert (zero == zero.round()).all() and zero.min() >= 0 and zero.max() <= 15
+
+
+@pytest.mark.parametrize("shape,group", [((64, 128), 64), ((48, 256), 128), ((40, 64), 32)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_int4_linear_matches_dequantize_then_matmul(shape, group, dtype):
+    """CPU int4 kernel path (N % 16 == 0) and the fallback (N = 40) alike."""
+    N, K = shape
+    linear = torch.nn.Linear(K, N, bias=True)
+    layer = Int4Linear.from_linear(linear, group)
+    assert layer.cpu_kernel_ok() == (N % 16 == 0)
+    x = torch.randn(3, 5, K, generator=_g(1)).to(dtype)
+    expected = x.double() @ layer.dequantized().double().t() + layer.bias.double()
+    got = layer(x)
+    assert got.dtype == dtype and got.shape == (3, 5, N)
+    # bf16 activations (the CPU kernel's input) bound the error: ~2^-8 relative per product
+    tol = 0.02 * expected.abs().max()
+    assert (got.double() - expected).abs().max() < tol
+
+
+def test_gptq_beats_rtn_on_layer_output_error(real_runtime):
+    """On real weights and real activations, GPTQ's output error is below RTN's."""
+    model = real_runtime.model
+    layers = linear_layers(model)
+    names = ["layers.3.self_attn.q_proj", "layers.10.mlp.down_proj"]
+    collector = HessianCollector({n: layers[n] for n in names})
+    text = (__import__("conftest").DATA / "gpl-3.0.txt").read_text()
+    ids = real_runtime.tokenizer.encode(text)[:384]
+    inputs = {}
+    hooks = [
+        layers[n].register_forward_hook(
+            lambda m, a, o, n=n: inputs.__setitem__(n, a[0].reshape(-1, a[0].shape[-1]).float())
+        )
+        for n in names
+    ]
+    with torch.no_grad():
+        model(
+            torch.tensor([ids]),
+            torch.arange(len(ids)),
+            FullPrecisionCache(model.config, len(ids), dtype=model.dtype),
+        )
+    collector.close()
+    for h in hooks:
+        h.remove()
+    for n in names:
+        w = layers[n].weight.data.float()
+        x = inputs[n]
+        ref = x @ w.t()
+        rtn = x @ dequantize(*rtn_quantize(w, 64)).t()
+        gptq = x @ dequantize(*gptq_quantize(w, collector.hessians[n], 64)).t()
+        assert (gptq - ref).norm() < 0.9 * (rtn - ref).norm(), n
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    import transformers
+
+    folder = tmp_path_factory.mktemp("tiny")
+    hf = tiny_hf("llama", hidden_size=64, intermediate_size=128, vocab_size=128)
+    hf.save_pretrained(folder)
+    config = transformers.AutoConfig.from_pretrained(folder)
+    assert config.hidden_size == 64
+    return folder
+
+
+@pytest.mark.parametrize("method", ["rtn", "gptq"])
+def test_convert_load_generate(tiny_folder, tmp_path, method):
+    model = load_model(tiny_folder, dtype=torch.float32)
+    calib = torch.randint(0, 128, (200,), generator=_g(2)).tolist()
+    out = tmp_path / "conv"
+    report = convert(tiny_folder, out, model, method, 32, calib, "random")
+    meta = json.loads((out / "qspec_draft.json").read_text())
+    assert meta["method"] == method and meta["group_size"] == 32 and meta["bits"] == 4
+    assert "lm_head" in meta["modules"] and len(meta["modules"]) == 2 * 7 + 1
+    assert set(meta["source"]["files"]) == {"model.safetensors"}
+    assert 0 < max(report.rel_weight_error.values()) < 0.2 and 0 < report.kl
+    loaded = load_model(out, dtype=torch.float32)
+    assert all(m.draft is not None for m in linear_layers(loaded).values())
+    ids = torch.tensor([calib[:20]])
+    cache = FullPrecisionCache(loaded.config, 20, dtype=torch.float32)
+    with torch.no_grad():
+        draft = loaded(ids, torch.arange(20), cache, "draft")
+        cache.truncate(0)
+        target = loaded(ids, torch.arange(20), cache, "fp")
+        original = model(
+            ids, torch.arange(20), FullPrecisionCache(model.config, 20, dtype=torch.float32), "fp"
+        )
+    torch.testing.assert_close(target, original)  # target weights untouched
+    assert not torch.allclose(draft, target, atol=1e-3)  # the draft really differs
+
+
+def test_convert_refuses_bad_input(tiny_folder, tmp_path):
+    model = load_model(tiny_folder, dtype=torch.float32)
+    out = tmp_path / "x"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    with pytest.raises(QspecError, match="--force"):
+        convert(tiny_folder, out, model, "rtn", 32)
+    with pytest.raises(QspecError, match="does not divide"):
+        convert(tiny_folder, tmp_path / "y", model, "rtn", 48)
+    with pytest.raises(QspecError, match="unknown method"):
+        convert(tiny_folder, tmp_path / "y", model, "awq4", 32)
+    with pytest.raises(QspecError, match="calibration"):
+        convert(tiny_folder, tmp_path / "y", model, "gptq", 32, [1, 2, 3])
+    assert (out / "keep.txt").read_text() == "mine" and not (tmp_path / "y").exists()
+
+
+def test_gptq_export_import_round_trip(tiny_folder, tmp_path):
+    model = load_model(tiny_folder, dtype=torch.float32)
+    calib = torch.randint(0, 128, (200,), generator=_g(3)).tolist()
+    convert(tiny_folder, tmp_path / "conv", model, "gptq", 32, calib, "random")
+    hf_config = json.loads((tiny_folder / "config.json").read_text())
+    exported = export_gptq(model, hf_config, tmp_path / "gptq")
+    cfg = json.loads((exported / "config.json").read_text())["quantization_config"]
+    assert cfg["quant_method"] == "gptq" and cfg["bits"] == 4 and cfg["group_size"] == 32
+    assert json.loads((exported / "quantize_config.json").read_text())["lm_head"] is True
+    fresh = load_model(tiny_folder, dtype=torch.float32)
+    drafts, meta = import_draft(fresh, exported)
+    assert meta["checkpoint_format"] == "gptq"
+    for name, layer in linear_layers(model).items():
+        # fp16 scales in the GPTQ file: equal up to fp16 rounding of the scale
+        torch.testing.assert_close(
+            drafts[name].dequantized(), layer.draft.dequantized(), rtol=2e-3, atol=1e-5
+        )
+
+
+def test_act_order_import_matches_the_checkpoint(tiny_folder):
+    """desc_act: channels permuted by g_idx; the module must reproduce the dense weight."""
+    K, N, G = 128, 32, 32
+    perm = torch.randperm(K, generator=_g(4))
+    g_idx = (torch.argsort(perm) // G).int()
+    q = torch.randint(0, 16, (N, K), generator=_g(5), dtype=torch.uint8)
+    scale = torch.rand(N, K // G, generator=_g(6)) / 10 + 0.01
+    zero = torch.randint(0, 16, (N, K // G), generator=_g(7)).float()
+    w = Int4Weight(q, scale, zero, G, g_idx)
+    layer = Int4Linear.from_int4_weight(w)
+    assert layer.perm is not None
+    torch.testing.assert_close(layer.dequantized(), w.dequantize())
+    x = torch.randn(2, K, generator=_g(8))
+    torch.testing.assert_close(
+        layer(x.double().float()), (x @ w.dequantize().t()), rtol=0.02, atol=0.05
+    )
+
+
+def test_import_refuses_mismatched_and_foreign_checkpoints(tiny_folder, tmp_path):
+    model = load_model(tiny_folder, dtype=torch.float32)
+    other = tiny_hf("llama", hidden_size=64, intermediate_size=96, vocab_size=128)  # MLP differs
+    other_dir = tmp_path / "other"
+    other.save_pretrained(other_dir)
+    other_model = load_model(other_dir, dtype=torch.float32)
+    convert(other_dir, tmp_path / "oc", other_model, "rtn", 32)
+    exported = export_gptq(
+        other_model, json.loads((other_dir / "config.json").read_text()), tmp_path / "og"
+    )
+    with pytest.raises(QspecError, match="target's is"):
+        import_draft(model, exported)
+    with pytest.raises(QspecError):
+        import_draft(model, tmp_path / "missing")
+    info, weights, _ = read_quantized_checkpoint(exported)
+    assert info.bits == 4 and weights
+
+
+def _write_folded_awq(hf, folder, group=32):
+    """An AutoAWQ-style checkpoint of `hf`: activation scales folded into norms and weights
+    (norm /= s, next layers' columns *= s; v_proj rows /= s, o_proj columns *= s; likewise
+    up/down), then RTN-quantized and packed in the AWQ GEMM layout."""
+    from safetensors.torch import save_file
+
+    from qspec_core.quant_formats import pack_awq
+
+    sd = {k: v.clone().float() for k, v in hf.state_dict().items()}
+    g = _g(11)
+    for i in range(hf.config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        folds = [
+            (
+                "input_layernorm.weight",
+                None,
+                ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
+            ),
+            ("post_attention_layernorm.weight", None, ["mlp.gate_proj", "mlp.up_proj"]),
+            (None, "self_attn.v_proj", ["self_attn.o_proj"]),
+            (None, "mlp.up_proj", ["mlp.down_proj"]),
+        ]
+        for norm, prev, nxt in folds:
+            dim = sd[p + nxt[0] + ".weight"].shape[1]
+            s = torch.rand(dim, generator=g) * 1.5 + 0.5
+            if norm:
+                sd[p + norm] /= s
+            else:
+                sd[p + prev + ".weight"] /= s[:, None]
+            for name in nxt:
+                sd[p + name + ".weight"] *= s[None, :]
+    tensors = {}
+    for name, t in sd.items():
+        module = name.removesuffix(".weight")
+        if ".layers." in name and name.endswith("proj.weight"):
+            q, scale, zero = rtn_quantize(t, group)
+            packed = pack_awq(Int4Weight(q, scale, zero, group))
+            for key, value in packed.items():
+                tensors[f"{module}.{key}"] = value
+        else:
+            tensors[name] = t.half()
+    folder.mkdir()
+    save_file(tensors, folder / "model.safetensors")
+    config = hf.config.to_dict()
+    config["quantization_config"] = {
+        "quant_method": "awq",
+        "bits": 4,
+        "group_size": group,
+        "zero_point": True,
+        "version": "gemm",
+    }
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+def _draft_kl(model, ids):
+    from qspec_core.convert import draft_agreement
+
+    return draft_agreement(model, ids)
+
+
+def test_awq_import_unfolds_activation_scales(tmp_path):
+    from qspec_core.model import attach_draft
+
+    hf = tiny_hf("llama", num_key_value_heads=4, vocab_size=128)  # MHA: v->o folding too
+    hf.save_pretrained(tmp_path / "target")
+    _write_folded_awq(hf, tmp_path / "awq")
+    ids = torch.randint(0, 128, (64,), generator=_g(12)).tolist()
+
+    model = load_model(tmp_path / "target", dtype=torch.float32)
+    drafts, meta = import_draft(model, tmp_path / "awq")
+    assert meta["method"] == "import-awq"
+    attach_draft(model, drafts)
+    top1, kl = _draft_kl(model, ids)
+
+    rtn = load_model(tmp_path / "target", dtype=torch.float32)
+    attach_draft(
+        rtn,
+        {n: Int4Linear.from_linear(m, 32) for n, m in linear_layers(rtn).items() if n != "lm_head"},
+    )
+    _, kl_rtn = _draft_kl(rtn, ids)
+
+    naive = load_model(tmp_path / "target", dtype=torch.float32)
+    from qspec_core.quant_formats import read_quantized_checkpoint as read
+
+    _, weights, _ = read(tmp_path / "awq")
+    attach_draft(naive, {n: Int4Linear.from_int4_weight(w) for n, w in weights.items()})
+    _, kl_naive = _draft_kl(naive, ids)
+    # unfolded, the AWQ draft is as good as an RTN draft; ignoring the folding is not
+    # (measured: 0.17 vs RTN 0.10 and 0.77 ignoring the folding)
+    assert kl < 2.5 * kl_rtn and kl_naive > 3 * kl
+
+
+def test_awq_method_is_no_worse_than_rtn(tiny_folder, tmp_path):
+    model = load_model(tiny_folder, dtype=torch.float32)
+    calib = torch.randint(0, 128, (256,), generator=_g(13)).tolist()
+    rtn = convert(tiny_folder, tmp_path / "rtn", model, "rtn", 32, calib, "random")
+    model = load_model(tiny_folder, dtype=torch.float32)
+    awq = convert(tiny_folder, tmp_path / "awq", model, "awq", 32, calib, "random")
+    assert awq.kl <= rtn.kl * 1.05
+    loaded = load_model(tmp_path / "awq", dtype=torch.float32)
+    assert loaded.layers[0].self_attn.q_proj.draft.input_scale is not None
+    with pytest.raises(QspecError, match="activation scales"):
+        export_gptq(loaded, json.loads((tiny_folder / "config.json").read_text()), tmp_path / "g")
