@@ -32,13 +32,15 @@ def causal_attention(
     Query i sees keys j <= input_pos[i] (`mask` from `causal_mask`, computed if not given).
     Returns [B, H, T, D].
     """
+    gqa = q.shape[1] != k.shape[1]
+    if q.shape[2] == k.shape[2] and int(input_pos[0]) == 0:
+        # the whole sequence at once: plain causal, which lets the kernel skip masked blocks
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     if mask is None and not (q.shape[2] == 1 and int(input_pos[0]) == k.shape[2] - 1):
         mask = causal_mask(input_pos, k.shape[2])
     if mask is not None:
         mask = mask.to(q.dtype)
-    return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1]
-    )
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
 def _partial_attention(q, k, v, mask, scale):

@@ -136,9 +136,22 @@ def test_convert_cli_on_the_default_model(default_model_dir, tmp_path):
     and the converted folder loads with its draft."""
     out = tmp_path / "smol-rtn"
     proc = subprocess.run(
-        [sys.executable, "-m", "qspec_cli.main", "convert", "-o", str(out), "--method", "rtn",
-         "--calib-tokens", "128", "--json"],
-        capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "qspec_cli.main",
+            "convert",
+            "-o",
+            str(out),
+            "--method",
+            "rtn",
+            "--calib-tokens",
+            "128",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stderr
     meta = json.loads(proc.stdout)
@@ -150,3 +163,19 @@ def test_convert_cli_on_the_default_model(default_model_dir, tmp_path):
 
     model = load_model(out, dtype=torch.float32)
     assert model.lm_head.draft is not None and model.layers[5].mlp.down_proj.draft is not None
+    # the draft runs: greedy decoding on the draft path (4-bit weights, fp KV) continues the
+    # real text coherently (measured with RTN g64: "...ede or control is exercised; (ii) the
+    # right to cede or" against the target's "...ede control of a particular entity to
+    # another entity; (ii) the power")
+    from qspec_core.tokenizer import Tokenizer
+
+    ids = Tokenizer(out).encode((DATA / "apache-2.0.txt").read_text()[:800])
+    outs = {}
+    for path in ("fp", "draft"):
+        cache = FullPrecisionCache(model.config, len(ids) + 16, dtype=model.dtype)
+        logits = prefill(model, cache, ids, 0, path)
+        outs[path] = list(
+            decode(model, cache, logits, len(ids), 16, SamplingParams(), None, path=path)
+        )
+    assert len(outs["draft"]) == 16 and outs["draft"] != [outs["draft"][0]] * 16
+    assert len(set(outs["draft"]) & set(outs["fp"])) >= 8
