@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -292,7 +293,12 @@ def convert(
     exported = None
     if export_gptq is not None:
         config = json.loads((runtime.folder / "config.json").read_text())
-        exported = str(run_export(runtime.model, config, export_gptq))
+        exported = run_export(runtime.model, config, export_gptq)
+        for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+                     "generation_config.json", "special_tokens_map.json"):
+            if (runtime.folder / name).exists():  # a checkpoint folder others can load whole
+                shutil.copy2(runtime.folder / name, exported / name)
+        exported = str(exported)
     meta = json.loads((output / "qspec_draft.json").read_text())
     if as_json:
         print(json.dumps({"output": str(output), "exported_gptq": exported, **meta}))

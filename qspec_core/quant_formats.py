@@ -474,7 +474,7 @@ def write_gptq_checkpoint(
         "desc_act": desc_act,
         "sym": sym,
         "damp_percent": 0.01,
-        "true_sequential": True,
+        "true_sequential": False,  # qspec collects all Hessians in one pass
         "static_groups": False,
         "lm_head": any(name.split(".")[0] == "lm_head" for name in weights),
         "quant_method": "gptq",

@@ -267,7 +267,7 @@ def test_gptq_folder_round_trip(tmp_path, fmt, sym, desc_act):
     quant_config = json.loads((folder / "quantize_config.json").read_text())
     assert quant_config == {
         "bits": 4, "group_size": 32, "desc_act": desc_act, "sym": sym, "damp_percent": 0.01,
-        "true_sequential": True, "static_groups": False, "lm_head": True,
+        "true_sequential": False, "static_groups": False, "lm_head": True,
         "quant_method": "gptq", "checkpoint_format": fmt, "meta": {"quantizer": "qspec"},
     }  # fmt: skip
     config = json.loads((folder / "config.json").read_text())
