@@ -80,6 +80,8 @@ def hierarchical_attention(
     fp_v: torch.Tensor,
     input_pos: torch.Tensor,
     chunk_size: int,
+    fp_hidden: torch.Tensor | None = None,
+    extra: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Attention over quantized history [0, n_quant) plus a full-precision region, in chunks.
 
@@ -88,6 +90,9 @@ def hierarchical_attention(
     [B, n_kv, end - start, D], in the path's view) and reduced to partial softmax statistics;
     the full-precision region fp_k/fp_v [B, n_kv, F, D] (positions n_quant..n_quant + F - 1)
     is one more chunk with the causal mask; partials merge by log-sum-exp.
+    `fp_hidden` [T, F] (bool) hides full-precision keys from some queries, which see those
+    positions instead through `extra` = (k, v, visible [T, E]): the oldest full-precision group
+    in its quantized view, for queries past the point where it counts as history.
     q [B, H, T, D] at positions input_pos [T] (all >= n_quant). Returns [B, H, T, D] in q's dtype.
     """
     B, H, T, D = q.shape
@@ -98,8 +103,12 @@ def hierarchical_attention(
     for start in range(0, n_quant, chunk_size):
         k, v = dequant_chunk(start, min(start + chunk_size, n_quant))
         parts.append(_partial_attention(qg, k, v, None, scale))  # history precedes all queries
+    if extra is not None:
+        parts.append(_partial_attention(qg, extra[0], extra[1], extra[2], scale))
     key_pos = n_quant + torch.arange(fp_k.shape[2], device=q.device)
     mask = key_pos[None, :] <= input_pos[:, None]  # [T, F]
+    if fp_hidden is not None:
+        mask = mask & ~fp_hidden
     parts.append(_partial_attention(qg, fp_k.float(), fp_v.float(), mask, scale))
     return merge_partials(parts).view(B, H, T, D).to(q.dtype)
 

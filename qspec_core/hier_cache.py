@@ -13,13 +13,19 @@ positions < n as confirmed by the target; only confirmed KV is ever quantized, a
 enforces it: a write that needs room rotates F1 into the planes (one whole K group, about once
 per G confirmed tokens) and raises `CommitInvariantError` if F1 holds unconfirmed tokens.
 
-Rotation happens at the first write that would overflow 2G. A token at position p then sees
-history quantized up to max(0, (p // G - 1) * G) whenever its forward does not cross a multiple
-of G, so AR decoding and a prefill in G-aligned chunks of G tokens give identical KV. A verify
-forward that crosses a group boundary sees the later boundary for all its tokens.
+A token at position p always sees history quantized up to max(0, (p // G - 1) * G) and the
+rest in full precision, however the tokens were fed (`_boundary`): AR decoding, G-aligned
+chunked prefill and speculative rounds with rejections give identical KV, which is what makes
+greedy QuantSpec token-for-token equal to autoregressive decoding on the target path. F1 is
+rotated into the planes lazily, once the committed length shows that no future query needs
+it in full precision; queries past that point before the rotation (draft steps, the later
+tokens of a verify) see F1 quantized on the fly. The full-precision buffer therefore holds
+2G tokens plus up to G of slack for a round's unverified tokens.
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 
@@ -75,13 +81,16 @@ class HierarchicalKVCache(torch.nn.Module):
         buf("k_zero", (L, B, n_kv, S // G, D), torch.float32)
         buf("v_scale", (L, B, n_kv, S, D // G), torch.float32)  # V: per token per G channels
         buf("v_zero", (L, B, n_kv, S, D // G), torch.float32)
-        buf("fp_k", (L, B, n_kv, 2 * G, D), dtype)  # [F1 | F2]
-        buf("fp_v", (L, B, n_kv, 2 * G, D), dtype)
+        # [F1 | F2] plus G of slack, so that a verify forward crossing a group boundary never
+        # forces a rotation in the middle of its tokens (see `_boundary`).
+        buf("fp_k", (L, B, n_kv, 3 * G, D), dtype)
+        buf("fp_v", (L, B, n_kv, 3 * G, D), dtype)
         # Per-layer lengths: equal between forwards; a forward interrupted half-way leaves
         # the early layers ahead, which stays correct (each layer's data is self-consistent).
         self.n_quant = [0] * L
         self.fp_len = [0] * L
         self.committed = 0
+        self.rotate_seconds = 0.0  # time spent quantizing F1 (for the stage breakdown)
 
     # ------------------------------------------------------------------ lengths and protocol
     @property
@@ -118,6 +127,7 @@ class HierarchicalKVCache(torch.nn.Module):
     # ------------------------------------------------------------------ writes
     def _rotate(self, layer: int) -> None:
         """Quantize F1 (G confirmed tokens, one whole K group) and slide F2 down into F1."""
+        t0 = time.perf_counter()
         G, nq = self.group_size, self.n_quant[layer]
         if nq + G > self.committed:
             raise CommitInvariantError(
@@ -141,39 +151,41 @@ class HierarchicalKVCache(torch.nn.Module):
             fp[layer, :, :, :rest] = fp[layer, :, :, G : G + rest].clone()
         self.n_quant[layer] = nq + G
         self.fp_len[layer] = rest
+        self.rotate_seconds += time.perf_counter() - t0
 
-    def reserve(self, n_tokens: int) -> None:
-        """Rotate now so that the next `n_tokens` writes fit without rotating.
+    def _boundary(self, positions: torch.Tensor) -> torch.Tensor:
+        """Where quantized history ends for a token at each position: max(0, (p // G - 1) G).
 
-        The speculative engine calls this at the start of a round (n = gamma + 1): rotation
-        then depends only on the committed length, never on how many drafts were accepted,
-        and happens between rounds ("when F2 is full after a verify").
+        A function of the position alone, so every way of feeding the same tokens (one by one,
+        G-aligned chunks, draft steps then a verify that crosses a group boundary) gives every
+        token exactly the same KV view. At least G and fewer than 2G recent tokens stay full
+        precision for each query.
         """
-        if n_tokens > self.group_size:
-            raise ValueError(f"a round writes at most G = {self.group_size} tokens")
-        for layer in range(len(self.n_quant)):
-            while self.n_quant[layer] + self.fp_len[layer] + n_tokens > (
-                self.n_quant[layer] + 2 * self.group_size
-            ):
-                self._rotate(layer)
+        G = self.group_size
+        return ((positions // G - 1) * G).clamp(min=0)
 
     def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int, end: int) -> None:
-        nq = self.n_quant[layer]
-        if start < nq:
-            raise ValueError(f"cannot write position {start}: positions < {nq} are quantized")
-        if start > nq + self.fp_len[layer]:
-            raise ValueError(f"write at {start} leaves a gap after {nq + self.fp_len[layer]}")
+        G = self.group_size
+        if start < self.n_quant[layer]:
+            raise ValueError(f"cannot write position {start}: positions < "
+                             f"{self.n_quant[layer]} are quantized")
+        if start > self.n_quant[layer] + self.fp_len[layer]:
+            raise ValueError(f"write at {start} leaves a gap after "
+                             f"{self.n_quant[layer] + self.fp_len[layer]}")
         if end > self.max_seq_len:
             raise ValueError(f"position {end - 1} is beyond the cache ({self.max_seq_len})")
-        self.fp_len[layer] = start - nq  # a write below the end rolls back what lay beyond
-        while end - self.n_quant[layer] > 2 * self.group_size:
-            if self.n_quant[layer] + self.group_size > start:
-                raise ValueError(
-                    f"a forward of {end - start} tokens does not fit the full-precision "
-                    f"buffer (2G = {2 * self.group_size}); feed at most G tokens at a time"
-                )
+        self.fp_len[layer] = start - self.n_quant[layer]  # a write below the end rolls back
+        # Rotate (lazily) once no future query needs F1 in full precision. Queries come from
+        # positions >= the committed length (everything later may still be rewritten), so
+        # the committed length decides, never a draft position: then every query sees at
+        # least as much history quantized as is stored, and `attend` quantizes F1 on the
+        # fly for those that see more. Only committed KV can be rotated, by construction.
+        while int(self._boundary(torch.tensor(self.committed))) >= self.n_quant[layer] + G:
             self._rotate(layer)
         lo, hi = start - self.n_quant[layer], end - self.n_quant[layer]
+        if hi > 3 * G:
+            raise ValueError(f"a forward of {end - start} tokens does not fit the "
+                             f"full-precision buffer; feed at most G = {G} tokens at a time")
         self.fp_k[layer, :, :, lo:hi] = k
         self.fp_v[layer, :, :, lo:hi] = v
         self.fp_len[layer] = hi
@@ -184,15 +196,29 @@ class HierarchicalKVCache(torch.nn.Module):
         if view is None:
             raise ValueError(f"the hierarchical cache serves 'target' and 'draft', not {path!r}")
         self._write(layer, k, v, int(input_pos[0]), int(input_pos[-1]) + 1)
-        nq, n_fp = self.n_quant[layer], self.fp_len[layer]
+        nq, n_fp, G = self.n_quant[layer], self.fp_len[layer], self.group_size
+        fp_k, fp_v = self.fp_k[layer, :, :, :n_fp], self.fp_v[layer, :, :, :n_fp]
+        hidden = extra = None
+        late = self._boundary(input_pos) > nq  # queries that already see F1 as history
+        if bool(late.any()):
+            # F1 is confirmed and whole; those queries see it quantized, as they would have
+            # if it had been rotated already (quantization is deterministic).
+            kq = quantize_keys(fp_k[:, :, :G], G)
+            vq = quantize_values(fp_v[:, :, :G], G)
+            extra = (dequantize_keys(kq, G, view), dequantize_values(vq, G, view),
+                     late[:, None].expand(-1, G))
+            hidden = torch.zeros(len(input_pos), n_fp, dtype=torch.bool, device=q.device)
+            hidden[:, :G] = late[:, None]
         return hierarchical_attention(
             q,
             lambda s, e: self.dequantize(layer, s, e, view),
             nq,
-            self.fp_k[layer, :, :, :n_fp],
-            self.fp_v[layer, :, :, :n_fp],
+            fp_k,
+            fp_v,
             input_pos,
             self.chunk_size,
+            fp_hidden=hidden,
+            extra=extra,
         )
 
     def dequantize(self, layer: int, start: int, end: int, view: str):

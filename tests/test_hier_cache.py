@@ -103,8 +103,6 @@ def test_speculative_like_rounds_equal_a_replay_of_the_committed_tokens():
     gamma = 4
     for _ in range(25):
         c = len(committed)
-        spec.reserve(gamma + 1)  # the engine's round start; the replay sees the same lengths
-        replay.reserve(gamma + 1)
         drafts = torch.randint(0, 101, (gamma,), generator=g).tolist()
         next_tok = int(torch.randint(0, 101, (1,), generator=g))
         for i, t in enumerate([next_tok] + drafts[:-1]):  # draft path appends to F2
@@ -154,16 +152,19 @@ def test_f2_fills_to_capacity_then_rotates_once():
     assert cache.n_quant == [G] * 2 and cache.fp_len == [G + 1] * 2
 
 
-def test_rotation_of_unconfirmed_kv_raises():
+def test_unconfirmed_kv_is_never_quantized():
     model = _tiny()
     G = model.config.head_dim
     cache = _cache(model)
-    for i, t in enumerate(_tokens(2 * G)):  # draft-path writes, never committed
+    for i, t in enumerate(_tokens(3 * G)):  # draft-path writes, never committed
         _feed(model, cache, [t], i, "draft")
+    assert cache.quantized_len == 0  # rotation follows the committed length only
+    with pytest.raises(ValueError, match="does not fit"):
+        _feed(model, cache, [1], 3 * G, "draft")
     with pytest.raises(CommitInvariantError, match="confirmed"):
-        _feed(model, cache, [1], 2 * G, "draft")
+        cache._rotate(0)  # even asked directly
     cache.truncate(2 * G)
-    cache.commit(G)  # F1 confirmed now
+    cache.commit(2 * G)  # now F1 is confirmed and no query needs it in full precision
     _feed(model, cache, [1], 2 * G, "draft")
     assert cache.quantized_len == G
 

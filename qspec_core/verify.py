@@ -1,0 +1,59 @@
+"""The speculative verifier: pure tensor functions, no model, no cache.
+
+Terms (as vLLM's rejection sampler uses them), for one round with gamma draft tokens:
+  - accepted tokens: the draft tokens g_1..g_n that pass verification, left to right;
+  - recovered token: on the first rejection (n < gamma), a token sampled from the residual
+    distribution norm(max(p_{n+1} - q_{n+1}, 0)) instead of g_{n+1};
+  - bonus token: when all gamma drafts pass, one more token sampled from p_{gamma+1}.
+Every round therefore emits n + 1 tokens. With exact rejection sampling the emitted tokens
+follow the target distribution p exactly (Leviathan et al. 2023; Chen et al. 2023).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def verify_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, int]:
+    """draft_tokens [gamma], target_logits [gamma + 1, V] -> (n_accepted, next_token).
+
+    Accept while argmax p_i == g_i; the next token is argmax p_{n+1} (the recovered token on
+    a mismatch, the bonus token when all match). Identical to greedy target decoding.
+    """
+    target_top = target_logits.argmax(-1)  # [gamma + 1]
+    matches = (target_top[:-1] == draft_tokens).int()
+    n = int(matches.cumprod(0).sum())
+    return n, int(target_top[n])
+
+
+def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """norm(max(p - q, 0)) [V]; falls back to p where p == q (then nothing is ever rejected)."""
+    residual = (p - q).clamp(min=0)
+    total = residual.sum()
+    return residual / total if total > 0 else p
+
+
+def verify_sampling(
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor,
+    target_probs: torch.Tensor,
+    generator: torch.Generator | None,
+) -> tuple[int, int]:
+    """Exact speculative sampling.
+
+    draft_tokens [gamma] sampled from draft_probs [gamma, V] (q_i); target_probs
+    [gamma + 1, V] (p_i) for the same positions plus the bonus position. Both must already
+    carry the same temperature / top-k / top-p processing. Returns (n_accepted, next_token).
+    """
+    gamma = draft_tokens.shape[0]
+    uniforms = torch.rand(gamma, generator=generator, device=draft_probs.device)
+    idx = torch.arange(gamma, device=draft_probs.device)
+    p_draft = target_probs[idx, draft_tokens]  # p_i(g_i)
+    q_draft = draft_probs[idx, draft_tokens]  # q_i(g_i) > 0: g_i was sampled from q_i
+    accept = uniforms * q_draft < p_draft  # u < p/q without dividing
+    n = int(accept.int().cumprod(0).sum())
+    if n < gamma:
+        dist = residual_distribution(target_probs[n], draft_probs[n])
+    else:
+        dist = target_probs[gamma]
+    return n, int(torch.multinomial(dist, 1, generator=generator))
