@@ -34,7 +34,32 @@ ModelOpt = Annotated[
         "Default: SmolLM2-135M-Instruct, converted once into $QSPEC_HOME.",
     ),
 ]
-ModeOpt = Annotated[str, typer.Option(help=f"Decoding mode: {', '.join(MODES)} (autoregressive).")]
+ModeOpt = Annotated[
+    str,
+    typer.Option(
+        help="quantspec: self-speculative (4-bit draft, INT8-KV verify; needs a converted model, "
+        "the default one is converted on first use); target-ar: autoregressive on the "
+        "target path (the distribution quantspec reproduces); ar: full-precision baseline."
+    ),
+]
+GammaOpt = Annotated[
+    str,
+    typer.Option(help="Draft tokens per round (1-16), or 'auto' to adapt it to recent acceptance."),
+]
+
+
+def _gamma(value: str) -> int | str:
+    if value == "auto":
+        return value
+    try:
+        gamma = int(value)
+    except ValueError:
+        raise QspecError(f"--gamma must be a number or 'auto', not {value!r}") from None
+    if not 1 <= gamma <= 16:
+        raise QspecError(f"--gamma must be in 1..16, not {gamma}")
+    return gamma
+
+
 MaxNewOpt = Annotated[int, typer.Option(min=1, help="Most tokens to generate per answer.")]
 TempOpt = Annotated[float, typer.Option(min=0.0, help="Sampling temperature; 0 is greedy.")]
 TopPOpt = Annotated[float, typer.Option(min=0.0, max=1.0, help="Nucleus sampling mass.")]
@@ -50,7 +75,13 @@ DtypeOpt = Annotated[
 ThreadsOpt = Annotated[int | None, typer.Option(min=1, help="CPU threads (default: all cores).")]
 
 
-def _load(model: str | None, dtype: str, threads: int | None, quiet: bool = False):
+def _load(
+    model: str | None,
+    dtype: str,
+    threads: int | None,
+    quiet: bool = False,
+    need_draft: bool = False,
+):
     import torch
 
     from qspec_core.runtime import DTYPES, load_runtime
@@ -60,7 +91,12 @@ def _load(model: str | None, dtype: str, threads: int | None, quiet: bool = Fals
     if threads:
         torch.set_num_threads(threads)
     log = (lambda msg: None) if quiet else (lambda msg: err.print(f"[dim]{msg}[/dim]"))
-    return load_runtime(model, dtype=dtype, log=log)
+    return load_runtime(model, dtype=dtype, log=log, need_draft=need_draft)
+
+
+def _check_mode(mode: str) -> None:
+    if mode not in MODES:
+        raise QspecError(f"mode {mode!r} is not available (have: {', '.join(MODES)})")
 
 
 def _params(temperature: float, top_p: float, top_k: int) -> SamplingParams:
@@ -74,7 +110,8 @@ def _params(temperature: float, top_p: float, top_k: int) -> SamplingParams:
 def summarize(
     file: Annotated[Path, typer.Argument(help="UTF-8 text document to summarize.")],
     model: ModelOpt = None,
-    mode: ModeOpt = "ar",
+    mode: ModeOpt = "quantspec",
+    gamma: GammaOpt = "4",
     max_new_tokens: MaxNewOpt = 384,
     temperature: TempOpt = 0.0,
     top_p: TopPOpt = 1.0,
@@ -92,7 +129,8 @@ def summarize(
 
     document = read_document(file)
     params = _params(temperature, top_p, top_k)
-    runtime = _load(model, dtype, threads)
+    _check_mode(mode)
+    runtime = _load(model, dtype, threads, need_draft=mode == "quantspec")
     session = ChatSession(
         runtime,
         document,
@@ -101,6 +139,7 @@ def summarize(
         max_new_tokens=max_new_tokens,
         mode=mode,
         truncate=truncate,
+        gamma=_gamma(gamma),
     )
     if session.truncated_tokens:
         err.print(
@@ -127,6 +166,8 @@ def summarize(
             "truncated_tokens": session.truncated_tokens,
             "timings_s": {k: round(v, 6) for k, v in stats.timings_s.items()},
         }
+        if stats.spec is not None:
+            result["stats"] = stats.spec.to_dict(session.gamma)
         print(json.dumps(result, ensure_ascii=False))
     else:
         out.print()
@@ -140,7 +181,8 @@ def chat(
         Path | None, typer.Option("--document", "-d", help="UTF-8 text document to ask about.")
     ] = None,
     model: ModelOpt = None,
-    mode: ModeOpt = "ar",
+    mode: ModeOpt = "quantspec",
+    gamma: GammaOpt = "4",
     max_new_tokens: MaxNewOpt = 512,
     temperature: TempOpt = 0.0,
     top_p: TopPOpt = 1.0,
@@ -158,7 +200,8 @@ def chat(
 
     text = read_document(document) if document is not None else None
     params = _params(temperature, top_p, top_k)
-    runtime = _load(model, dtype, threads)
+    _check_mode(mode)
+    runtime = _load(model, dtype, threads, need_draft=mode == "quantspec")
     session = ChatSession(
         runtime,
         text,
@@ -168,6 +211,7 @@ def chat(
         mode=mode,
         truncate=truncate,
         capacity=runtime.context_limit,
+        gamma=_gamma(gamma),
     )
     if session.truncated_tokens:
         err.print(
@@ -294,8 +338,13 @@ def convert(
     if export_gptq is not None:
         config = json.loads((runtime.folder / "config.json").read_text())
         exported = run_export(runtime.model, config, export_gptq)
-        for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
-                     "generation_config.json", "special_tokens_map.json"):
+        for name in (
+            "tokenizer.json",
+            "tokenizer_config.json",
+            "chat_template.jinja",
+            "generation_config.json",
+            "special_tokens_map.json",
+        ):
             if (runtime.folder / name).exists():  # a checkpoint folder others can load whole
                 shutil.copy2(runtime.folder / name, exported / name)
         exported = str(exported)

@@ -30,6 +30,21 @@ def stats_table(stats: ReplyStats, title: str) -> Table:
         n = counts.get(stage)
         rate = f"{n / seconds:,.1f}" if n and seconds > 0 else ""
         table.add_row(stage, f"{seconds:.3f}", "" if n is None else f"{n:,}", rate)
+    decode_s = stats.generation_s
+    if stats.spec is not None and decode_s > 0:  # quantspec: the stages add up to decoding
+        table.add_row(
+            "[bold]generation[/bold]",
+            f"{decode_s:.3f}",
+            f"{stats.new_tokens:,}",
+            f"{stats.new_tokens / decode_s:,.1f}",
+        )
+        spec = stats.spec
+        table.caption = (
+            f"acceptance {spec.acceptance_rate:.0%} · {spec.tokens_per_target_step:.2f} tokens "
+            f"per target step · {spec.rounds} rounds: {spec.accepted} accepted, "
+            f"{spec.recovered} recovered, {spec.bonus} bonus"
+        )
+        table.caption_justify = "left"
     return table
 
 

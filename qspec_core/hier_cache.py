@@ -167,11 +167,13 @@ class HierarchicalKVCache(torch.nn.Module):
     def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int, end: int) -> None:
         G = self.group_size
         if start < self.n_quant[layer]:
-            raise ValueError(f"cannot write position {start}: positions < "
-                             f"{self.n_quant[layer]} are quantized")
+            raise ValueError(
+                f"cannot write position {start}: positions < {self.n_quant[layer]} are quantized"
+            )
         if start > self.n_quant[layer] + self.fp_len[layer]:
-            raise ValueError(f"write at {start} leaves a gap after "
-                             f"{self.n_quant[layer] + self.fp_len[layer]}")
+            raise ValueError(
+                f"write at {start} leaves a gap after {self.n_quant[layer] + self.fp_len[layer]}"
+            )
         if end > self.max_seq_len:
             raise ValueError(f"position {end - 1} is beyond the cache ({self.max_seq_len})")
         self.fp_len[layer] = start - self.n_quant[layer]  # a write below the end rolls back
@@ -184,8 +186,10 @@ class HierarchicalKVCache(torch.nn.Module):
             self._rotate(layer)
         lo, hi = start - self.n_quant[layer], end - self.n_quant[layer]
         if hi > 3 * G:
-            raise ValueError(f"a forward of {end - start} tokens does not fit the "
-                             f"full-precision buffer; feed at most G = {G} tokens at a time")
+            raise ValueError(
+                f"a forward of {end - start} tokens does not fit the "
+                f"full-precision buffer; feed at most G = {G} tokens at a time"
+            )
         self.fp_k[layer, :, :, lo:hi] = k
         self.fp_v[layer, :, :, lo:hi] = v
         self.fp_len[layer] = hi
@@ -205,8 +209,11 @@ class HierarchicalKVCache(torch.nn.Module):
             # if it had been rotated already (quantization is deterministic).
             kq = quantize_keys(fp_k[:, :, :G], G)
             vq = quantize_values(fp_v[:, :, :G], G)
-            extra = (dequantize_keys(kq, G, view), dequantize_values(vq, G, view),
-                     late[:, None].expand(-1, G))
+            extra = (
+                dequantize_keys(kq, G, view),
+                dequantize_values(vq, G, view),
+                late[:, None].expand(-1, G),
+            )
             hidden = torch.zeros(len(input_pos), n_fp, dtype=torch.bool, device=q.device)
             hidden[:, :G] = late[:, None]
         return hierarchical_attention(

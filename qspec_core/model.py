@@ -151,3 +151,8 @@ def attach_draft(model: Transformer, drafts: dict[str, nn.Module]) -> None:
         raise KeyError(f"no such linear layers: {sorted(unknown)[:4]}")
     for name, draft in drafts.items():
         layers[name].draft = draft  # registered as a submodule: `<name>.draft.packed`, ...
+
+
+def has_draft(model: Transformer) -> bool:
+    """Whether the model carries 4-bit draft weights (a `qspec convert` folder)."""
+    return any(layer.draft is not None for layer in linear_layers(model).values())

@@ -51,12 +51,47 @@ class Runtime:
         return tuple(dict.fromkeys(self.tokenizer.eos_token_ids + self.model.config.eos_token_id))
 
 
-def load_runtime(spec: str | None, dtype: str = "auto", device: str = "cpu", log=print) -> Runtime:
-    """Resolve `--model` and load it in `dtype` ("auto": `default_dtype`)."""
+DEFAULT_DRAFT = "SmolLM2-135M-Instruct-qspec-gptq"
+
+
+def ensure_default_draft(log=print) -> Path:
+    """The default model converted with a GPTQ draft, made once into the qspec cache."""
+    from qspec_core.convert import convert
+    from qspec_core.documents import read_document
+    from qspec_core.models import models_dir
+
+    target = models_dir() / DEFAULT_DRAFT
+    if (target / "qspec_draft.json").exists():
+        return target
+    folder = resolve_model(None, log)
+    log(f"making the default model's 4-bit draft (GPTQ, once) in {target}")
+    model = load_model(folder, dtype=torch.float32)
+    calib = Path(__file__).resolve().parent / "data" / "gpl-3.0.txt"
+    ids = Tokenizer(folder).encode(read_document(calib))[:1024]
+    convert(folder, target, model, "gptq", None, ids, "qspec_core/data/gpl-3.0.txt", force=True)
+    return target
+
+
+def load_runtime(
+    spec: str | None,
+    dtype: str = "auto",
+    device: str = "cpu",
+    log=print,
+    need_draft: bool = False,
+) -> Runtime:
+    """Resolve `--model` and load it in `dtype` ("auto": `default_dtype`).
+
+    `need_draft` with the default model loads (making it on first use) its converted
+    folder with 4-bit draft weights.
+    """
     if dtype == "auto":
         dtype = default_dtype(device)
-    folder = resolve_model(spec, log)
+    if spec is None and need_draft:
+        folder = ensure_default_draft(log)
+        name = "SmolLM2-135M-Instruct"
+    else:
+        folder = resolve_model(spec, log)
+        name = spec or folder.name
     tokenizer = Tokenizer(folder)
     model = load_model(folder, dtype=DTYPES[dtype], device=device)
-    name = spec or folder.name
     return Runtime(model=model, tokenizer=tokenizer, folder=folder, name=name)

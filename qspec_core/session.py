@@ -14,10 +14,13 @@ from dataclasses import dataclass, field
 import torch
 
 from qspec_core.errors import QspecError
-from qspec_core.generate import decode, prefill
+from qspec_core.generate import decode, prefill, prefill_hierarchical
+from qspec_core.hier_cache import HierarchicalKVCache
 from qspec_core.kv_cache import FullPrecisionCache
+from qspec_core.model import has_draft
 from qspec_core.runtime import Runtime
 from qspec_core.sampling import SamplingParams
+from qspec_core.speculative import SpecStats, speculative_decode
 from qspec_core.timing import StageTimer
 
 DOCUMENT_SYSTEM_PROMPT = (
@@ -28,7 +31,10 @@ SUMMARY_REQUEST = (
     "Summarize the document above in a few paragraphs: what it is, its main points, and "
     "any important conditions or conclusions."
 )
-MODES = ("ar",)
+# quantspec: self-speculative (4-bit weights + INT4 KV draft, full weights + INT8 KV verify)
+# target-ar: autoregressive on the target path (the distribution quantspec reproduces)
+# ar: autoregressive, full-precision weights and KV (the baseline)
+MODES = ("quantspec", "target-ar", "ar")
 
 
 @dataclass
@@ -37,10 +43,17 @@ class ReplyStats:
     prefilled_tokens: int = 0  # of those, how many had to be computed (the rest were cached)
     new_tokens: int = 0
     timings_s: dict[str, float] = field(default_factory=dict)
+    spec: SpecStats | None = None  # quantspec rounds, acceptance
+
+    @property
+    def generation_s(self) -> float:
+        """Seconds spent generating: every stage after the prefill (decode, or a round's
+        draft/verify/accept/rollback/rotate)."""
+        return sum(v for k, v in self.timings_s.items() if k not in ("tokenize", "prefill"))
 
     @property
     def decode_tokens_per_s(self) -> float:
-        s = self.timings_s.get("decode", 0.0)
+        s = self.generation_s
         return self.new_tokens / s if s > 0 else 0.0
 
     @property
@@ -54,6 +67,10 @@ class ReplyStats:
         self.new_tokens += other.new_tokens
         for k, v in other.timings_s.items():
             self.timings_s[k] = self.timings_s.get(k, 0.0) + v
+        if other.spec is not None:
+            if self.spec is None:
+                self.spec = SpecStats()
+            self.spec.add(other.spec)
 
 
 def document_messages(document: str | None) -> list[dict]:
@@ -80,12 +97,22 @@ class ChatSession:
         params: SamplingParams | None = None,
         seed: int | None = None,
         max_new_tokens: int = 512,
-        mode: str = "ar",
+        mode: str = "quantspec",
         truncate: bool = False,
         capacity: int | None = None,
+        gamma: int | str = 4,
+        group_size: int | None = None,
     ):
         if mode not in MODES:
-            raise QspecError(f"mode {mode!r} is not available yet (have: {', '.join(MODES)})")
+            raise QspecError(f"mode {mode!r} is not available (have: {', '.join(MODES)})")
+        if mode == "quantspec" and not has_draft(runtime.model):
+            raise QspecError(
+                f"{runtime.name} has no 4-bit draft weights: convert it first "
+                f"(qspec convert {runtime.name} -o DIR, then --model DIR), or use --mode "
+                "target-ar / ar"
+            )
+        self.gamma = gamma
+        self.group_size = group_size
         self.runtime = runtime
         self.params = params or SamplingParams()
         self.max_new_tokens = max_new_tokens
@@ -98,7 +125,7 @@ class ChatSession:
         self.totals = ReplyStats()
         self.turns = 0
         self.capacity = capacity
-        self._cache: FullPrecisionCache | None = None
+        self._cache: FullPrecisionCache | HierarchicalKVCache | None = None
         self._cached_ids: list[int] = []
 
     @property
@@ -145,16 +172,68 @@ class ChatSession:
         self.truncated_tokens = len(doc_ids) - budget
         return tok.decode(doc_ids[:budget])
 
-    def _ensure_cache(self, need: int) -> FullPrecisionCache:
+    @property
+    def path(self) -> str:
+        return "fp" if self.mode == "ar" else "target"
+
+    def _ensure_cache(self, need: int):
         size = min(self.limit, max(need, self.capacity or 0))
+        model = self.runtime.model
         if self._cache is None:
-            model = self.runtime.model
-            self._cache = FullPrecisionCache(
-                model.config, size, dtype=model.dtype, device=model.device
-            )
+            if self.mode == "ar":
+                self._cache = FullPrecisionCache(
+                    model.config, size, dtype=model.dtype, device=model.device
+                )
+            else:  # preallocated planes cannot grow cheaply: take the whole context
+                self._cache = HierarchicalKVCache(
+                    model.config,
+                    self.capacity or self.limit,
+                    self.group_size,
+                    dtype=model.dtype,
+                    device=model.device,
+                )
         elif self._cache.max_seq_len < need:
-            self._cache.grow(size)
+            if self.mode == "ar":
+                self._cache.grow(size)
+            else:  # rebuild: the planes are preallocated (rare: only chat without --capacity)
+                self._cache = None
+                self._cached_ids = []
+                return self._ensure_cache(need)
         return self._cache
+
+    def document_prefix_ids(self) -> list[int]:
+        """Tokens of the document framing alone: the prefix every question shares."""
+        if self.document is None:
+            return []
+        return self.runtime.tokenizer.encode_chat(document_messages(self.document), False)
+
+    def _prefill(self, cache, ids: list[int], reuse: int, progress) -> torch.Tensor:
+        """Bring the cache from ids[:reuse] to ids; return the last position's logits.
+
+        Hierarchical cache, empty: the document prefix goes in as QuantSpec's prefill
+        (full-precision attention, then one bulk quantization), the rest through the target
+        path in chunks of G, committing as it goes; so chatting from a saved prefix and
+        from the document give the same cache.
+        """
+        model = self.runtime.model
+        if self.mode == "ar":
+            return prefill(model, cache, ids[reuse:], reuse, "fp", on_progress=progress)
+        if reuse == 0:
+            doc = self.document_prefix_ids()
+            head = doc if doc and ids[: len(doc)] == doc and len(doc) < len(ids) else ids[:1]
+            logits = prefill_hierarchical(model, cache, head, on_progress=progress)
+            reuse = len(head)
+            if reuse == len(ids):
+                return logits
+        return prefill(
+            model,
+            cache,
+            ids[reuse:],
+            reuse,
+            "target",
+            chunk_size=cache.group_size,
+            on_progress=progress,
+        )
 
     def ask(
         self,
@@ -163,7 +242,9 @@ class ChatSession:
     ) -> Iterator[str]:
         """Stream the reply to `question` as text pieces; `self.last` holds its stats after.
 
-        `on_prefill(n_tokens)` may return a progress callback for the prefill.
+        `on_prefill(n_tokens)` may return a progress callback for the prefill. If the reply
+        is cancelled (the generator is closed, or Ctrl-C), the question stays out of the
+        history: the next answer is what it would have been without it.
         """
         timer = StageTimer()
         with timer.stage("tokenize"):
@@ -171,34 +252,60 @@ class ChatSession:
         self.check_fits(len(ids))
         cache = self._ensure_cache(len(ids) + self.max_new_tokens)
         reuse = min(common_prefix(ids, self._cached_ids[: cache.seq_len]), len(ids) - 1)
+        if isinstance(cache, HierarchicalKVCache) and reuse < max(cache.n_quant):
+            reuse = 0  # the divergence lies in the quantized history: start over
+            cache.reset()
         cache.truncate(reuse)
         stats = ReplyStats(prompt_tokens=len(ids), prefilled_tokens=len(ids) - reuse)
+        if self.mode == "quantspec":
+            stats.spec = SpecStats()
         self.last = stats
         generated: list[int] = []
         text = ""
+        finished = False
+        model = self.runtime.model
         try:
             progress = on_prefill(len(ids) - reuse) if on_prefill else None
             with timer.stage("prefill"):
-                logits = prefill(
-                    self.runtime.model, cache, ids[reuse:], reuse, on_progress=progress
+                logits = self._prefill(cache, ids, reuse, progress)
+            if self.mode == "quantspec":
+                tokens = speculative_decode(
+                    model,
+                    cache,
+                    logits,
+                    len(ids),
+                    self.max_new_tokens,
+                    self.params,
+                    self.generator,
+                    self.runtime.stop_ids,
+                    self.gamma,
+                    timer,
+                    stats.spec,
                 )
-            for token in decode(
-                self.runtime.model,
-                cache,
-                logits,
-                len(ids),
-                self.max_new_tokens,
-                self.params,
-                self.generator,
-                self.runtime.stop_ids,
-                timer=timer,
-            ):
-                generated.append(token)
-                new_text = self.runtime.tokenizer.decode(generated)
-                if new_text.endswith("\ufffd"):
-                    continue  # an incomplete UTF-8 sequence: wait for the next token
-                yield new_text[len(text) :]
-                text = new_text
+            else:
+                tokens = decode(
+                    model,
+                    cache,
+                    logits,
+                    len(ids),
+                    self.max_new_tokens,
+                    self.params,
+                    self.generator,
+                    self.runtime.stop_ids,
+                    path=self.path,
+                    timer=timer,
+                )
+            try:
+                for token in tokens:
+                    generated.append(token)
+                    new_text = self.runtime.tokenizer.decode(generated)
+                    if new_text.endswith("\ufffd"):
+                        continue  # an incomplete UTF-8 sequence: wait for the next token
+                    yield new_text[len(text) :]
+                    text = new_text
+            finally:
+                tokens.close()  # the engine rolls the cache back to what it committed
+            finished = True
         finally:
             self._cached_ids = ids + generated
             stats.new_tokens = len(generated)
@@ -206,13 +313,14 @@ class ChatSession:
                 generated = generated[:-1]
             stats.timings_s = dict(timer.seconds)
             reply = self.runtime.tokenizer.decode(generated).strip()
-            self.history += [
-                {"role": "user", "content": question},
-                {"role": "assistant", "content": reply},
-            ]
             self.last_text = reply
+            if finished:
+                self.history += [
+                    {"role": "user", "content": question},
+                    {"role": "assistant", "content": reply},
+                ]
+                self.turns += 1
             self.totals.add(stats)
-            self.turns += 1
 
     def reset(self) -> None:
         """Forget the conversation, keep the document (its KV stays cached)."""

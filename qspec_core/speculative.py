@@ -50,8 +50,9 @@ class SpecStats:
     def add(self, other: SpecStats) -> None:
         for name in ("rounds", "drafted", "accepted", "recovered", "bonus"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
-        self.accepted_hist = [a + b for a, b in zip(self.accepted_hist, other.accepted_hist,
-                                                    strict=True)]
+        self.accepted_hist = [
+            a + b for a, b in zip(self.accepted_hist, other.accepted_hist, strict=True)
+        ]
 
     def to_dict(self, gamma) -> dict:
         return {
@@ -120,8 +121,9 @@ def speculative_decode(
     """
     timer = timer or StageTimer()
     stats = stats if stats is not None else SpecStats()
-    adaptive = AdaptiveGamma(4 if gamma == "auto" else int(gamma),
-                             limit=min(GAMMA_MAX, cache.group_size - 1))
+    adaptive = AdaptiveGamma(
+        4 if gamma == "auto" else int(gamma), limit=min(GAMMA_MAX, cache.group_size - 1)
+    )
     if gamma != "auto" and not 1 <= int(gamma) <= min(GAMMA_MAX, cache.group_size - 1):
         raise ValueError(f"gamma must be in 1..{min(GAMMA_MAX, cache.group_size - 1)}")
     device = model.device
@@ -163,8 +165,12 @@ def speculative_decode(
                 elif params.greedy:
                     n, nxt = verify_greedy(draft_t, target_logits)
                 else:
-                    n, nxt = verify_sampling(draft_t, torch.stack(draft_probs),
-                                             probabilities(target_logits, params), generator)
+                    n, nxt = verify_sampling(
+                        draft_t,
+                        torch.stack(draft_probs),
+                        probabilities(target_logits, params),
+                        generator,
+                    )
             with timer.stage("rollback"):
                 base = committed
                 committed = base + 1 + n
@@ -179,7 +185,8 @@ def speculative_decode(
                 stats.recovered += 1
             else:
                 stats.bonus += 1
-            adaptive.update(n, g)
+            if gamma == "auto":
+                adaptive.update(n, g)
             for j, token in enumerate(drafts[:n] + [nxt]):
                 yield token
                 emitted += 1

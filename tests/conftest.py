@@ -31,10 +31,14 @@ def real_runtime(default_model_dir):
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory, default_model_dir) -> Path:
-    """A tiny random Llama with the real tokenizer (fast CLI and session tests)."""
+    """A tiny random Llama with the real tokenizer and an RTN 4-bit draft (fast CLI and
+    session tests in every mode)."""
     import transformers
 
-    folder = tmp_path_factory.mktemp("tiny-llama")
+    from qspec_core.convert import convert
+    from qspec_core.weights import load_model
+
+    folder = tmp_path_factory.mktemp("tiny-llama-hf")
     config = transformers.LlamaConfig(
         vocab_size=49152,
         hidden_size=64,
@@ -51,4 +55,6 @@ def tiny_model_dir(tmp_path_factory, default_model_dir) -> Path:
     transformers.LlamaForCausalLM(config).save_pretrained(folder)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         shutil.copy(default_model_dir / name, folder / name)
-    return folder
+    converted = tmp_path_factory.mktemp("tiny") / "llama"
+    convert(folder, converted, load_model(folder, dtype=torch.float32), "rtn", 32)
+    return converted

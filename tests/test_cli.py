@@ -129,7 +129,8 @@ def test_chat_commands(tiny_model_dir, workdir):
     )
     assert proc.returncode == 0, proc.stderr
     assert "session · 1 answers" in proc.stdout
-    assert proc.stdout.count("decode") >= 3  # two answers' tables and /stats
+    assert proc.stdout.count("prefill") >= 3  # two answers' tables and /stats
+    assert "tokens per target" in proc.stdout  # quantspec is the default mode
 
 
 def test_help_explains():

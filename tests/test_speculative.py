@@ -24,23 +24,36 @@ def _g(seed):
 def _model(vocab=101, seed=0, **kw):
     hf = tiny_hf("llama", vocab_size=vocab, seed=seed, **kw)
     config = ModelConfig.from_hf_config(hf.config.to_dict())
-    model = build_model(config, {k.removeprefix("model."): v for k, v in
-                                 hf.state_dict().items()}, dtype=torch.float32)
-    attach_draft(model, {n: Int4Linear.from_linear(m, 32) for n, m in
-                         linear_layers(model).items()})
+    model = build_model(
+        config,
+        {k.removeprefix("model."): v for k, v in hf.state_dict().items()},
+        dtype=torch.float32,
+    )
+    attach_draft(model, {n: Int4Linear.from_linear(m, 32) for n, m in linear_layers(model).items()})
     return model
 
 
-def _run(model, prompt, n_new, mode, gamma=4, params=SamplingParams(), seed=0, verifier=None,
-         stats=None):
+def _run(
+    model, prompt, n_new, mode, gamma=4, params=SamplingParams(), seed=0, verifier=None, stats=None
+):
     cache = HierarchicalKVCache(model.config, len(prompt) + n_new + 8, dtype=torch.float32)
     logits = prefill_hierarchical(model, cache, prompt)
     gen = _g(seed)
     if mode == "target-ar":
         out = decode(model, cache, logits, len(prompt), n_new, params, gen, path="target")
     else:
-        out = speculative_decode(model, cache, logits, len(prompt), n_new, params, gen,
-                                 gamma=gamma, verifier=verifier, stats=stats)
+        out = speculative_decode(
+            model,
+            cache,
+            logits,
+            len(prompt),
+            n_new,
+            params,
+            gen,
+            gamma=gamma,
+            verifier=verifier,
+            stats=stats,
+        )
     return list(out), cache
 
 
@@ -83,8 +96,9 @@ def test_rejection_sampling_law_by_enumeration():
 def test_verify_sampling_frequencies_follow_the_target():
     """gamma = 2, V = 5; n = 40000 rounds. First emitted token ~ p_1 exactly; each frequency
     has std <= 0.0025, bound 0.012 (~5 sigma)."""
-    p = torch.tensor([[0.5, 0.2, 0.15, 0.1, 0.05], [0.2, 0.2, 0.2, 0.2, 0.2],
-                      [0.1, 0.1, 0.1, 0.1, 0.6]])
+    p = torch.tensor(
+        [[0.5, 0.2, 0.15, 0.1, 0.05], [0.2, 0.2, 0.2, 0.2, 0.2], [0.1, 0.1, 0.1, 0.1, 0.6]]
+    )
     q = torch.tensor([[0.1, 0.5, 0.2, 0.1, 0.1], [0.3, 0.3, 0.2, 0.1, 0.1]])
     g = _g(3)
     counts = torch.zeros(5)
@@ -95,9 +109,14 @@ def test_verify_sampling_frequencies_follow_the_target():
     assert (counts / 40000 - p[0]).abs().max() < 0.012
 
 
-@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0),
-                                    SamplingParams(temperature=0.8, top_k=5),
-                                    SamplingParams(temperature=1.2, top_p=0.8)])
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.8, top_k=5),
+        SamplingParams(temperature=1.2, top_p=0.8),
+    ],
+)
 def test_sampled_quantspec_follows_the_target_path_distribution(params):
     """Second emitted token (the first that speculation decides) vs its exact law on the
     target path, V = 8, n = 1500 seeded runs; TV distance bound 0.08 (expected ~0.03)."""
@@ -143,7 +162,7 @@ def test_transactions_leave_exactly_the_committed_kv(pattern):
     replay = HierarchicalKVCache(model.config, len(committed) + 8, dtype=torch.float32)
     prefill_hierarchical(model, replay, prompt)
     with torch.no_grad():
-        for i, t in enumerate(committed[len(prompt):]):
+        for i, t in enumerate(committed[len(prompt) :]):
             model(torch.tensor([[t]]), torch.tensor([len(prompt) + i]), replay, "target")
             replay.commit(len(prompt) + i + 1)
         probe = torch.tensor([[out[-1]]]), torch.tensor([len(committed)])
@@ -182,9 +201,11 @@ def test_cancel_between_draft_and_verify_restores_the_committed_cache():
     n_cached = cache.seq_len
     assert n_cached == 30 + len(emitted) - 1  # the last emitted token is pending
     with torch.no_grad():
-        logits = model(torch.tensor([[emitted[-1]]]), torch.tensor([n_cached]), cache,
-                       "target")[0, -1]
+        logits = model(torch.tensor([[emitted[-1]]]), torch.tensor([n_cached]), cache, "target")[
+            0, -1
+        ]
     cache.commit(n_cached + 1)
-    resumed = list(decode(model, cache, logits, n_cached + 1, 5, SamplingParams(), None,
-                          path="target"))
+    resumed = list(
+        decode(model, cache, logits, n_cached + 1, 5, SamplingParams(), None, path="target")
+    )
     assert resumed == full[len(emitted) : len(emitted) + 5]
