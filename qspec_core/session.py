@@ -268,33 +268,20 @@ class ChatSession:
             progress = on_prefill(len(ids) - reuse) if on_prefill else None
             with timer.stage("prefill"):
                 logits = self._prefill(cache, ids, reuse, progress)
+            common = (
+                model,
+                cache,
+                logits,
+                len(ids),
+                self.max_new_tokens,
+                self.params,
+                self.generator,
+                self.runtime.stop_ids,
+            )
             if self.mode == "quantspec":
-                tokens = speculative_decode(
-                    model,
-                    cache,
-                    logits,
-                    len(ids),
-                    self.max_new_tokens,
-                    self.params,
-                    self.generator,
-                    self.runtime.stop_ids,
-                    self.gamma,
-                    timer,
-                    stats.spec,
-                )
+                tokens = speculative_decode(*common, self.gamma, timer, stats.spec)
             else:
-                tokens = decode(
-                    model,
-                    cache,
-                    logits,
-                    len(ids),
-                    self.max_new_tokens,
-                    self.params,
-                    self.generator,
-                    self.runtime.stop_ids,
-                    path=self.path,
-                    timer=timer,
-                )
+                tokens = decode(*common, path=self.path, timer=timer)
             try:
                 for token in tokens:
                     generated.append(token)
