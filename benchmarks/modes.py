@@ -36,35 +36,57 @@ def main():
     runs = {c: [] for c in configs}
     for r in range(args.repeats):
         for mode, temp in configs:
-            session = ChatSession(rt, document, SamplingParams(temperature=temp), seed=r,
-                                  max_new_tokens=args.gen, mode=mode, gamma=gamma)
+            session = ChatSession(
+                rt,
+                document,
+                SamplingParams(temperature=temp),
+                seed=r,
+                max_new_tokens=args.gen,
+                mode=mode,
+                gamma=gamma,
+            )
             for _ in session.ask(SUMMARY_REQUEST):
                 pass
             st = session.last
-            runs[(mode, temp)].append({
-                "new_tokens": st.new_tokens,
-                "decode_tokens_per_s": st.decode_tokens_per_s,
-                "prefill_tokens_per_s": st.prefill_tokens_per_s,
-                "acceptance_rate": st.spec.acceptance_rate if st.spec else None,
-                "tokens_per_target_step": st.spec.tokens_per_target_step if st.spec else 1.0,
-                "timings_s": st.timings_s,
-            })
+            runs[(mode, temp)].append(
+                {
+                    "new_tokens": st.new_tokens,
+                    "decode_tokens_per_s": st.decode_tokens_per_s,
+                    "prefill_tokens_per_s": st.prefill_tokens_per_s,
+                    "acceptance_rate": st.spec.acceptance_rate if st.spec else None,
+                    "tokens_per_target_step": st.spec.tokens_per_target_step if st.spec else 1.0,
+                    "timings_s": st.timings_s,
+                }
+            )
     rows = []
     for (mode, temp), samples in runs.items():
-        med = {k: statistics.median(s[k] for s in samples)
-               for k in ("decode_tokens_per_s", "tokens_per_target_step", "new_tokens")}
+        med = {
+            k: statistics.median(s[k] for s in samples)
+            for k in ("decode_tokens_per_s", "tokens_per_target_step", "new_tokens")
+        }
         acc = [s["acceptance_rate"] for s in samples if s["acceptance_rate"] is not None]
         med["acceptance_rate"] = statistics.median(acc) if acc else None
         rows.append({"mode": mode, "temperature": temp, **med, "samples": samples})
         acc_s = f"{med['acceptance_rate']:.1%}" if acc else "-"
-        print(f"{mode:10s} T={temp:<4} decode {med['decode_tokens_per_s']:6.2f} tok/s  "
-              f"acceptance {acc_s:>6}  tokens/target step {med['tokens_per_target_step']:.2f}"
-              f"  ({med['new_tokens']:.0f} tokens)", flush=True)
+        print(
+            f"{mode:10s} T={temp:<4} decode {med['decode_tokens_per_s']:6.2f} tok/s  "
+            f"acceptance {acc_s:>6}  tokens/target step {med['tokens_per_target_step']:.2f}"
+            f"  ({med['new_tokens']:.0f} tokens)",
+            flush=True,
+        )
     if args.json:
-        args.json.write_text(json.dumps({"doc": str(args.doc), "gamma": args.gamma,
-                                         "dtype": str(rt.model.dtype),
-                                         "threads": torch.get_num_threads(), "rows": rows},
-                                        indent=2))
+        args.json.write_text(
+            json.dumps(
+                {
+                    "doc": str(args.doc),
+                    "gamma": args.gamma,
+                    "dtype": str(rt.model.dtype),
+                    "threads": torch.get_num_threads(),
+                    "rows": rows,
+                },
+                indent=2,
+            )
+        )
 
 
 if __name__ == "__main__":
