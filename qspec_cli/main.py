@@ -48,6 +48,27 @@ GammaOpt = Annotated[
 ]
 
 
+GroupOpt = Annotated[
+    int | None, typer.Option(help="KV quantization group G (default: the model's head_dim).")
+]
+
+
+def _session(file: Path | None, document: Path | None, runtime, **kwargs) -> ChatSession:
+    """A session over a snapshot (`*.qspec`, no re-prefill) or over a text document."""
+    if file is not None and file.suffix == ".qspec":
+        from qspec_core.snapshot import load_snapshot
+
+        snap = load_snapshot(
+            file, runtime.folder, runtime.model, runtime.context_limit, kwargs.get("group_size")
+        )
+        session = ChatSession(runtime, snap.document, **kwargs)
+        session.adopt_cache(snap.cache, snap.token_ids)
+        return session
+    path = document if file is None else file
+    text = read_document(path) if path is not None else None
+    return ChatSession(runtime, text, **kwargs)
+
+
 def _gamma(value: str) -> int | str:
     if value == "auto":
         return value
@@ -108,7 +129,10 @@ def _params(temperature: float, top_p: float, top_k: int) -> SamplingParams:
 
 @app.command()
 def summarize(
-    file: Annotated[Path, typer.Argument(help="UTF-8 text document to summarize.")],
+    file: Annotated[
+        Path,
+        typer.Argument(help="UTF-8 text document, or a snapshot (*.qspec) made by qspec prefill."),
+    ],
     model: ModelOpt = None,
     mode: ModeOpt = "quantspec",
     gamma: GammaOpt = "4",
@@ -121,25 +145,32 @@ def summarize(
     as_json: Annotated[
         bool, typer.Option("--json", help="Print one JSON object on stdout.")
     ] = False,
+    group_size: GroupOpt = None,
     dtype: DtypeOpt = "auto",
     threads: ThreadsOpt = None,
 ):
-    """Summarize FILE in one go, streaming the summary, then a table of stage timings."""
+    """Summarize FILE (a text document, or a snapshot from `qspec prefill`) in one go.
+
+    Streams the summary, then a table of stage timings (and acceptance in quantspec mode).
+    """
     from qspec_cli.render import PrefillProgress, stats_table
 
-    document = read_document(file)
+    if file.suffix != ".qspec":
+        read_document(file)  # bad input fails before any model loads
     params = _params(temperature, top_p, top_k)
     _check_mode(mode)
     runtime = _load(model, dtype, threads, need_draft=mode == "quantspec")
-    session = ChatSession(
+    session = _session(
+        file,
+        None,
         runtime,
-        document,
         params=params,
         seed=seed,
         max_new_tokens=max_new_tokens,
         mode=mode,
         truncate=truncate,
         gamma=_gamma(gamma),
+        group_size=group_size,
     )
     if session.truncated_tokens:
         err.print(
@@ -177,6 +208,12 @@ def summarize(
 
 @app.command()
 def chat(
+    snapshot: Annotated[
+        Path | None,
+        typer.Argument(
+            help="A snapshot (*.qspec) from qspec prefill: chat without prefilling again."
+        ),
+    ] = None,
     document: Annotated[
         Path | None, typer.Option("--document", "-d", help="UTF-8 text document to ask about.")
     ] = None,
@@ -189,6 +226,7 @@ def chat(
     top_k: TopKOpt = 0,
     seed: SeedOpt = 0,
     truncate: TruncOpt = False,
+    group_size: GroupOpt = None,
     dtype: DtypeOpt = "auto",
     threads: ThreadsOpt = None,
 ):
@@ -198,13 +236,21 @@ def chat(
     """
     from qspec_cli.render import PrefillProgress, stats_table
 
-    text = read_document(document) if document is not None else None
+    if snapshot is not None and document is not None:
+        raise QspecError("give a snapshot or --document, not both")
+    if snapshot is not None and snapshot.suffix != ".qspec":
+        raise QspecError(
+            f"{snapshot}: a snapshot file ends in .qspec (for a text file, use --document)"
+        )
+    if document is not None:
+        read_document(document)  # bad input fails before any model loads
     params = _params(temperature, top_p, top_k)
     _check_mode(mode)
     runtime = _load(model, dtype, threads, need_draft=mode == "quantspec")
-    session = ChatSession(
+    session = _session(
+        snapshot,
+        document,
         runtime,
-        text,
         params=params,
         seed=seed,
         max_new_tokens=max_new_tokens,
@@ -212,6 +258,7 @@ def chat(
         truncate=truncate,
         capacity=runtime.context_limit,
         gamma=_gamma(gamma),
+        group_size=group_size,
     )
     if session.truncated_tokens:
         err.print(
@@ -253,6 +300,140 @@ def chat(
             progress.stop()
         out.print()
         out.print(stats_table(session.last, ""))
+
+
+@app.command()
+def prefill(
+    file: Annotated[Path, typer.Argument(help="UTF-8 text document to prefill.")],
+    output: Annotated[
+        Path | None,
+        typer.Option(
+            "-o", "--output", help="Snapshot file to write (default: FILE with suffix .qspec)."
+        ),
+    ] = None,
+    model: ModelOpt = None,
+    truncate: TruncOpt = False,
+    group_size: GroupOpt = None,
+    force: Annotated[bool, typer.Option("--force", help="Overwrite an existing snapshot.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the manifest as JSON.")] = False,
+    dtype: DtypeOpt = "auto",
+    threads: ThreadsOpt = None,
+):
+    """Prefill a document once and save its hierarchical KV cache (a snapshot) to disk.
+
+    Then `qspec chat SNAPSHOT` or `qspec summarize SNAPSHOT` answer without prefilling again,
+    in this or another process, on this or another machine with the same model.
+    """
+    import time
+
+    from qspec_cli.render import PrefillProgress
+    from qspec_core.snapshot import save_snapshot
+
+    output = output or file.with_suffix(".qspec")
+    if output.exists() and not force:
+        raise QspecError(f"{output} exists; pass --force to overwrite it")
+    text = read_document(file)
+    runtime = _load(model, dtype, threads)
+    session = ChatSession(
+        runtime, text, mode="target-ar", truncate=truncate, group_size=group_size, max_new_tokens=1
+    )
+    if session.truncated_tokens:
+        err.print(
+            f"[yellow]document truncated: dropped its last {session.truncated_tokens} "
+            f"tokens[/yellow]"
+        )
+    prefix = session.document_prefix_ids()
+    if len(prefix) + 16 > session.limit:
+        raise QspecError(
+            f"the document is {len(prefix)} tokens with its framing, the model's "
+            f"context is {session.limit}; use --truncate"
+        )
+    progress = PrefillProgress(err)
+    t0 = time.perf_counter()
+    try:
+        cache, ids = session.prefill_document(progress)
+    finally:
+        progress.stop()
+    seconds = time.perf_counter() - t0
+    manifest = save_snapshot(
+        output,
+        cache,
+        ids,
+        session.document,
+        runtime.folder,
+        runtime.name,
+        force,
+        extra={"prefill_seconds": round(seconds, 3), "compute_dtype": str(runtime.model.dtype)},
+    )
+    size = output.stat().st_size
+    c = runtime.model.config
+    bf16 = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 2 * len(ids)
+    if as_json:
+        print(json.dumps({"output": str(output), "bytes": size, "bf16_kv_bytes": bf16, **manifest}))
+        return
+    out.print(
+        f"wrote {output}: {len(ids):,} tokens prefilled in {seconds:.1f} s "
+        f"({len(ids) / seconds:,.0f} tok/s)"
+    )
+    out.print(
+        f"snapshot {size / 2**20:,.1f} MiB · a bf16 KV cache of the same tokens "
+        f"{bf16 / 2**20:,.1f} MiB ({bf16 / size:.2f}x larger)"
+    )
+
+
+@app.command()
+def info(
+    snapshot: Annotated[Path, typer.Argument(help="A snapshot file (*.qspec).")],
+    model: ModelOpt = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+):
+    """Show a snapshot's manifest and sizes, and whether it matches a model (--model, or the
+    default model)."""
+    from qspec_core.models import resolve_model
+    from qspec_core.snapshot import model_fingerprint, read_manifest, tokenizer_fingerprint
+
+    manifest = read_manifest(snapshot)
+    folder = resolve_model(model, lambda m: err.print(f"[dim]{m}[/dim]"))
+    checks = {
+        "model": manifest["model_fingerprint"] == model_fingerprint(folder),
+        "tokenizer": manifest["tokenizer_fingerprint"] == tokenizer_fingerprint(folder),
+    }
+    size = snapshot.stat().st_size
+    if as_json:
+        print(
+            json.dumps(
+                {"bytes": size, "matches": checks, "checked_against": str(folder), **manifest}
+            )
+        )
+        return
+    from rich.table import Table
+
+    table = Table(title=str(snapshot), title_justify="left", show_header=False)
+    q = manifest["quantization"]
+    rows = [
+        ("model", manifest["model"]),
+        ("created", f"{manifest['created']} with qspec {manifest['qspec_version']}"),
+        ("format", f"{manifest['format']} v{manifest['format_version']}"),
+        (
+            "tokens",
+            f"{manifest['tokens']:,} ({manifest['n_quant']:,} quantized, "
+            f"{manifest['fp_len']:,} full precision)",
+        ),
+        (
+            "quantization",
+            f"INT4 upper + INT4 lower planes, G = {q['group_size']}, K "
+            f"{q['key_grouping']}, V {q['value_grouping']}",
+        ),
+        ("size", f"{size / 2**20:,.2f} MiB"),
+        ("document sha256", manifest["document_sha256"][:16] + "…"),
+        (
+            "matches " + str(folder.name),
+            ", ".join(f"{k} {'yes' if ok else 'NO'}" for k, ok in checks.items()),
+        ),
+    ]
+    for key, value in rows:
+        table.add_row(key, value)
+    out.print(table)
 
 
 @app.command()

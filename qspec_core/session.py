@@ -309,6 +309,32 @@ class ChatSession:
                 self.turns += 1
             self.totals.add(stats)
 
+    def prefill_document(self, on_prefill=None) -> tuple[HierarchicalKVCache, list[int]]:
+        """QuantSpec's prefill of the document prefix alone (what a snapshot stores)."""
+        if self.document is None or self.mode == "ar":
+            raise QspecError("a snapshot needs a document and a quantized mode")
+        ids = self.document_prefix_ids()
+        cache = self._ensure_cache(len(ids) + 1)
+        cache.reset()
+        progress = on_prefill(len(ids)) if on_prefill else None
+        prefill_hierarchical(self.runtime.model, cache, ids, on_progress=progress)
+        self._cached_ids = list(ids)
+        return cache, list(ids)
+
+    def adopt_cache(self, cache: HierarchicalKVCache, token_ids: list[int]) -> None:
+        """Continue from a loaded snapshot: `cache` holds exactly `token_ids`, committed."""
+        if self.mode == "ar":
+            raise QspecError(
+                "snapshots hold the quantized cache: use --mode quantspec or "
+                "target-ar with a snapshot"
+            )
+        if token_ids != self.document_prefix_ids():
+            raise QspecError(
+                "the snapshot's tokens do not match its document under this "
+                "tokenizer and chat template"
+            )
+        self._cache, self._cached_ids = cache, list(token_ids)
+
     def reset(self) -> None:
         """Forget the conversation, keep the document (its KV stays cached)."""
         self.history = []
