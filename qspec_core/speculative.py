@@ -87,11 +87,10 @@ class AdaptiveGamma:
             self.gamma = max(self.gamma - 1, 1)
 
 
-def _move_rotation_time(cache, timer: StageTimer, before: float) -> None:
-    """Rotation happens inside draft/verify writes: book it under its own stage."""
+def _move_rotation_time(cache, timer: StageTimer, stage: str, before: float) -> None:
+    """Rotation happens inside the writes of `stage`: book it under its own stage."""
     spent = cache.rotate_seconds - before
     if spent > 0:
-        stage = "draft" if timer.seconds.get("verify", 0.0) == 0 else "verify"
         timer.seconds[stage] = timer.seconds.get(stage, 0.0) - spent
         timer.seconds["rotate"] = timer.seconds.get("rotate", 0.0) + spent
 
@@ -142,7 +141,7 @@ def speculative_decode(
             return
         while emitted < max_new_tokens:
             g = min(adaptive.gamma, max_new_tokens - emitted)  # never draft past the limit
-            rotate_before = cache.rotate_seconds
+            rotated = cache.rotate_seconds
             drafts: list[int] = []
             draft_probs = []
             with timer.stage("draft"):
@@ -156,8 +155,11 @@ def speculative_decode(
                         token = int(torch.multinomial(q, 1, generator=generator))
                         draft_probs.append(q)
                     drafts.append(token)
+            _move_rotation_time(cache, timer, "draft", rotated)
+            rotated = cache.rotate_seconds
             with timer.stage("verify"):
                 target_logits = feed([pending] + drafts, committed, "target")  # [g + 1, V]
+            _move_rotation_time(cache, timer, "verify", rotated)
             with timer.stage("accept"):
                 draft_t = torch.tensor(drafts, device=device)
                 if verifier is not None:
@@ -176,7 +178,6 @@ def speculative_decode(
                 committed = base + 1 + n
                 cache.truncate(committed)
                 cache.commit(committed)
-            _move_rotation_time(cache, timer, rotate_before)
             stats.rounds += 1
             stats.drafted += g
             stats.accepted += n
