@@ -25,6 +25,27 @@ app = typer.Typer(
 out = Console(highlight=False)
 err = Console(stderr=True, highlight=False)
 
+
+def _version(value: bool) -> None:
+    if value:
+        import qspec_core
+
+        print(f"qspec {qspec_core.__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    version: Annotated[
+        bool | None,
+        typer.Option(
+            "--version", callback=_version, is_eager=True, help="Print the version and exit."
+        ),
+    ] = None,
+):
+    """qspec: chat with and summarize long documents, fast, on one GPU or a plain CPU."""
+
+
 ModelOpt = Annotated[
     str | None,
     typer.Option(

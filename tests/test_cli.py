@@ -133,6 +133,11 @@ def test_chat_commands(tiny_model_dir, workdir):
     assert "tokens per target" in proc.stdout  # quantspec is the default mode
 
 
+def test_version():
+    proc = run_qspec("--version")
+    assert proc.returncode == 0 and proc.stdout.startswith("qspec 0.")
+
+
 def test_help_explains():
     proc = run_qspec("summarize", "--help")
     assert proc.returncode == 0
