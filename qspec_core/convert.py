@@ -24,6 +24,7 @@ from safetensors.torch import save_file
 import qspec_core
 from qspec_core.awq import ActivationCollector, awq_quantize
 from qspec_core.errors import QspecError
+from qspec_core.generate import forward_logits
 from qspec_core.gptq import HessianCollector, gptq_quantize
 from qspec_core.kv_cache import FullPrecisionCache
 from qspec_core.model import Transformer, attach_draft, linear_layers
@@ -66,15 +67,10 @@ def default_group_size(model: Transformer) -> int:
     return 128 if all(k % 128 == 0 for k in sizes) else 64
 
 
-@torch.inference_mode()
-def _forward_logits(model: Transformer, ids: list[int], path: str, chunk: int = 512):
+def _forward_logits(model: Transformer, ids: list[int], path: str) -> torch.Tensor:
+    """All-position logits [T, V] with full-precision KV (weights per `path`)."""
     cache = FullPrecisionCache(model.config, len(ids), dtype=model.dtype, device=model.device)
-    out = []
-    for start in range(0, len(ids), chunk):
-        piece = torch.tensor([ids[start : start + chunk]], device=model.device)
-        pos = torch.arange(start, start + piece.shape[1], device=model.device)
-        out.append(model(piece, pos, cache, path)[0].float())
-    return torch.cat(out)
+    return forward_logits(model, cache, ids, path, 512)
 
 
 def draft_agreement(model: Transformer, ids: list[int]) -> tuple[float, float]:

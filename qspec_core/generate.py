@@ -44,6 +44,20 @@ def prefill(
 
 
 @torch.inference_mode()
+def forward_logits(
+    model: Transformer, cache: KVCache, tokens: list[int], path: str, chunk_size: int
+) -> torch.Tensor:
+    """Teacher-forced logits [T, V] (fp32) of every position, fed in chunks, committing each."""
+    out = []
+    for start in range(0, len(tokens), chunk_size):
+        piece = tokens[start : start + chunk_size]
+        pos = torch.arange(start, start + len(piece), device=model.device)
+        out.append(model(torch.tensor([piece], device=model.device), pos, cache, path)[0].float())
+        cache.commit(start + len(piece))
+    return torch.cat(out)
+
+
+@torch.inference_mode()
 def prefill_hierarchical(
     model: Transformer,
     cache: HierarchicalKVCache,

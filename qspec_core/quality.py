@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from qspec_core.generate import forward_logits
 from qspec_core.hier_cache import HierarchicalKVCache
 from qspec_core.kv_cache import FullPrecisionCache
 from qspec_core.model import Transformer
@@ -31,17 +32,6 @@ class KVQuality:
         return asdict(self)
 
 
-@torch.inference_mode()
-def _teacher_forced_logits(model: Transformer, cache, ids: list[int], path: str, chunk: int):
-    out = []
-    for start in range(0, len(ids), chunk):
-        piece = ids[start : start + chunk]
-        pos = torch.arange(start, start + len(piece), device=model.device)
-        out.append(model(torch.tensor([piece], device=model.device), pos, cache, path)[0].float())
-        cache.commit(start + len(piece))
-    return torch.cat(out)  # [T, V]
-
-
 def measure_kv_quality(
     model: Transformer, ids: list[int], group_size: int | None = None, on_path=None
 ) -> KVQuality:
@@ -57,7 +47,7 @@ def measure_kv_quality(
             cache = FullPrecisionCache(config, len(ids), dtype=model.dtype, device=model.device)
         else:
             cache = HierarchicalKVCache(config, len(ids), G, dtype=model.dtype, device=model.device)
-        logits[path] = _teacher_forced_logits(model, cache, ids, path, G)[:-1]  # predict ids[1:]
+        logits[path] = forward_logits(model, cache, ids, path, G)[:-1]  # predict ids[1:]
     logp = {p: torch.log_softmax(x, -1) for p, x in logits.items()}
     ppl = {p: math.exp(float(-lp.gather(-1, targets[:, None]).mean())) for p, lp in logp.items()}
     p_fp = logp["fp"].exp()

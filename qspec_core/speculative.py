@@ -198,6 +198,5 @@ def speculative_decode(
                     return
             pending = nxt
     finally:
-        if cache.seq_len != committed or len(set(cache.fp_len)) > 1:
-            cache.truncate(committed)  # drop a half-finished round's KV
-            cache.commit(committed)
+        cache.truncate(committed)  # drop a half-finished round's KV (a no-op otherwise)
+        cache.commit(committed)
