@@ -115,6 +115,18 @@ DtypeOpt = Annotated[
     str, typer.Option(help="Weights/activations dtype: bf16 (CPU default), fp16, fp32.")
 ]
 ThreadsOpt = Annotated[int | None, typer.Option(min=1, help="CPU threads (default: all cores).")]
+TargetWeightsOpt = Annotated[
+    str,
+    typer.Option(
+        help="Weights of the target (verify) path: full (the checkpoint) or int8 (per-channel "
+        "INT8, Quasar-style; output then follows the INT8-weight model). int8 needs a folder "
+        "from qspec convert (the default model's is made on first use)."
+    ),
+]
+TARGET_DISTRIBUTION = {
+    "full": "the target path: full-precision weights, INT8 KV (ar: full-precision KV)",
+    "int8": "the INT8-weight target path: per-channel INT8 weights, INT8 KV (ar: full KV)",
+}
 
 
 def _load(
@@ -123,6 +135,7 @@ def _load(
     threads: int | None,
     quiet: bool = False,
     need_draft: bool = False,
+    target_weights: str = "full",
 ):
     import torch
 
@@ -133,7 +146,9 @@ def _load(
     if threads:
         torch.set_num_threads(threads)
     log = (lambda msg: None) if quiet else (lambda msg: err.print(f"[dim]{msg}[/dim]"))
-    return load_runtime(model, dtype=dtype, log=log, need_draft=need_draft)
+    return load_runtime(
+        model, dtype=dtype, log=log, need_draft=need_draft, target_weights=target_weights
+    )
 
 
 def _check_mode(mode: str) -> None:
@@ -167,6 +182,7 @@ def summarize(
         bool, typer.Option("--json", help="Print one JSON object on stdout.")
     ] = False,
     group_size: GroupOpt = None,
+    target_weights: TargetWeightsOpt = "full",
     dtype: DtypeOpt = "auto",
     threads: ThreadsOpt = None,
 ):
@@ -180,7 +196,9 @@ def summarize(
         read_document(file)  # bad input fails before any model loads
     params = _params(temperature, top_p, top_k)
     _check_mode(mode)
-    runtime = _load(model, dtype, threads, need_draft=mode == "quantspec")
+    runtime = _load(
+        model, dtype, threads, need_draft=mode == "quantspec", target_weights=target_weights
+    )
     session = _session(
         file,
         None,
@@ -210,6 +228,11 @@ def summarize(
         result = {
             "text": session.last_text,
             "mode": session.mode,
+            "target_weights": target_weights,
+            "reproduces": TARGET_DISTRIBUTION[target_weights]
+            if session.mode != "ar"
+            else "the full-precision model"
+            + (" with INT8 weights" if target_weights == "int8" else ""),
             "model": runtime.name,
             "prompt_tokens": stats.prompt_tokens,
             "new_tokens": stats.new_tokens,
@@ -248,6 +271,7 @@ def chat(
     seed: SeedOpt = 0,
     truncate: TruncOpt = False,
     group_size: GroupOpt = None,
+    target_weights: TargetWeightsOpt = "full",
     dtype: DtypeOpt = "auto",
     threads: ThreadsOpt = None,
 ):
@@ -267,7 +291,9 @@ def chat(
         read_document(document)  # bad input fails before any model loads
     params = _params(temperature, top_p, top_k)
     _check_mode(mode)
-    runtime = _load(model, dtype, threads, need_draft=mode == "quantspec")
+    runtime = _load(
+        model, dtype, threads, need_draft=mode == "quantspec", target_weights=target_weights
+    )
     session = _session(
         snapshot,
         document,
@@ -337,6 +363,7 @@ def prefill(
     group_size: GroupOpt = None,
     force: Annotated[bool, typer.Option("--force", help="Overwrite an existing snapshot.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the manifest as JSON.")] = False,
+    target_weights: TargetWeightsOpt = "full",
     dtype: DtypeOpt = "auto",
     threads: ThreadsOpt = None,
 ):
@@ -354,7 +381,7 @@ def prefill(
     if output.exists() and not force:
         raise QspecError(f"{output} exists; pass --force to overwrite it")
     text = read_document(file)
-    runtime = _load(model, dtype, threads)
+    runtime = _load(model, dtype, threads, target_weights=target_weights)
     session = ChatSession(
         runtime, text, mode="target-ar", truncate=truncate, group_size=group_size, max_new_tokens=1
     )
@@ -384,7 +411,11 @@ def prefill(
         runtime.folder,
         runtime.name,
         force,
-        extra={"prefill_seconds": round(seconds, 3), "compute_dtype": str(runtime.model.dtype)},
+        extra={
+            "prefill_seconds": round(seconds, 3),
+            "compute_dtype": str(runtime.model.dtype),
+            "target_weights": target_weights,
+        },
     )
     size = output.stat().st_size
     c = runtime.model.config
@@ -597,7 +628,7 @@ def quality(
 
     path = file or Path(__file__).resolve().parent.parent / "qspec_core/data/apache-2.0.txt"
     text = read_document(path)
-    runtime = _load(model, dtype, threads)
+    runtime = _load(model, dtype, threads, need_draft=True)  # carries the INT8 weights
     ids = runtime.tokenizer.encode(text)[:max_tokens]
     with err.status("measuring") as status:
         result = measure_kv_quality(
@@ -618,16 +649,125 @@ def quality(
     table.add_row(
         "full precision", f"{result.perplexity['fp']:.4f}", "", "", f"{fp_bytes:,.0f} (bf16)"
     )
-    for p, label in (("target", "target (INT8)"), ("draft", "draft (INT4)")):
+    labels = {
+        "target": "target (INT8)",
+        "draft": "draft (INT4)",
+        "w8": "INT8 weights, fp KV",
+        "w8-target": "INT8 weights + INT8 KV",
+    }
+    for p, label in labels.items():
+        if p not in result.perplexity:
+            continue
         table.add_row(
             label,
             f"{result.perplexity[p]:.4f}",
             f"{result.kl_vs_fp[p]:.5f}",
             f"{result.top1_vs_fp[p]:.2%}",
-            f"{result.bytes_per_token[p]:,.0f}",
+            f"{result.bytes_per_token[p.removeprefix('w8-')]:,.0f}" if p != "w8" else "",
         )
     out.print(table)
     out.print(f"top-1 agreement draft vs target: {result.top1_draft_vs_target:.2%}")
+
+
+@app.command()
+def bench(
+    model: ModelOpt = None,
+    context: Annotated[
+        str,
+        typer.Option(
+            help="Context sizes, comma-separated, k = 1024: the cache length at the end "
+            "(a prompt of real text, then --gen new tokens)."
+        ),
+    ] = "2k,8k",
+    gen: Annotated[int, typer.Option(min=2, help="Tokens decoded per run.")] = 128,
+    modes: Annotated[
+        str | None,
+        typer.Option(
+            help="Comma-separated modes (default: all): ar (full-precision baseline), "
+            "target-ar (INT8 KV), quantspec, draft-w4 (ablation: 4-bit weights, full KV), "
+            "draft-kv4 (ablation: full weights, INT4 KV)."
+        ),
+    ] = None,
+    repeats: Annotated[int, typer.Option(min=1, help="Runs per mode and context.")] = 3,
+    gamma: GammaOpt = "4",
+    temperature: TempOpt = 0.0,
+    top_p: TopPOpt = 1.0,
+    top_k: TopKOpt = 0,
+    seed: SeedOpt = 0,
+    group_size: GroupOpt = None,
+    json_file: Annotated[
+        Path | None,
+        typer.Option("--json", help="Write every number to this JSON file ('-': stdout)."),
+    ] = None,
+    plot: Annotated[
+        Path | None,
+        typer.Option(help="Draw tokens/s vs context and the stage shares to this PNG."),
+    ] = None,
+    warmup: Annotated[bool, typer.Option(help="One short unmeasured run per mode first.")] = True,
+    target_weights: TargetWeightsOpt = "full",
+    dtype: DtypeOpt = "auto",
+    threads: ThreadsOpt = None,
+):
+    """Benchmark QuantSpec against autoregressive decoding and two ablations, side by side.
+
+    Modes run interleaved (A B C A B C ...) and report medians with min-max; the speedup over
+    ar is taken pair-wise within each repeat. Ignores stop tokens: every run decodes --gen.
+    """
+    from qspec_cli.render import bench_tables
+    from qspec_core.bench import BenchConfig, parse_contexts, parse_modes, run_bench
+
+    config = BenchConfig(
+        contexts=parse_contexts(context),
+        gen=gen,
+        modes=parse_modes(modes),
+        repeats=repeats,
+        gamma=_gamma(gamma),
+        params=_params(temperature, top_p, top_k),
+        seed=seed,
+        group_size=group_size,
+        warmup=warmup,
+        target_weights=target_weights,
+    )
+    if plot is not None:
+        from qspec_cli.plot import check_plotting
+
+        check_plotting(plot)
+    runtime = _load(model, dtype, threads, need_draft=True)  # toggles weights per mode
+    with err.status("bench") as status:
+        report = run_bench(
+            runtime,
+            config,
+            str(runtime.model.dtype).removeprefix("torch."),
+            on_run=lambda label: status.update(f"bench · {label}"),
+        )
+    if json_file is not None:
+        text = json.dumps(report, indent=1)
+        if str(json_file) == "-":
+            print(text)
+        else:
+            _write_atomic(json_file, text + "\n")
+    if json_file is None or str(json_file) != "-":
+        # a pipe or file gets the whole table rather than 80 columns of truncated cells
+        wide = out if out.is_terminal else Console(highlight=False, width=200)
+        for table in bench_tables(report):
+            wide.print(table)
+            wide.print()
+    if plot is not None:
+        from qspec_cli.plot import plot_bench
+
+        plot_bench(report, plot)
+        err.print(f"plot: {plot}")
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    """Write via a temp file and rename: an interrupted run leaves no half-written file."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        tmp.write_text(text)
+        tmp.replace(path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise QspecError(f"cannot write {path}: {e.strerror or e}") from None
 
 
 def main() -> None:

@@ -84,3 +84,77 @@ class PrefillProgress:
         if self.progress is not None:
             self.progress.stop()
             self.progress = None
+
+
+def _size(context: int) -> str:
+    return f"{context // 1024}k" if context % 1024 == 0 else str(context)
+
+
+def bench_tables(report: dict) -> list[Table]:
+    """`qspec bench`'s report: one table of rates per context, one of the stage breakdown."""
+    m, cfg = report["machine"], report["config"]
+    gpu = f" · {m['gpu']}" if m["gpu"] else ""
+    header = (
+        f"{report['model']} · {m['dtype']} · {m['cpu']}, {m['threads']} threads{gpu} · torch "
+        f"{m['torch']} · gen {cfg['gen']} · gamma {cfg['gamma']} · T {cfg['temperature']} · "
+        f"G {cfg['group_size']} · {cfg['repeats']} interleaved repeats: medians (min-max)"
+    )
+    tables = []
+    for ctx in report["contexts"]:
+        table = Table(
+            title=f"context {_size(ctx['context'])} ({ctx['prompt_tokens']:,} prompt tokens)",
+            title_justify="left",
+            caption=header + "\nKV B/token: bytes read per history token, all layers "
+            "(draft / target)",
+            caption_justify="left",
+            show_edge=False,
+            pad_edge=False,
+        )
+        columns = ("mode", "prefill tok/s", "TTFT s", "decode tok/s", "range", "ms/token",
+                   "vs ar", "accept", "tok/step", "KV B/token")  # fmt: skip
+        for col in columns:
+            table.add_column(col, justify="left" if col == "mode" else "right", no_wrap=True)
+        for name, r in ctx["modes"].items():
+            spec = r.get("spec")
+            speed = r["speedup_vs_ar"]
+            rate = r["decode_tokens_per_s"]
+            table.add_row(
+                name,
+                f"{r['prefill_tokens_per_s']['median']:,.0f}",
+                f"{r['ttft_s']['median']:.2f}",
+                f"{rate['median']:.2f}",
+                f"{rate['min']:.2f}-{rate['max']:.2f}",
+                f"{r['ms_per_token']['median']:.1f}",
+                f"{speed['median']:.2f}x" if speed else "",
+                f"{spec['acceptance_rate']:.0%}" if spec else "",
+                f"{spec['tokens_per_target_step']:.2f}" if spec else "",
+                " / ".join(f"{v:,.0f}" for v in r["kv_bytes_per_token"].values()),
+            )
+        tables.append(table)
+        tables.append(_stage_table(ctx))
+    return tables
+
+
+def _stage_table(ctx: dict) -> Table:
+    stages = sorted({s for r in ctx["modes"].values() for s in r["stages"]}, key=_stage_key)
+    table = Table(
+        title=f"context {_size(ctx['context'])} · where decoding time goes: seconds (share)",
+        title_justify="left",
+        show_edge=False,
+        pad_edge=False,
+    )
+    table.add_column("mode")
+    for s in stages:
+        table.add_column(s, justify="right")
+    for name, r in ctx["modes"].items():
+        cells = []
+        for s in stages:
+            st = r["stages"].get(s)
+            cells.append(f"{st['seconds']:.2f} ({st['share']:.0%})" if st else "")
+        table.add_row(name, *cells)
+    return table
+
+
+def _stage_key(name: str) -> tuple[int, str]:
+    order = ("decode", "draft", "verify", "accept", "rollback", "rotate")
+    return (order.index(name) if name in order else len(order), name)

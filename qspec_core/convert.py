@@ -4,8 +4,11 @@ Output folder (accepted by `--model` everywhere):
     config.json, tokenizer files          copied from the source
     model*.safetensors (+ index)          the target weights (hard links when possible)
     draft.safetensors                     "<linear>.draft.{packed,scale,zero[,bias,perm]}"
+                                          and the INT8 verifier's weights (Quasar),
+                                          "<linear>.int8.{weight_int8,weight_scale[,bias]}"
     qspec_draft.json                      method, bits, group size, symmetric, modules,
-                                          calibration source, source-weight hashes, report
+                                          calibration source, source-weight hashes, report;
+                                          "target_int8": the INT8 weights' scheme and modules
 """
 
 from __future__ import annotations
@@ -26,8 +29,9 @@ from qspec_core.awq import ActivationCollector, awq_quantize
 from qspec_core.errors import QspecError
 from qspec_core.generate import forward_logits
 from qspec_core.gptq import HessianCollector, gptq_quantize
+from qspec_core.int8_linear import Int8Linear
 from qspec_core.kv_cache import FullPrecisionCache
-from qspec_core.model import Transformer, attach_draft, linear_layers
+from qspec_core.model import Transformer, attach_draft, attach_int8, linear_layers
 from qspec_core.models import sha256_file
 from qspec_core.quant_linear import Int4Linear, rtn_quantize
 from qspec_core.weights import checkpoint_files
@@ -344,8 +348,44 @@ def convert(
         for name, d in drafts.items()
         for key, t in d.state_dict().items()
     }
-    _write_folder(source, out, tensors, meta)
+    int8_tensors, meta["target_int8"] = int8_weights(model)
+    _write_folder(source, out, tensors | int8_tensors, meta)
     return report
+
+
+INT8_SCHEME = "per-output-channel symmetric INT8, round to nearest, scale max|w|/127"
+
+
+def int8_weights(model: Transformer) -> tuple[dict[str, torch.Tensor], dict]:
+    """The INT8 verifier's weights (`--target-weights int8`): every linear layer, quantized
+    per output channel (RTN; no activation smoothing, see docs/DESIGN.md). Returns the
+    tensors for draft.safetensors and their metadata."""
+    tensors = {}
+    for name, layer in linear_layers(model).items():
+        q = Int8Linear.from_linear(layer)
+        for key, t in q.state_dict().items():
+            tensors[f"{name}.int8.{key}"] = t.contiguous()
+    meta = {"scheme": INT8_SCHEME, "smoothing": None, "modules": sorted(linear_layers(model))}
+    return tensors, meta
+
+
+def add_int8_weights(folder: Path, model: Transformer) -> None:
+    """Give a converted folder made before INT8 verification its INT8 weights (atomically)."""
+    from safetensors.torch import load_file
+
+    meta = json.loads((folder / DRAFT_META).read_text())
+    tensors = load_file(folder / DRAFT_WEIGHTS)
+    extra, meta["target_int8"] = int8_weights(model)
+    tmp_weights = folder / f".{DRAFT_WEIGHTS}.tmp"
+    tmp_meta = folder / f".{DRAFT_META}.tmp"
+    try:
+        save_file(tensors | extra, tmp_weights, metadata={"format": "qspec-draft"})
+        tmp_meta.write_text(json.dumps(meta, indent=2) + "\n")
+        os.replace(tmp_weights, folder / DRAFT_WEIGHTS)
+        os.replace(tmp_meta, folder / DRAFT_META)
+    finally:
+        tmp_weights.unlink(missing_ok=True)
+        tmp_meta.unlink(missing_ok=True)
 
 
 def _write_folder(source: Path, out: Path, tensors: dict, meta: dict) -> None:
@@ -417,7 +457,29 @@ def load_draft(folder: Path, model: Transformer) -> dict | None:
                         )
                 draft.load_state_dict(state)
                 drafts[module] = draft.to(model.device)
+            int8 = _load_int8(f, names, meta.get("target_int8"), layers, model.device)
     except (SafetensorError, OSError) as e:
         raise QspecError(f"corrupt draft weights in {folder}: {e}") from None
     attach_draft(model, drafts)
+    attach_int8(model, int8)
     return meta
+
+
+def _load_int8(f, names: set[str], meta: dict | None, layers: dict, device) -> dict:
+    if not meta:
+        return {}
+    out = {}
+    for module in meta["modules"]:
+        if module not in layers:
+            raise QspecError(f"INT8 module {module} does not exist in the target model")
+        target = layers[module]
+        prefix = f"{module}.int8."
+        state = {n[len(prefix) :]: f.get_tensor(n) for n in names if n.startswith(prefix)}
+        layer = Int8Linear(target.in_features, target.out_features, bias="bias" in state)
+        if state.keys() != layer.state_dict().keys() or any(
+            t.shape != layer.state_dict()[k].shape for k, t in state.items()
+        ):
+            raise QspecError(f"INT8 weights of {module} are incomplete or misshapen")
+        layer.load_state_dict(state)
+        out[module] = layer.to(device)
+    return out

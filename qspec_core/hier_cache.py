@@ -26,9 +26,11 @@ tokens of a verify) see F1 quantized on the fly. The full-precision buffer there
 from __future__ import annotations
 
 import time
+from functools import partial
 
 import torch
 
+from kernels.kv_pack import quantize_keys_triton, quantize_values_triton
 from kernels.reference import hierarchical_attention
 from qspec_core.config import ModelConfig
 from qspec_core.kv_quant import (
@@ -40,7 +42,7 @@ from qspec_core.kv_quant import (
     quantize_values,
 )
 
-VIEWS = {"target": "target", "draft": "draft"}
+VIEWS = {"target": "target", "draft": "draft", "draft-kv4": "draft"}  # path -> KV view
 
 
 class CommitInvariantError(RuntimeError):
@@ -91,6 +93,8 @@ class HierarchicalKVCache(torch.nn.Module):
         self.fp_len = [0] * L
         self.committed = 0
         self.rotate_seconds = 0.0  # time spent quantizing F1 (for the stage breakdown)
+        self._staged = [-1] * L  # per layer: n_quant whose F1 sits quantized in the next slot
+        self.fused = None  # None: the fused kernel when one runs here; False: the reference
 
     # ------------------------------------------------------------------ lengths and protocol
     @property
@@ -123,6 +127,7 @@ class HierarchicalKVCache(torch.nn.Module):
         self.n_quant = [0] * len(self.n_quant)
         self.fp_len = [0] * len(self.fp_len)
         self.committed = 0
+        self._staged = [-1] * len(self._staged)
 
     # ------------------------------------------------------------------ writes
     def _rotate(self, layer: int) -> None:
@@ -134,23 +139,14 @@ class HierarchicalKVCache(torch.nn.Module):
                 f"rotation would quantize positions {nq}..{nq + G - 1}, but only positions "
                 f"< {self.committed} are confirmed by the target path"
             )
-        if nq + G > self.k_upper.shape[3]:
-            raise ValueError(f"the cache holds at most {self.max_seq_len} positions")
-        k = quantize_keys(self.fp_k[layer, :, :, :G], G)  # planes [B, n_kv, G, D/2]
-        v = quantize_values(self.fp_v[layer, :, :, :G], G)
-        self.k_upper[layer, :, :, nq : nq + G] = k.upper
-        self.k_lower[layer, :, :, nq : nq + G] = k.lower
-        self.k_scale[layer, :, :, nq // G] = k.scale[:, :, 0]
-        self.k_zero[layer, :, :, nq // G] = k.zero[:, :, 0]
-        self.v_upper[layer, :, :, nq : nq + G] = v.upper
-        self.v_lower[layer, :, :, nq : nq + G] = v.lower
-        self.v_scale[layer, :, :, nq : nq + G] = v.scale
-        self.v_zero[layer, :, :, nq : nq + G] = v.zero
+        if self._staged[layer] != nq:  # (a fused attention may have quantized F1 already)
+            self._stage_f1(layer)
         rest = self.fp_len[layer] - G
         for fp in (self.fp_k, self.fp_v):
             fp[layer, :, :, :rest] = fp[layer, :, :, G : G + rest].clone()
         self.n_quant[layer] = nq + G
         self.fp_len[layer] = rest
+        self._staged[layer] = -1
         self.rotate_seconds += time.perf_counter() - t0
 
     def _boundary(self, positions: torch.Tensor) -> torch.Tensor:
@@ -176,6 +172,8 @@ class HierarchicalKVCache(torch.nn.Module):
             )
         if end > self.max_seq_len:
             raise ValueError(f"position {end - 1} is beyond the cache ({self.max_seq_len})")
+        if start < self.n_quant[layer] + G:
+            self._staged[layer] = -1  # F1 is being rewritten: its staged quantization is stale
         self.fp_len[layer] = start - self.n_quant[layer]  # a write below the end rolls back
         # Rotate (lazily) once no future query needs F1 in full precision. Queries come from
         # positions >= the committed length (everything later may still be rewritten), so
@@ -202,8 +200,34 @@ class HierarchicalKVCache(torch.nn.Module):
         self._write(layer, k, v, int(input_pos[0]), int(input_pos[-1]) + 1)
         nq, n_fp, G = self.n_quant[layer], self.fp_len[layer], self.group_size
         fp_k, fp_v = self.fp_k[layer, :, :, :n_fp], self.fp_v[layer, :, :, :n_fp]
-        hidden = extra = None
         late = self._boundary(input_pos) > nq  # queries that already see F1 as history
+        kernel = self._kernel(q)
+        if kernel is not None:
+            # Late queries read F1 quantized from the planes' next slot, staged there once (the
+            # rotation later writes the very same values), and skip it in the fp region.
+            if bool(late.any()) and self._staged[layer] != nq:
+                self._stage_f1(layer)
+            shift = late.to(torch.int64) * G
+            return kernel(
+                q,
+                self.k_upper[layer],
+                self.k_lower[layer],
+                self.k_scale[layer],
+                self.k_zero[layer],
+                self.v_upper[layer],
+                self.v_lower[layer],
+                self.v_scale[layer],
+                self.v_zero[layer],
+                nq + shift,
+                fp_k,
+                fp_v,
+                nq,
+                shift,
+                input_pos,
+                view,
+                G,
+            )
+        hidden = extra = None
         if bool(late.any()):
             # F1 is confirmed and whole; those queries see it quantized, as they would have
             # if it had been rotated already (quantization is deterministic).
@@ -227,6 +251,39 @@ class HierarchicalKVCache(torch.nn.Module):
             fp_hidden=hidden,
             extra=extra,
         )
+
+    def _kernel(self, q: torch.Tensor):
+        """The fused attention for q's device, or None for the PyTorch reference below."""
+        if self.fused is False:
+            return None
+        if q.device.type == "cpu":
+            from kernels import cpu_attention
+
+            if cpu_attention.available():
+                return partial(cpu_attention.hier_attention_cpu, chunk_size=self.chunk_size)
+        else:
+            from kernels import hier_attention
+
+            if hier_attention.triton_usable(q):
+                return hier_attention.hier_attention
+        return None
+
+    def _stage_f1(self, layer: int) -> None:
+        """Quantize F1 (confirmed, one whole K group) into the planes at [nq, nq + G)."""
+        G, nq = self.group_size, self.n_quant[layer]
+        if nq + G > self.k_upper.shape[3]:
+            raise ValueError(f"the cache holds at most {self.max_seq_len} positions")
+        k = quantize_keys_triton(self.fp_k[layer, :, :, :G], G)  # planes [B, n_kv, G, D/2]
+        v = quantize_values_triton(self.fp_v[layer, :, :, :G], G)  # (torch off CUDA)
+        self.k_upper[layer, :, :, nq : nq + G] = k.upper
+        self.k_lower[layer, :, :, nq : nq + G] = k.lower
+        self.k_scale[layer, :, :, nq // G] = k.scale[:, :, 0]
+        self.k_zero[layer, :, :, nq // G] = k.zero[:, :, 0]
+        self.v_upper[layer, :, :, nq : nq + G] = v.upper
+        self.v_lower[layer, :, :, nq : nq + G] = v.lower
+        self.v_scale[layer, :, :, nq : nq + G] = v.scale
+        self.v_zero[layer, :, :, nq : nq + G] = v.zero
+        self._staged[layer] = nq
 
     def dequantize(self, layer: int, start: int, end: int, view: str):
         """History positions [start, end) (multiples of G) of one layer as fp32 (k, v)."""
@@ -268,6 +325,7 @@ class HierarchicalKVCache(torch.nn.Module):
             self.fp_v[layer, :, :, : T - nq] = v[layer, :, :, nq:]
             self.n_quant[layer], self.fp_len[layer] = nq, T - nq
         self.committed = T
+        self._staged = [-1] * len(self._staged)
 
     # ------------------------------------------------------------------ accounting, snapshots
     def nbytes(self) -> dict[str, int]:
@@ -324,3 +382,4 @@ class HierarchicalKVCache(torch.nn.Module):
         self.n_quant = [nq] * len(self.n_quant)
         self.fp_len = [n_fp] * len(self.fp_len)
         self.committed = meta["committed"]
+        self._staged = [-1] * len(self._staged)

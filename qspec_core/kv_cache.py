@@ -15,7 +15,9 @@ import torch
 from kernels.reference import causal_attention, causal_mask
 from qspec_core.config import ModelConfig
 
-PATHS = ("fp", "target", "draft")
+# fp: full-precision weights and KV; target/draft: QuantSpec's two paths (INT8 / INT4 KV view,
+# full / 4-bit weights); draft-kv4: full-precision weights over the INT4 view (an ablation).
+PATHS = ("fp", "target", "draft", "draft-kv4")
 
 
 class KVCache(Protocol):
@@ -83,8 +85,10 @@ class FullPrecisionCache(torch.nn.Module):
     def attend(self, layer, q, k, v, input_pos, path="fp"):
         # Every path reads full-precision KV here: with path="draft" this is the draft-w4
         # ablation (4-bit weights, full-precision KV).
-        if path not in PATHS:
-            raise ValueError(f"unknown path {path!r} (have: {', '.join(PATHS)})")
+        if path not in PATHS or path == "draft-kv4":
+            raise ValueError(
+                f"the full-precision cache serves 'fp', 'target' and 'draft', not {path!r}"
+            )
         start, end = int(input_pos[0]), int(input_pos[-1]) + 1
         if end > self.max_seq_len:
             raise ValueError(f"position {end - 1} is beyond the cache ({self.max_seq_len})")

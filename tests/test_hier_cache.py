@@ -90,12 +90,15 @@ def test_token_by_token_equals_group_aligned_prefill(path, overrides):
     torch.testing.assert_close(logits_step, logits_chunk, atol=1e-4, rtol=1e-4)
 
 
-def test_speculative_like_rounds_equal_a_replay_of_the_committed_tokens():
+@pytest.mark.parametrize("fused", [None, False])
+def test_speculative_like_rounds_equal_a_replay_of_the_committed_tokens(fused):
     """Draft writes, verify overwrites, rejections, commits, rotations: the cache must equal
-    one that saw only the committed tokens in the same verify forwards."""
+    one that saw only the committed tokens in the same verify forwards. With the fused
+    attention (None: the kernel of this device) and with the PyTorch reference (False)."""
     model = _tiny()
     prompt = _tokens(37)
     spec, replay = _cache(model, 256), _cache(model, 256)
+    spec.fused = replay.fused = fused
     prefill(model, spec, prompt, 0, "target", chunk_size=16)
     prefill(model, replay, prompt, 0, "target", chunk_size=16)
     committed = list(prompt)
@@ -218,5 +221,37 @@ def test_paths_are_checked():
     model = _tiny()
     with pytest.raises(ValueError, match="serves 'target' and 'draft'"):
         _feed(model, _cache(model), [1], 0, "fp")
-    with pytest.raises(ValueError, match="unknown path"):
+    with pytest.raises(ValueError, match="not .int2."):
         _feed(model, FullPrecisionCache(model.config, 8, dtype=torch.float32), [1], 0, "int2")
+
+
+def test_fused_attention_equals_the_reference_through_rounds_with_late_queries():
+    """The fused kernel (staging F1 into the planes for late queries) and the reference
+    (quantizing F1 on the fly) give the same logits on both paths, round after round."""
+    from kernels import cpu_attention
+
+    if not cpu_attention.available():
+        pytest.skip("no C++ compiler for the CPU kernel")
+    model = _tiny()
+    fused, ref = _cache(model, 256), _cache(model, 256)
+    ref.fused = False
+    prompt = _tokens(30)
+    for cache in (fused, ref):
+        prefill(model, cache, prompt, 0, "target", chunk_size=16)
+    g, c, late_seen = _gen(9), len(prompt), 0
+    for _ in range(20):
+        drafts = torch.randint(0, 101, (5,), generator=g).tolist()
+        for i, t in enumerate(drafts[:-1]):
+            a = _feed(model, fused, [t], c + i, "draft")
+            b = _feed(model, ref, [t], c + i, "draft")
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+        a = _feed(model, fused, drafts, c, "target")
+        b = _feed(model, ref, drafts, c, "target")
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+        late_seen += int((fused._boundary(torch.arange(c, c + 5)) > fused.n_quant[0]).any())
+        n = int(torch.randint(1, 6, (1,), generator=g))
+        for cache in (fused, ref):
+            cache.truncate(c + n)
+            cache.commit(c + n)
+        c += n
+    assert late_seen >= 3 and fused.n_quant == ref.n_quant and fused.quantized_len >= 48

@@ -1,0 +1,148 @@
+"""`qspec bench`: parsing and refusals, interleaving, pair-wise speedups, the report's schema and
+its internal consistency (tiny model), and a short real-model smoke run."""
+
+import json
+import statistics
+
+import pytest
+from test_cli import assert_user_error, run_qspec
+
+from qspec_core.bench import (
+    MODES,
+    BenchConfig,
+    check_config,
+    parse_contexts,
+    parse_modes,
+    run_bench,
+    summarize_mode,
+)
+from qspec_core.errors import QspecError
+from qspec_core.runtime import load_runtime
+
+MODE_KEYS = {
+    "about", "target_weights", "prompt_tokens", "new_tokens", "prefill_tokens_per_s", "ttft_s",
+    "decode_tokens_per_s", "ms_per_token", "kv_bytes_per_token", "kv_cache_bytes",
+    "peak_memory_bytes", "speedup_vs_ar", "stages", "runs",
+}  # fmt: skip
+
+
+def test_parse_contexts():
+    assert parse_contexts("2k,8k,32k") == [2048, 8192, 32768]
+    assert parse_contexts(" 1.5K, 300 ") == [1536, 300]
+    for bad in ("", "abc", "0", "-2k", "1.0001k", "2k,,x"):
+        with pytest.raises(QspecError, match="--context"):
+            parse_contexts(bad)
+
+
+def test_parse_modes():
+    assert parse_modes(None) == tuple(MODES)
+    assert parse_modes("ar,quantspec,ar") == ("ar", "quantspec")
+    with pytest.raises(QspecError, match="unknown nope"):
+        parse_modes("ar,nope")
+
+
+@pytest.fixture(scope="module")
+def tiny_runtime(tiny_model_dir):
+    return load_runtime(str(tiny_model_dir), dtype="fp32", log=lambda m: None)
+
+
+def test_refusals_name_the_limit_and_the_way_out(tiny_runtime):
+    with pytest.raises(QspecError, match="beyond .* context of 512 tokens") as e:
+        check_config(BenchConfig(contexts=[256, 1024], gen=8), tiny_runtime)
+    assert "qwen2.5-coder-0.5b" in str(e.value) and "1024" in str(e.value)
+    with pytest.raises(QspecError, match="fewer than 64 prompt tokens"):
+        check_config(BenchConfig(contexts=[100], gen=64), tiny_runtime)
+
+
+def test_tiny_bench_interleaves_and_reports_consistent_numbers(tiny_runtime):
+    modes = tuple(MODES)
+    config = BenchConfig(contexts=[192, 320], gen=12, modes=modes, repeats=2, gamma=3)
+    labels = []
+    report = run_bench(tiny_runtime, config, "fp32", on_run=labels.append)
+    measured = [x for x in labels if not x.startswith("warm-up")]
+    expected = [f"{c} {m} #{r}" for c in (192, 320) for r in (1, 2) for m in modes]
+    assert measured == expected  # A B C ... A B C ..., per context
+    assert [c["context"] for c in report["contexts"]] == [192, 320]
+    assert json.loads(json.dumps(report)) == report  # plain JSON
+    for ctx in report["contexts"]:
+        assert ctx["prompt_tokens"] <= ctx["context"] - config.gen
+        assert ctx["prompt_tokens"] >= ctx["context"] - config.gen - 4
+        for name, r in ctx["modes"].items():
+            assert MODE_KEYS <= r.keys(), name
+            assert r["new_tokens"] == config.gen  # stop tokens ignored
+            runs = r["runs"]
+            assert len(runs) == 2
+            ar = ctx["modes"]["ar"]["runs"]
+            ratios = [
+                ((x["new_tokens"] - 1) / x["decode_s"]) / ((a["new_tokens"] - 1) / a["decode_s"])
+                for x, a in zip(runs, ar, strict=True)
+            ]
+            assert r["speedup_vs_ar"]["median"] == pytest.approx(statistics.median(ratios))
+            rates = [(x["new_tokens"] - 1) / x["decode_s"] for x in runs]
+            assert r["decode_tokens_per_s"]["min"] == pytest.approx(min(rates))
+            assert sum(s["share"] for s in r["stages"].values()) == pytest.approx(1, abs=0.02)
+            assert r["target_weights"] == ("int8" if name in ("ar-w8", "quantspec-w8verify")
+                                           else "full")  # fmt: skip
+            if MODES[name].speculative:
+                spec = r["spec"]
+                emitted = spec["accepted"] + spec["recovered"] + spec["bonus"]
+                assert spec["tokens_per_target_step"] == pytest.approx(
+                    emitted / spec["rounds"], abs=1e-4
+                )
+                # every token after each run's first comes from a round; a run's last round
+                # may cut its final token at the limit
+                after_first = sum(x["new_tokens"] - 1 for x in runs)
+                assert after_first <= emitted <= after_first + len(runs)
+                assert spec["drafted"] >= spec["accepted"]
+                assert set(r["kv_bytes_per_token"]) == {"draft", "target"}
+                assert r["stages"].keys() >= {"draft", "verify", "accept"}
+            else:
+                assert "spec" not in r and set(r["stages"]) == {"decode"}
+        assert ctx["modes"]["ar"]["speedup_vs_ar"]["median"] == pytest.approx(1.0)
+        kv = {m: r["kv_bytes_per_token"] for m, r in ctx["modes"].items()}
+        assert kv["quantspec"]["draft"] < kv["quantspec"]["target"] < kv["ar"]["ar"]
+        assert kv["draft-w4"]["draft"] == kv["ar"]["ar"]
+
+
+def test_speedup_pairs_repeat_i_with_repeat_i():
+    from qspec_core.bench import Run
+
+    def run(mode, decode_s):
+        return Run(mode, 100, 11, 1.0, 1.0, decode_s, {"decode": decode_s}, None, {}, 0, None,
+                   "full")  # fmt: skip
+
+    ar = [run("ar", 1.0), run("ar", 4.0), run("ar", 1.5)]
+    fast = [run("target-ar", 0.5), run("target-ar", 2.0), run("target-ar", 3.0)]
+    summary = summarize_mode(fast, ar)  # pair-wise ratios 2, 2, 0.5
+    assert summary["speedup_vs_ar"] == {"median": 2.0, "min": 0.5, "max": 2.0}
+    # the ratio of unpaired medians would say 0.75
+    unpaired = statistics.median([20, 5, 10 / 3]) / statistics.median([10, 2.5, 10 / 1.5])
+    assert unpaired == pytest.approx(0.75)
+
+
+def test_cli_bench_refuses_bad_input(tmp_path):
+    assert_user_error(run_qspec("bench", "--context", "2x"), "--context")
+    assert_user_error(run_qspec("bench", "--modes", "ar,fast"), "unknown fast")
+    assert_user_error(
+        run_qspec("bench", "--context", "64k", "--modes", "ar"), "8192", "qwen2.5-coder-0.5b"
+    )
+    assert_user_error(run_qspec("bench", "--plot", tmp_path / "x.txt"), "--plot")
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.real_model
+def test_real_model_bench_smoke(tmp_path, default_model_dir):
+    out, plot = tmp_path / "bench.json", tmp_path / "bench.png"
+    proc = run_qspec(
+        "bench", "--context", "448", "--gen", "8", "--repeats", "1", "--modes",
+        "ar,target-ar,quantspec,quantspec-w8verify", "--json", out, "--plot", plot,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "quantspec-w8verify" in proc.stdout and "where decoding time goes" in proc.stdout
+    report = json.loads(out.read_text())
+    assert report["machine"]["threads"] >= 1 and report["machine"]["torch"]
+    (ctx,) = report["contexts"]
+    assert set(ctx["modes"]) == {"ar", "target-ar", "quantspec", "quantspec-w8verify"}
+    for r in ctx["modes"].values():
+        assert MODE_KEYS <= r.keys() and r["decode_tokens_per_s"]["median"] > 0
+    assert plot.stat().st_size > 10_000

@@ -1,0 +1,118 @@
+"""INT8 verifier weights (Quasar): written by convert, loaded, exact speculation against them,
+their perplexity cost on a real text, and snapshots that remember which weights made them."""
+
+import json
+
+import pytest
+import torch
+
+from qspec_core.convert import DRAFT_META, add_int8_weights
+from qspec_core.errors import QspecError
+from qspec_core.model import has_int8, linear_layers, set_target_weights, target_weights
+from qspec_core.runtime import load_runtime
+from qspec_core.session import ChatSession
+
+
+@pytest.fixture(scope="module")
+def tiny_int8(tiny_model_dir):
+    return load_runtime(str(tiny_model_dir), dtype="fp32", log=lambda m: None,
+                        target_weights="int8")  # fmt: skip
+
+
+def test_convert_writes_int8_weights_and_their_metadata(tiny_model_dir):
+    meta = json.loads((tiny_model_dir / DRAFT_META).read_text())
+    assert meta["target_int8"]["scheme"].startswith("per-output-channel symmetric INT8")
+    rt = load_runtime(str(tiny_model_dir), dtype="fp32", log=lambda m: None)
+    layers = linear_layers(rt.model)
+    assert set(meta["target_int8"]["modules"]) == set(layers)
+    assert has_int8(rt.model) and target_weights(rt.model) == "full"
+    for layer in layers.values():  # the INT8 weights are the RTN grid of the full ones
+        w, deq = layer.weight.float(), layer.int8.dequantized_weight()
+        step = w.abs().amax(1, keepdim=True) / 127
+        assert ((w - deq).abs() <= step / 2 + 1e-7).all()
+
+
+def test_int8_target_changes_the_logits(tiny_int8):
+    model = tiny_int8.model
+    ids = torch.tensor([[5, 17, 300, 42, 7]])
+    from qspec_core.kv_cache import FullPrecisionCache
+
+    def logits():
+        cache = FullPrecisionCache(model.config, 8, dtype=torch.float32)
+        return model(ids, torch.arange(5), cache, "fp")
+
+    int8 = logits()
+    set_target_weights(model, "full")
+    try:
+        full = logits()
+    finally:
+        set_target_weights(model, "int8")
+    assert not torch.allclose(int8, full)  # the option really switches the weights
+    torch.testing.assert_close(int8, full, atol=0.05, rtol=0.05)
+
+
+@pytest.mark.parametrize("gamma", [2, 5])
+def test_greedy_quantspec_with_int8_verify_equals_int8_target_ar(tiny_int8, gamma):
+    doc = "The quick brown fox jumps over the lazy dog. " * 12
+    replies = {}
+    for mode in ("quantspec", "target-ar"):
+        s = ChatSession(tiny_int8, doc, max_new_tokens=40, mode=mode, gamma=gamma)
+        pieces = list(s.ask("Summarize."))
+        replies[mode] = ("".join(pieces), s.last.new_tokens)
+    assert replies["quantspec"] == replies["target-ar"]
+
+
+def test_add_int8_weights_upgrades_an_older_folder(tmp_path, tiny_model_dir):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    old = tmp_path / "old"
+    shutil.copytree(tiny_model_dir, old)
+    meta = json.loads((old / DRAFT_META).read_text())
+    del meta["target_int8"]
+    (old / DRAFT_META).write_text(json.dumps(meta))
+    tensors = {k: v for k, v in load_file(old / "draft.safetensors").items() if ".int8." not in k}
+    save_file(tensors, old / "draft.safetensors")
+    with pytest.raises(QspecError, match="no INT8 verifier weights"):
+        load_runtime(str(old), dtype="fp32", log=lambda m: None, target_weights="int8")
+    plain = load_runtime(str(old), dtype="fp32", log=lambda m: None)
+    add_int8_weights(old, plain.model)
+    rt = load_runtime(str(old), dtype="fp32", log=lambda m: None, target_weights="int8")
+    assert target_weights(rt.model) == "int8"
+    assert not list(old.glob(".*.tmp"))
+
+
+def test_snapshot_remembers_the_target_weights(tiny_model_dir):
+    from qspec_core.snapshot import check_compatible
+
+    rt = load_runtime(str(tiny_model_dir), dtype="fp32", log=lambda m: None)
+    from qspec_core.snapshot import model_fingerprint, tokenizer_fingerprint
+
+    manifest = {
+        "model": "tiny",
+        "model_fingerprint": model_fingerprint(tiny_model_dir),
+        "tokenizer_fingerprint": tokenizer_fingerprint(tiny_model_dir),
+        "quantization": {"group_size": rt.model.config.head_dim},
+        "target_weights": "int8",
+    }
+    with pytest.raises(QspecError, match="--target-weights int8"):
+        check_compatible(manifest, tiny_model_dir, None, rt.model)
+    set_target_weights(rt.model, "int8")
+    check_compatible(manifest, tiny_model_dir, None, rt.model)
+
+
+@pytest.mark.real_model
+def test_int8_weights_cost_under_one_percent_perplexity(default_model_dir):
+    from qspec_core.corpus import DATA
+    from qspec_core.documents import read_document
+    from qspec_core.quality import measure_kv_quality
+
+    rt = load_runtime(None, dtype="fp32", log=lambda m: None, need_draft=True)
+    ids = rt.tokenizer.encode(read_document(DATA / "apache-2.0.txt"))[:768]
+    q = measure_kv_quality(rt.model, ids)
+    assert {"w8", "w8-target"} <= q.perplexity.keys()
+    for name in ("w8", "w8-target"):
+        assert q.perplexity[name] != q.perplexity["fp"]
+        assert abs(q.perplexity[name] / q.perplexity["fp"] - 1) < 0.01, q.perplexity
+    assert target_weights(rt.model) == "full"  # measuring leaves the model as it was

@@ -1,0 +1,295 @@
+"""W8A16: per-channel INT8 quantization, the PyTorch twin, the Triton kernel under the
+interpreter, and `Int8Linear`'s CPU path through torch's int8 kernel.
+
+conftest.py sets TRITON_INTERPRET=1 before any import, so `_launch` really runs Triton here.
+"""
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from kernels import w8a16
+from kernels.w8a16 import _launch, dequantize_int8, quantize_int8, w8a16_matmul, w8a16_ref
+from qspec_core import int8_linear
+from qspec_core.int8_linear import Int8Linear
+
+BF16_U = 2.0**-9  # unit roundoff of bf16 (8 significant bits, round to nearest)
+
+
+def make_layer(k, n, bias=True, seed=0) -> Int8Linear:
+    """An Int8Linear quantized from a random nn.Linear [K -> N] (weights ~ 0.02 like an LLM's)."""
+    gen = torch.Generator().manual_seed(seed)
+    linear = nn.Linear(k, n, bias=bias)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(n, k, generator=gen) * 0.02)
+        if bias:
+            linear.bias.copy_(torch.randn(n, generator=gen) * 0.1)
+    return Int8Linear.from_linear(linear)
+
+
+def fp64_reference(x, layer: Int8Linear):
+    """Dequantized weight times x, all in fp64, independent of w8a16_ref."""
+    weight = layer.weight_int8.double() * layer.weight_scale.double()[:, None]  # [N, K]
+    y = x.double() @ weight.T
+    return y if layer.bias is None else y + layer.bias.double()
+
+
+def magnitude(x, layer: Int8Linear):
+    """|x| @ |W|^T [..., N]: the scale of the rounding error of any dot product with W."""
+    return x.double().abs() @ layer.dequantized_weight().double().abs().T
+
+
+@pytest.fixture
+def op_calls(monkeypatch):
+    """Count calls of torch._weight_int8pack_mm, so a silent fallback to the twin can't pass."""
+    real = torch._weight_int8pack_mm
+    calls = []
+
+    def spy(x, w, scales):
+        calls.append((tuple(x.shape), x.dtype, scales.dtype))
+        return real(x, w, scales)
+
+    monkeypatch.setattr(torch, "_weight_int8pack_mm", spy)
+    return calls
+
+
+# ---------------------------------------------------------------------------------------------
+# Quantization
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("n,k", [(1, 1), (40, 96), (1536, 576), (7, 33)])
+def test_quantize_round_trip_bound(n, k, dtype):
+    gen = torch.Generator().manual_seed(n + k)
+    weight = (torch.randn(n, k, generator=gen) * torch.rand(n, 1, generator=gen)).to(dtype)
+    q, scale = quantize_int8(weight)
+    assert q.dtype == torch.int8 and q.shape == (n, k) and q.is_contiguous()
+    assert scale.dtype == torch.float32 and scale.shape == (n,)
+    w = weight.float()
+    torch.testing.assert_close(scale, w.abs().amax(1) / 127, rtol=0, atol=0)
+    assert int(q.abs().max()) <= 127
+    assert bool((q.abs().amax(1) == 127).all())  # every row uses the whole grid
+    err = (w - dequantize_int8(q, scale)).abs()  # [N, K]
+    # |w - q s| <= s / 2, up to the fp32 rounding of w / s and of q * s
+    assert bool((err <= scale[:, None] * (0.5 + 1e-5)).all()), float((err / scale[:, None]).max())
+
+
+def test_quantize_zero_and_tiny_rows():
+    weight = torch.randn(4, 64)
+    weight[1] = 0.0
+    weight[3] = 0.0
+    weight[3, 5] = 1e-44  # subnormal: max / 127 underflows to 0
+    q, scale = quantize_int8(weight)
+    assert bool(torch.isfinite(scale).all()) and bool((scale > 0).all())
+    assert scale[1] == 1.0 and bool((q[1] == 0).all())
+    deq = dequantize_int8(q, scale)
+    assert bool((deq[1] == 0).all()) and bool(torch.isfinite(deq).all())
+    assert float((deq[3] - weight[3]).abs().max()) <= 1e-44
+    err = (weight - deq).abs()
+    assert bool((err[[0, 2]] <= scale[[0, 2], None] * (0.5 + 1e-5)).all())
+
+
+def test_quantize_rejects_bad_input():
+    with pytest.raises(ValueError, match="inf or NaN"):
+        quantize_int8(torch.tensor([[1.0, float("inf")]]))
+    with pytest.raises(ValueError, match="float"):
+        quantize_int8(torch.ones(3))
+    with pytest.raises(ValueError, match="float"):
+        quantize_int8(torch.ones(2, 3, dtype=torch.int8))
+
+
+# ---------------------------------------------------------------------------------------------
+# The PyTorch twin
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+def test_ref_matches_fp64(bias):
+    layer = make_layer(96, 40, bias=bias)
+    x = torch.randn(2, 5, 96, generator=torch.Generator().manual_seed(1))
+    y = w8a16_ref(x, layer.weight_int8, layer.weight_scale, layer.bias)
+    assert y.shape == (2, 5, 40) and y.dtype == x.dtype
+    torch.testing.assert_close(y.double(), fp64_reference(x, layer), rtol=1e-5, atol=1e-5)
+
+
+def test_ref_rejects_bad_shapes():
+    q, scale = quantize_int8(torch.randn(8, 64))
+    with pytest.raises(ValueError, match="int8"):
+        w8a16_ref(torch.randn(1, 64), q.to(torch.int16), scale)
+    with pytest.raises(ValueError, match="K"):
+        w8a16_ref(torch.randn(1, 32), q, scale)
+    with pytest.raises(ValueError, match="scale"):
+        w8a16_ref(torch.randn(1, 64), q, scale[:4])
+    with pytest.raises(ValueError, match="bias"):
+        w8a16_ref(torch.randn(1, 64), q, scale, torch.zeros(3))
+
+
+# ---------------------------------------------------------------------------------------------
+# Int8Linear on CPU: torch's int8 kernel with bf16 activations
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("k,n", [(576, 1536), (96, 40)])
+@pytest.mark.parametrize("m", [1, 5, 64])
+def test_cpu_path_vs_dequantize_then_matmul(m, k, n, dtype, op_calls):
+    """Elementwise bound from the module docstring: the bf16 rounding of x (fp32 inputs) and
+    of the kernel's unscaled sum, each <= 2^-9 * (|x| @ |W|^T)."""
+    layer = make_layer(k, n, bias=True, seed=m + k)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
+    y = layer(x)
+    assert y.shape == (m, n) and y.dtype == dtype
+    assert op_calls == [((m, k), torch.bfloat16, torch.bfloat16)]  # the int8 kernel ran, once
+
+    ref = w8a16_ref(x, layer.weight_int8, layer.weight_scale, layer.bias)  # fp32 math, x.dtype
+    bound = (2 * BF16_U if dtype == torch.float32 else 3 * BF16_U) * magnitude(x, layer)
+    err = (y.double() - ref.double()).abs()
+    assert bool((err <= bound * (1 + 1e-3) + 1e-6).all()), float((err / bound).max())
+    # and the bound is not vacuous: the typical error is well inside it
+    assert float((err / bound).median()) < 0.5
+
+
+def test_cpu_path_leading_dims_and_no_bias(op_calls):
+    layer = make_layer(96, 40, bias=False)
+    x = torch.randn(2, 3, 96, generator=torch.Generator().manual_seed(3))
+    y = layer(x)
+    assert y.shape == (2, 3, 40) and len(op_calls) == 1
+    err = (y.double() - fp64_reference(x, layer)).abs()
+    assert bool((err <= 2 * BF16_U * magnitude(x, layer) * (1 + 1e-3) + 1e-6).all())
+
+
+def test_cpu_path_misaligned_bf16_view(op_calls):
+    """A bf16 view at an odd offset: the kernel's aligned row loads would fault on it (M > 1),
+    so the layer must hand it an aligned copy."""
+    layer = make_layer(64, 40)
+    buffer = torch.randn(4 * 64 + 1, generator=torch.Generator().manual_seed(4)).bfloat16()
+    x = buffer[1:].view(4, 64)  # data_ptr % 64 == 2
+    assert x.data_ptr() % 64 != 0
+    y = layer(x)
+    assert len(op_calls) == 1
+    err = (y.double() - fp64_reference(x, layer)).abs()
+    assert bool((err <= 3 * BF16_U * magnitude(x, layer) * (1 + 1e-3) + 1e-6).all())
+
+
+@pytest.mark.parametrize("k", [100, 40, 8])  # not multiples of 16: the kernel reads past rows
+def test_cpu_path_falls_back_for_unsupported_k(k, op_calls):
+    layer = make_layer(k, 24)
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(k))
+    assert not layer.cpu_kernel_ok()
+    y = layer(x)
+    assert op_calls == []
+    assert torch.equal(y, w8a16_ref(x, layer.weight_int8, layer.weight_scale, layer.bias))
+
+
+def test_cpu_path_falls_back_without_the_op(monkeypatch, op_calls):
+    layer = make_layer(96, 40)
+    x = torch.randn(2, 96)
+    ref = w8a16_ref(x, layer.weight_int8, layer.weight_scale, layer.bias)
+    monkeypatch.setattr(int8_linear, "_HAS_CPU_OP", False)
+    assert torch.equal(layer(x), ref) and op_calls == []
+    monkeypatch.setattr(int8_linear, "_HAS_CPU_OP", True)
+
+    def broken(*args):
+        raise RuntimeError("unsupported")
+
+    monkeypatch.setattr(torch, "_weight_int8pack_mm", broken)
+    assert torch.equal(layer(x), ref)
+    assert layer(torch.randn(0, 96)).shape == (0, 40)
+
+
+def test_from_linear_close_to_the_float_layer():
+    """Int8Linear vs the nn.Linear it came from: the rounding of W (<= scale / 2 per entry)
+    plus the CPU kernel's bf16 rounding."""
+    linear = nn.Linear(576, 1536)
+    layer = Int8Linear.from_linear(linear)
+    x = torch.randn(5, 576, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        exact = linear(x).double()
+    quant_bound = x.double().abs().sum(-1, keepdim=True) * layer.weight_scale.double() / 2
+    bound = quant_bound + 2 * BF16_U * magnitude(x, layer)
+    err = (layer(x).double() - exact).abs()
+    assert bool((err <= bound * (1 + 1e-3) + 1e-6).all())
+    assert layer.dequantized_weight().shape == (1536, 576)
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+def test_state_dict_safetensors_round_trip(tmp_path, bias):
+    layer = make_layer(96, 40, bias=bias)
+    state = layer.state_dict()
+    assert set(state) == (
+        {"weight_int8", "weight_scale", "bias"} if bias else {"weight_int8", "weight_scale"}
+    )
+    assert state["weight_int8"].dtype == torch.int8 and state["weight_scale"].dtype == torch.float32
+    save_file(dict(state), tmp_path / "layer.safetensors")
+    loaded = Int8Linear(96, 40, bias=bias)
+    loaded.load_state_dict(load_file(tmp_path / "layer.safetensors"))
+    x = torch.randn(3, 96)
+    assert torch.equal(loaded.weight_int8, layer.weight_int8)
+    assert torch.equal(loaded(x), layer(x))
+
+
+# ---------------------------------------------------------------------------------------------
+# The Triton kernel (interpreter) against the twin, FlagAttention style
+
+
+def assert_kernel_close(x, layer: Int8Linear):
+    """max|triton - fp64| <= 2 * max|ref in x.dtype - fp64| + eps."""
+    exact = fp64_reference(x, layer)
+    ref = w8a16_ref(x, layer.weight_int8, layer.weight_scale, layer.bias)
+    out = _launch(x, layer.weight_int8, layer.weight_scale, layer.bias)
+    assert out.shape == ref.shape and out.dtype == x.dtype
+    ref_err = (ref.double() - exact).abs().max().item()
+    out_err = (out.double() - exact).abs().max().item()
+    eps = 1e-6 * (1.0 + exact.abs().max().item())
+    assert out_err <= 2 * ref_err + eps, f"triton err {out_err:.3g} vs ref err {ref_err:.3g}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("k,n", [(96, 40), (200, 64)])  # K tails inside one and two K-blocks
+@pytest.mark.parametrize("m", [1, 5, 33])
+def test_kernel_matches_reference(m, k, n, bias, dtype):
+    layer = make_layer(k, n, bias=bias, seed=m * 1000 + k + n)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(k + m)).to(dtype)
+    assert_kernel_close(x, layer)
+
+
+def test_kernel_odd_operands():
+    """Leading dims, a strided x over several M tiles, fp16, K < 16, N = 1."""
+    layer = make_layer(64, 20, seed=7)
+    x = torch.randn(2, 3, 64, generator=torch.Generator().manual_seed(6)).bfloat16()
+    assert_kernel_close(x, layer)  # [2, 3, K]
+    wide = torch.randn(64, 70, generator=torch.Generator().manual_seed(8))
+    assert_kernel_close(wide.T, layer)  # x [70, K] with stride (1, 70): 2 M tiles
+    assert_kernel_close(torch.randn(4, 64).half(), layer)
+    assert_kernel_close(torch.randn(3, 8), make_layer(8, 1, seed=9))
+
+
+# ---------------------------------------------------------------------------------------------
+# The wrapper's dispatch
+
+
+def test_wrapper_runs_triton_under_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    calls = []
+
+    def spy(*args):
+        calls.append(1)
+        return _launch(*args)
+
+    monkeypatch.setattr(w8a16, "_launch", spy)
+    layer = make_layer(96, 40)
+    x = torch.randn(3, 96)
+    y = w8a16_matmul(x, layer.weight_int8, layer.weight_scale, layer.bias)
+    assert calls == [1]
+    torch.testing.assert_close(y, w8a16_ref(x, layer.weight_int8, layer.weight_scale, layer.bias))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_wrapper_falls_back_on_cpu(monkeypatch, dtype):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(w8a16, "_launch", lambda *a: pytest.fail("Triton ran without a driver"))
+    layer = make_layer(96, 40)
+    x = torch.randn(2, 4, 96).to(dtype)
+    assert not w8a16.triton_usable(x)
+    y = w8a16_matmul(x, layer.weight_int8, layer.weight_scale, layer.bias)
+    assert torch.equal(y, w8a16_ref(x, layer.weight_int8, layer.weight_scale, layer.bias))
