@@ -639,6 +639,13 @@ def run_peers(
 
     machine = machine_info(threads)
     machine["loadavg_start"], machine["loadavg_end"] = load_start, os.getloadavg()
+    busiest = max([load_start[0]] + [s["load_1m"] for r in rows for s in r["samples"]])
+    if busiest > (os.cpu_count() or 1):
+        notes.append(
+            f"the machine was busy (load average up to {busiest:.1f} on {os.cpu_count()} CPUs): "
+            "threads that wait for a descheduled sibling at every op dominate multi-threaded "
+            "runs; rerun on an idle machine, or compare with --threads 1"
+        )
     llama = next((p for p in runners if isinstance(p, LlamaCppPeer)), None)
     machine["llama_cpp"] = llama.info["llama_cpp"] if llama else None
     if llama:
