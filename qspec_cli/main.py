@@ -714,6 +714,7 @@ def bench(
     ar is taken pair-wise within each repeat. Ignores stop tokens: every run decodes --gen.
     """
     from qspec_cli.render import bench_tables
+    from qspec_core.bench import MODES as MODES_BENCH
     from qspec_core.bench import BenchConfig, parse_contexts, parse_modes, run_bench
 
     config = BenchConfig(
@@ -732,7 +733,11 @@ def bench(
         from qspec_cli.plot import check_plotting
 
         check_plotting(plot)
-    runtime = _load(model, dtype, threads, need_draft=True)  # toggles weights per mode
+    # a named model's converted folder (made once) only when a mode needs the draft or INT8
+    need = any(MODES_BENCH[m].draft_path == "draft" for m in config.modes) or any(
+        config.weights(m) == "int8" for m in config.modes
+    )
+    runtime = _load(model, dtype, threads, need_draft=need)  # bench toggles weights per mode
     with err.status("bench") as status:
         report = run_bench(
             runtime,

@@ -51,6 +51,7 @@ def plot_bench(report: dict, path: Path) -> None:
         shares.bar(modes, values, bottom=bottom, label=stage)
         bottom = [b + v for b, v in zip(bottom, values, strict=True)]
     shares.set_ylabel(f"share of decoding time at {last['context']} tokens")
+    shares.tick_params(axis="x", labelrotation=30)
     shares.legend(fontsize="small")
     m = report["machine"]
     fig.suptitle(f"{report['model']} · {m['dtype']} · {m['cpu']} ({m['threads']} threads)")
