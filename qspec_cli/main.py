@@ -51,7 +51,8 @@ ModelOpt = Annotated[
     typer.Option(
         "--model",
         "-m",
-        help="Model folder (HF safetensors), .gguf file or hub id. "
+        help="Model folder (HF safetensors), .gguf file, hub id, or a named model "
+        "(qwen2.5-coder-0.5b: 32k context, opt-in download). "
         "Default: SmolLM2-135M-Instruct, converted once into $QSPEC_HOME.",
     ),
 ]
@@ -685,7 +686,8 @@ def bench(
         typer.Option(
             help="Comma-separated modes (default: all): ar (full-precision baseline), "
             "target-ar (INT8 KV), quantspec, draft-w4 (ablation: 4-bit weights, full KV), "
-            "draft-kv4 (ablation: full weights, INT4 KV)."
+            "draft-kv4 (ablation: full weights, INT4 KV), ar-w8 (INT8 weights), "
+            "quantspec-w8verify (INT8-weight verify)."
         ),
     ] = None,
     repeats: Annotated[int, typer.Option(min=1, help="Runs per mode and context.")] = 3,
