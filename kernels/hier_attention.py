@@ -27,12 +27,12 @@ fp32 softmax. `hier_attention` runs the Triton kernels where Triton can run
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from kernels.triton_runs import kernel_runs_on
 from kernels.w4a16 import _round_to_bf16_grid
 from qspec_core.kv_quant import (
     LOWER_OFFSET,
@@ -460,10 +460,7 @@ def _launch(*args, chunk_size=None, dot_precision=None, **kwargs) -> torch.Tenso
 def triton_usable(x: torch.Tensor) -> bool:
     """Whether `hier_attention` runs Triton for x: on CUDA, or on CPU when the interpreter is
     on (now, and when this module was imported: triton.jit chooses at decoration time)."""
-    if x.is_cuda:
-        return True
-    interpreted = type(_hier_partial_kernel).__name__ == "InterpretedFunction"
-    return interpreted and os.environ.get("TRITON_INTERPRET") == "1"
+    return kernel_runs_on(_hier_partial_kernel, x)
 
 
 def hier_attention(

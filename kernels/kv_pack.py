@@ -17,12 +17,11 @@ to do so). Where Triton cannot run, the wrappers call the twins.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from kernels.triton_runs import kernel_runs_on
 from qspec_core.kv_quant import LOWER_OFFSET, QuantizedGroupTensor, quantize_keys, quantize_values
 
 _LOWER_OFFSET = tl.constexpr(LOWER_OFFSET)  # jit code reads only constexpr globals
@@ -196,10 +195,7 @@ def _launch_values(v: torch.Tensor, group_size: int | None) -> QuantizedGroupTen
 def triton_usable(x: torch.Tensor) -> bool:
     """Whether the wrappers run Triton for x: on CUDA, or on CPU with the interpreter on
     (now, and when this module was imported)."""
-    if x.is_cuda:
-        return True
-    interpreted = type(_key_pack_kernel).__name__ == "InterpretedFunction"
-    return interpreted and os.environ.get("TRITON_INTERPRET") == "1"
+    return kernel_runs_on(_key_pack_kernel, x)
 
 
 def quantize_keys_triton(k: torch.Tensor, group_size: int) -> QuantizedGroupTensor:

@@ -17,11 +17,11 @@ everywhere else.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from kernels.triton_runs import kernel_runs_on
 
 GROUP_SIZES = (32, 64, 128, 256)
 
@@ -245,10 +245,7 @@ def triton_usable(x: torch.Tensor) -> bool:
     """Whether `w4a16_matmul` runs the Triton kernel for x: on CUDA, or on CPU when the
     interpreter is on (TRITON_INTERPRET=1 now, and it was on when this module was imported,
     since triton.jit picks compiled vs interpreted at decoration time)."""
-    if x.is_cuda:
-        return True
-    interpreted = type(_w4a16_kernel).__name__ == "InterpretedFunction"
-    return interpreted and os.environ.get("TRITON_INTERPRET") == "1"
+    return kernel_runs_on(_w4a16_kernel, x)
 
 
 def w4a16_matmul(

@@ -16,12 +16,11 @@ the public entry point, which runs the Triton kernel on CUDA tensors (or on CPU 
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from kernels.triton_runs import kernel_runs_on
 from kernels.w4a16 import _round_to_bf16_grid
 
 # ---------------------------------------------------------------------------------------------
@@ -219,10 +218,7 @@ def triton_usable(x: torch.Tensor) -> bool:
     """Whether `w8a16_matmul` runs the Triton kernel for x: on CUDA, or on CPU when the
     interpreter is on (TRITON_INTERPRET=1 now, and it was on when this module was imported,
     since triton.jit picks compiled vs interpreted at decoration time)."""
-    if x.is_cuda:
-        return True
-    interpreted = type(_w8a16_kernel).__name__ == "InterpretedFunction"
-    return interpreted and os.environ.get("TRITON_INTERPRET") == "1"
+    return kernel_runs_on(_w8a16_kernel, x)
 
 
 def w8a16_matmul(
