@@ -555,7 +555,10 @@ def convert(
         transient=True,
         disable=as_json,
     ) as progress:
-        task = progress.add_task(f"{method} 4-bit", total=n_layers)
+        label = "import" if draft_path else f"{method} 4-bit"
+        task = progress.add_task(
+            f"{label} + INT8 verifier", total=n_layers * (1 if draft_path else 2)
+        )
         report = run_convert(
             runtime.folder,
             output,

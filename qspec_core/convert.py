@@ -28,7 +28,7 @@ import qspec_core
 from qspec_core.awq import ActivationCollector, awq_quantize
 from qspec_core.errors import QspecError
 from qspec_core.generate import forward_logits
-from qspec_core.gptq import HessianCollector, gptq_quantize
+from qspec_core.gptq import HessianCollector, gptq_quantize, gptq_quantize_int8
 from qspec_core.int8_linear import Int8Linear
 from qspec_core.kv_cache import FullPrecisionCache
 from qspec_core.model import Transformer, attach_draft, attach_int8, linear_layers
@@ -237,14 +237,27 @@ def export_gptq(model: Transformer, hf_config: dict, out: Path) -> Path:
         raise QspecError(f"cannot export as GPTQ: {e}") from None
 
 
+def calibration_hessians(model: Transformer, calib_ids: list[int]) -> dict[str, torch.Tensor]:
+    """H = 2 X^T X of every linear layer's inputs on the calibration text (fp weights and KV)."""
+    collector = HessianCollector(linear_layers(model))
+    try:
+        _forward_logits(model, calib_ids, "fp")  # all positions, so lm_head sees them too
+    finally:
+        collector.close()
+    return collector.hessians
+
+
 def quantize_model(
     model: Transformer,
     method: str,
     group_size: int,
     calib_ids: list[int],
     on_layer=None,
+    hessians: dict[str, torch.Tensor] | None = None,
 ) -> dict[str, Int4Linear]:
-    """4-bit twins of every linear layer (lm_head included) by RTN or GPTQ."""
+    """4-bit twins of every linear layer (lm_head included) by RTN, GPTQ or AWQ.
+
+    GPTQ uses `hessians` when given (from `calibration_hessians` on `calib_ids`)."""
     if method not in METHODS:
         raise QspecError(f"unknown method {method!r} (have: {', '.join(METHODS)})")
     layers = linear_layers(model)
@@ -253,11 +266,13 @@ def quantize_model(
             raise QspecError(
                 f"group size {group_size} does not divide {name}'s in_features {layer.in_features}"
             )
+    if method == "gptq" and hessians is None:
+        hessians = calibration_hessians(model, calib_ids)
     collector = None
-    if method in ("gptq", "awq"):
-        collector = HessianCollector(layers) if method == "gptq" else ActivationCollector(layers)
+    if method == "awq":
+        collector = ActivationCollector(layers)
         try:
-            _forward_logits(model, calib_ids, "fp")  # all positions, so lm_head sees them too
+            _forward_logits(model, calib_ids, "fp")
         finally:
             collector.close()
     drafts = {}
@@ -272,7 +287,7 @@ def quantize_model(
             draft = draft.with_scales(input_scale=input_scale)
         else:
             if method == "gptq":
-                q, scale, zero = gptq_quantize(weight, collector.hessians[name], group_size)
+                q, scale, zero = gptq_quantize(weight, hessians[name], group_size)
             else:
                 q, scale, zero = rtn_quantize(weight, group_size)
             draft = Int4Linear.from_quantized(q, scale, zero, group_size, bias)
@@ -295,7 +310,8 @@ def convert(
     draft_from: Path | None = None,
 ) -> DraftReport:
     """Quantize `model` (loaded from `source`), or import its draft from a GPTQ/AWQ
-    checkpoint (`draft_from`), and write the converted folder `out`."""
+    checkpoint (`draft_from`), and write the converted folder `out`, with the INT8 verifier's
+    weights. `on_layer(name)` is called after each layer's draft and each layer's INT8."""
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
         raise QspecError(f"{out} exists and is not empty; pass --force to replace it")
     if out.resolve() == source.resolve():
@@ -303,16 +319,19 @@ def convert(
     calib_ids = calib_ids or []
     t0 = time.perf_counter()
     extra = {}
-    if draft_from is not None:
-        drafts, extra = import_draft(model, draft_from)
-        method, group_size = extra.pop("method"), extra.pop("group_size")
-    else:
+    if draft_from is None:
         group_size = group_size or default_group_size(model)
         if method in ("gptq", "awq") and len(calib_ids) < 64:
             raise QspecError(
                 f"{method.upper()} needs a calibration text of at least 64 tokens (--calib)"
             )
-        drafts = quantize_model(model, method, group_size, calib_ids, on_layer)
+    # One calibration pass serves GPTQ's draft and the INT8 verifier's (GPTQ) rounding.
+    hessians = calibration_hessians(model, calib_ids) if len(calib_ids) >= 64 else None
+    if draft_from is not None:
+        drafts, extra = import_draft(model, draft_from)
+        method, group_size = extra.pop("method"), extra.pop("group_size")
+    else:
+        drafts = quantize_model(model, method, group_size, calib_ids, on_layer, hessians)
     layers = linear_layers(model)
     report = DraftReport(tokens=len(calib_ids))
     for name, draft in drafts.items():
@@ -348,34 +367,61 @@ def convert(
         for name, d in drafts.items()
         for key, t in d.state_dict().items()
     }
-    int8_tensors, meta["target_int8"] = int8_weights(model)
+    int8_tensors, meta["target_int8"] = int8_weights(model, hessians, calib_source, on_layer)
     _write_folder(source, out, tensors | int8_tensors, meta)
     return report
 
 
-INT8_SCHEME = "per-output-channel symmetric INT8, round to nearest, scale max|w|/127"
+INT8_SCHEME = "per-output-channel symmetric INT8, scale max|w|/127"
+# The INT8 weights' rounding: "gptq" when the folder was converted with a calibration text,
+# "rtn" (round to nearest) otherwise. A folder whose INT8 weights are older or RTN is
+# upgraded once by `ensure_named_draft` (the default model's cache).
+INT8_METHOD = "gptq"
 
 
-def int8_weights(model: Transformer) -> tuple[dict[str, torch.Tensor], dict]:
-    """The INT8 verifier's weights (`--target-weights int8`): every linear layer, quantized
-    per output channel (RTN; no activation smoothing, see docs/DESIGN.md). Returns the
-    tensors for draft.safetensors and their metadata."""
+def int8_weights(
+    model: Transformer,
+    hessians: dict[str, torch.Tensor] | None = None,
+    calib_source: str = "",
+    on_layer=None,
+) -> tuple[dict[str, torch.Tensor], dict]:
+    """The INT8 verifier's weights (`--target-weights int8`): every linear layer on the
+    per-output-channel grid, rounded by GPTQ with `hessians` (from `calibration_hessians`) or
+    to nearest without. No activation smoothing (see docs/DESIGN.md). Returns the tensors for
+    draft.safetensors and their metadata."""
     tensors = {}
     for name, layer in linear_layers(model).items():
-        q = Int8Linear.from_linear(layer)
+        if hessians is None:
+            q = Int8Linear.from_linear(layer)
+        else:
+            w_int8, scale = gptq_quantize_int8(layer.weight.data, hessians[name])
+            bias = None if layer.bias is None else layer.bias.data.float()
+            q = Int8Linear.from_quantized(w_int8, scale, bias)
         for key, t in q.state_dict().items():
             tensors[f"{name}.int8.{key}"] = t.contiguous()
-    meta = {"scheme": INT8_SCHEME, "smoothing": None, "modules": sorted(linear_layers(model))}
+        if on_layer:
+            on_layer(name)
+    meta = {
+        "scheme": INT8_SCHEME,
+        "method": "rtn" if hessians is None else "gptq",
+        "calibration": None if hessians is None else calib_source,
+        "smoothing": None,
+        "modules": sorted(linear_layers(model)),
+    }
     return tensors, meta
 
 
-def add_int8_weights(folder: Path, model: Transformer) -> None:
-    """Give a converted folder made before INT8 verification its INT8 weights (atomically)."""
+def add_int8_weights(
+    folder: Path, model: Transformer, calib_ids: list[int] | None = None, calib_source: str = ""
+) -> None:
+    """Give a converted folder (new) INT8 weights, GPTQ-rounded on `calib_ids` when given,
+    replacing any it has (atomically)."""
     from safetensors.torch import load_file
 
     meta = json.loads((folder / DRAFT_META).read_text())
-    tensors = load_file(folder / DRAFT_WEIGHTS)
-    extra, meta["target_int8"] = int8_weights(model)
+    tensors = {k: v for k, v in load_file(folder / DRAFT_WEIGHTS).items() if ".int8." not in k}
+    hessians = calibration_hessians(model, calib_ids) if calib_ids else None
+    extra, meta["target_int8"] = int8_weights(model, hessians, calib_source)
     tmp_weights = folder / f".{DRAFT_WEIGHTS}.tmp"
     tmp_meta = folder / f".{DRAFT_META}.tmp"
     try:

@@ -61,28 +61,32 @@ class Runtime:
 
 DRAFT_SUFFIX = "-qspec-gptq"
 DEFAULT_DRAFT = "SmolLM2-135M-Instruct" + DRAFT_SUFFIX
+CALIB_TOKENS = 1024  # of the bundled GPL text, for the named models' GPTQ draft and INT8
 
 
 def ensure_named_draft(model: RegistryModel, log=print) -> Path:
     """A named model converted with a GPTQ draft (and INT8 verifier weights), made once into
     the qspec cache the first time a mode needs it."""
-    from qspec_core.convert import add_int8_weights, convert
+    from qspec_core.convert import INT8_METHOD, add_int8_weights, convert
     from qspec_core.documents import read_document
     from qspec_core.models import models_dir
 
     target = models_dir() / (model.name + DRAFT_SUFFIX)
     meta = target / "qspec_draft.json"
+    calib = Path(__file__).resolve().parent / "data" / "gpl-3.0.txt"
+    calib_source = "qspec_core/data/gpl-3.0.txt"
     if meta.exists():
-        if "target_int8" not in json.loads(meta.read_text()):  # made before INT8 verification
-            log(f"adding INT8 verifier weights to {target} (once)")
-            add_int8_weights(target, load_model(target, dtype=torch.float32))
+        int8 = json.loads(meta.read_text()).get("target_int8") or {}
+        if int8.get("method") != INT8_METHOD:  # made before INT8 verification, or RTN INT8
+            log(f"making {target.name}'s INT8 verifier weights (GPTQ, once)")
+            ids = Tokenizer(target).encode(read_document(calib))[:CALIB_TOKENS]
+            add_int8_weights(target, load_model(target, dtype=torch.float32), ids, calib_source)
         return target
     folder = ensure_registry_model(model, log)
-    log(f"making {model.name}'s 4-bit draft (GPTQ, once) in {target}")
+    log(f"making {model.name}'s 4-bit draft and INT8 verifier weights (GPTQ, once) in {target}")
     weights = load_model(folder, dtype=torch.float32)
-    calib = Path(__file__).resolve().parent / "data" / "gpl-3.0.txt"
-    ids = Tokenizer(folder).encode(read_document(calib))[:1024]
-    convert(folder, target, weights, "gptq", None, ids, "qspec_core/data/gpl-3.0.txt", force=True)
+    ids = Tokenizer(folder).encode(read_document(calib))[:CALIB_TOKENS]
+    convert(folder, target, weights, "gptq", None, ids, calib_source, force=True)
     return target
 
 

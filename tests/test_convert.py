@@ -7,9 +7,11 @@ import pytest
 import torch
 from hf_tiny import tiny_hf
 
+from kernels.w8a16 import quantize_int8
+
 from qspec_core.convert import convert, export_gptq, import_draft
 from qspec_core.errors import QspecError
-from qspec_core.gptq import HessianCollector, gptq_quantize
+from qspec_core.gptq import HessianCollector, gptq_quantize, gptq_quantize_int8
 from qspec_core.kv_cache import FullPrecisionCache
 from qspec_core.model import linear_layers
 from qspec_core.quant_formats import Int4Weight, read_quantized_checkpoint
@@ -77,6 +79,14 @@ def test_gptq_beats_rtn_on_layer_output_error(real_runtime):
         rtn = x @ dequantize(*rtn_quantize(w, 64)).t()
         gptq = x @ dequantize(*gptq_quantize(w, collector.hessians[n], 64)).t()
         assert (gptq - ref).norm() < 0.9 * (rtn - ref).norm(), n
+        # INT8 verifier weights: same per-channel grid as RTN, GPTQ's rounding is better
+        q8, s8 = quantize_int8(w)
+        g8, gs8 = gptq_quantize_int8(w, collector.hessians[n])
+        torch.testing.assert_close(gs8, s8, rtol=0, atol=0)
+        assert g8.dtype == torch.int8 and int(g8.abs().max()) <= 127
+        rtn8 = x @ (q8.float() * s8[:, None]).t()
+        gptq8 = x @ (g8.float() * gs8[:, None]).t()
+        assert (gptq8 - ref).norm() < 0.8 * (rtn8 - ref).norm(), n
 
 
 @pytest.fixture(scope="module")
@@ -99,6 +109,9 @@ def test_convert_load_generate(tiny_folder, tmp_path, method):
     report = convert(tiny_folder, out, model, method, 32, calib, "random")
     meta = json.loads((out / "qspec_draft.json").read_text())
     assert meta["method"] == method and meta["group_size"] == 32 and meta["bits"] == 4
+    # a calibration text makes the INT8 verifier's rounding GPTQ, whatever the draft's method
+    assert meta["target_int8"]["method"] == "gptq"
+    assert meta["target_int8"]["calibration"] == "random"
     assert "lm_head" in meta["modules"] and len(meta["modules"]) == 2 * 7 + 1
     assert set(meta["source"]["files"]) == {"model.safetensors"}
     assert 0 < max(report.rel_weight_error.values()) < 0.2 and 0 < report.kl

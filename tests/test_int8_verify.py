@@ -22,6 +22,7 @@ def tiny_int8(tiny_model_dir):
 def test_convert_writes_int8_weights_and_their_metadata(tiny_model_dir):
     meta = json.loads((tiny_model_dir / DRAFT_META).read_text())
     assert meta["target_int8"]["scheme"].startswith("per-output-channel symmetric INT8")
+    assert meta["target_int8"]["method"] == "rtn"  # converted without a calibration text
     rt = load_runtime(str(tiny_model_dir), dtype="fp32", log=lambda m: None)
     layers = linear_layers(rt.model)
     assert set(meta["target_int8"]["modules"]) == set(layers)
@@ -81,6 +82,18 @@ def test_add_int8_weights_upgrades_an_older_folder(tmp_path, tiny_model_dir):
     rt = load_runtime(str(old), dtype="fp32", log=lambda m: None, target_weights="int8")
     assert target_weights(rt.model) == "int8"
     assert not list(old.glob(".*.tmp"))
+    rtn = {k: v for k, v in load_file(old / "draft.safetensors").items() if ".int8." in k}
+    # upgrading RTN INT8 weights to GPTQ ones replaces them and keeps the draft
+    calib = list(range(100, 300))
+    add_int8_weights(old, plain.model, calib, "ids 100..299")
+    meta = json.loads((old / DRAFT_META).read_text())
+    assert meta["target_int8"]["method"] == "gptq"
+    assert meta["target_int8"]["calibration"] == "ids 100..299"
+    after = load_file(old / "draft.safetensors")
+    assert {k for k in after if ".int8." not in k} == {k for k in tensors}
+    assert rtn.keys() == {k for k in after if ".int8." in k}
+    assert any(not torch.equal(rtn[k], after[k]) for k in rtn if k.endswith("weight_int8"))
+    assert all(torch.equal(rtn[k], after[k]) for k in rtn if k.endswith("weight_scale"))
 
 
 def test_snapshot_remembers_the_target_weights(tiny_model_dir):
@@ -104,8 +117,8 @@ def test_snapshot_remembers_the_target_weights(tiny_model_dir):
 
 @pytest.mark.real_model
 def test_int8_weights_perplexity_cost_is_small(default_model_dir):
-    """The issue asks for <= 1%; measured here it is ~1% (+1.09% on these 768 tokens, +1.03%
-    on 2,048: docs/PERF.md), so this guards against regressions at 2%."""
+    """The issue asks for <= 1%. Round-to-nearest INT8 cost ~1% (+1.09% on these 768 tokens);
+    GPTQ's rounding brings it under (docs/PERF.md)."""
     from qspec_core.corpus import DATA
     from qspec_core.documents import read_document
     from qspec_core.quality import measure_kv_quality
@@ -116,5 +129,5 @@ def test_int8_weights_perplexity_cost_is_small(default_model_dir):
     assert {"w8", "w8-target"} <= q.perplexity.keys()
     for name in ("w8", "w8-target"):
         assert q.perplexity[name] != q.perplexity["fp"]
-        assert abs(q.perplexity[name] / q.perplexity["fp"] - 1) < 0.02, q.perplexity
+        assert abs(q.perplexity[name] / q.perplexity["fp"] - 1) < 0.01, q.perplexity
     assert target_weights(rt.model) == "full"  # measuring leaves the model as it was
