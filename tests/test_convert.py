@@ -8,7 +8,6 @@ import torch
 from hf_tiny import tiny_hf
 
 from kernels.w8a16 import quantize_int8
-
 from qspec_core.convert import convert, export_gptq, import_draft
 from qspec_core.errors import QspecError
 from qspec_core.gptq import HessianCollector, gptq_quantize, gptq_quantize_int8
