@@ -1,9 +1,11 @@
 """Peers on qspec's prompts: transformers `generate` (plain and prompt lookup) and llama.cpp.
 
-Each context size gets one prompt: bundled real texts framed the way qspec frames a document
-(a system message holding it, then the summary request), rendered with the model's chat
-template and cut so that prompt + generated tokens fill the context. Peers run interleaved
-(A B C A B C ...) so machine drift hits all alike; tables give medians and min-max.
+qspec's own modes (`--qspec-modes`, default ar,quantspec) run as rows of the same table, on
+the same token ids, interleaved with the peers. Each context size gets one prompt: bundled
+real texts framed the way qspec frames a document (a system message holding it, then the
+summary request), rendered with the model's chat template and cut so that prompt + generated
+tokens fill the context. Peers run interleaved (A B C A B C ...) so machine drift hits all
+alike; tables give medians and min-max.
 
 Per run: TTFT = from the call until the first new token exists (prefill, first sampling and
 whatever setup the peer does per call); prefill tok/s = prompt tokens / TTFT; decode = the
@@ -232,6 +234,53 @@ def load_hf_peers(folder: Path, families, dtypes, lookup_tokens, cache, notes) -
         if "hf-lookup" in families:
             peers.append(HFPeer(model, dtype, lookup_tokens, cache))
     return peers
+
+
+# ----------------------------------------------------------------------------- qspec
+
+
+class QspecPeer:
+    """qspec's own `qspec bench` modes (`ar`, `quantspec`, ...) as rows of the same table,
+    on the same token ids, interleaved with the peers: `qspec_core.bench.run_once`."""
+
+    family = "qspec"
+
+    def __init__(self, runtime, mode: str, config):
+        self.runtime, self.mode, self.config = runtime, mode, config
+        self.name = f"qspec-{mode}"
+
+    @property
+    def meta(self) -> dict:
+        from qspec_core.bench import MODES
+
+        return {"backend": "qspec", "dtype": "fp32", "cache": MODES[self.mode].cache}
+
+    def warmup(self, ids: list[int], notes: list[str]) -> None:
+        self.run(ids, 4)
+
+    def run(self, ids: list[int], gen: int) -> Sample:
+        from qspec_core.bench import run_once
+
+        r = run_once(self.runtime, self.mode, ids, gen, self.config, self.config.seed)
+        extra = {"prefill_s": r.prefill_s, "stages_s": r.stages_s, "spec": r.spec}
+        return Sample(r.prompt_tokens, r.new_tokens, r.ttft_s, 1, r.decode_s, r.tokens, extra)
+
+    def close(self):
+        pass
+
+
+def load_qspec_peers(model: str | None, modes: tuple[str, ...], gen: int, notes) -> list:
+    from qspec_core.bench import MODES, BenchConfig
+    from qspec_core.runtime import load_runtime
+
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        raise SystemExit(f"--qspec-modes: unknown {unknown} (have: {', '.join(MODES)})")
+    need_draft = any(MODES[m].speculative or MODES[m].weights == "int8" for m in modes)
+    runtime = load_runtime(model, dtype="fp32", log=lambda m: None, need_draft=need_draft)
+    config = BenchConfig(contexts=[], gen=gen, modes=modes)
+    notes.append(f"qspec modes {', '.join(modes)}: fp32, greedy, gamma {config.gamma}")
+    return [QspecPeer(runtime, m, config) for m in modes]
 
 
 # ----------------------------------------------------------------------------- llama.cpp
@@ -552,6 +601,7 @@ def run_peers(
     lookup_tokens: int = 10,
     hf_cache: str = "static",
     budget_s: float = 600.0,
+    qspec_modes: tuple[str, ...] = (),
     log=print,
 ) -> dict:
     """Time the peers on qspec-style prompts; returns settings, machine, notes and rows.
@@ -583,7 +633,8 @@ def run_peers(
     if model is None and gguf is None:
         gguf = _registry_gguf(DEFAULT_MODEL, log)
 
-    runners = load_hf_peers(folder, peers, hf_dtypes, lookup_tokens, hf_cache, notes)
+    runners = load_qspec_peers(model, qspec_modes, gen, notes) if qspec_modes else []
+    runners += load_hf_peers(folder, peers, hf_dtypes, lookup_tokens, hf_cache, notes)
     if "llama.cpp" in peers and prompts:
         llama_args = {"gguf": gguf, "threads": threads, "flash_attn": llama_flash_attn}
         llama_args |= {"python": llama_cpp_python, "bin": llama_cpp_bin}
@@ -640,7 +691,7 @@ def run_peers(
     machine = machine_info(threads)
     machine["loadavg_start"], machine["loadavg_end"] = load_start, os.getloadavg()
     busiest = max([load_start[0]] + [s["load_1m"] for r in rows for s in r["samples"]])
-    if busiest > (os.cpu_count() or 1):
+    if busiest > (os.cpu_count() or 1) + 0.5:  # our own threads alone make it ~cpu_count
         notes.append(
             f"the machine was busy (load average up to {busiest:.1f} on {os.cpu_count()} CPUs): "
             "threads that wait for a descheduled sibling at every op dominate multi-threaded "
@@ -654,8 +705,8 @@ def run_peers(
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": machine,
         "settings": {
-            "model": str(folder),
-            "gguf": str(gguf) if gguf else None,
+            "model": folder.name,  # names, not paths: results get shared and committed
+            "gguf": gguf.name if gguf else None,
             "gen": gen,
             "repeats": repeats,
             "hf_cache_requested": hf_cache,
@@ -733,6 +784,11 @@ def main():
     ap.add_argument("--llama-cpp-bin", type=Path, help="llama-bench or llama-cli binary")
     ap.add_argument("--llama-flash-attn", action="store_true")
     ap.add_argument("--budget-s", type=float, default=600.0, help="longest run a peer may take")
+    ap.add_argument(
+        "--qspec-modes",
+        default="ar,quantspec",
+        help="qspec bench modes to run as rows of the same table ('' for none)",
+    )
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
 
@@ -755,6 +811,7 @@ def main():
         lookup_tokens=args.lookup_tokens,
         hf_cache=args.hf_cache,
         budget_s=args.budget_s,
+        qspec_modes=tuple(m.strip() for m in args.qspec_modes.split(",") if m.strip()),
         log=lambda msg: print(msg, file=sys.stderr, flush=True),
     )
     render_table(result)

@@ -174,6 +174,7 @@ class Run:
     kv_cache_bytes: int  # what the cache holds at the end (valid data)
     peak_memory_bytes: int | None  # CUDA peak for this run; None on CPU (see machine)
     target_weights: str  # the weights of the target path: its output follows that model
+    tokens: list[int] = field(default_factory=list, repr=False)  # the decoded ids (not in JSON)
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -250,13 +251,13 @@ def _run_once(runtime, mode_name, prompt, gen, config, seed) -> Run:
     else:
         tokens = decode(*common, path=mode.target_path, timer=timer)
     first = None
-    n = 0
-    for _ in tokens:
+    out = []
+    for token in tokens:
         if first is None:
             if cuda:
                 torch.cuda.synchronize()
             first = time.perf_counter()
-        n += 1
+        out.append(int(token))
     if cuda:
         torch.cuda.synchronize()
     end = time.perf_counter()
@@ -264,7 +265,7 @@ def _run_once(runtime, mode_name, prompt, gen, config, seed) -> Run:
     return Run(
         mode=mode_name,
         prompt_tokens=len(prompt),
-        new_tokens=n,
+        new_tokens=len(out),
         prefill_s=timer.seconds["prefill"],
         ttft_s=first - start,
         decode_s=end - first,
@@ -274,6 +275,7 @@ def _run_once(runtime, mode_name, prompt, gen, config, seed) -> Run:
         kv_cache_bytes=sum(cache.nbytes().values()),
         peak_memory_bytes=torch.cuda.max_memory_allocated() if cuda else None,
         target_weights=target_weights(model),
+        tokens=out,
     )
 
 
@@ -323,7 +325,7 @@ def summarize_mode(runs: list[Run], ar_runs: list[Run] | None) -> dict:
                 )
             )  # fmt: skip
         out["spec"] = total.to_dict(runs[0].spec["gamma"])
-    out["runs"] = [asdict(r) for r in runs]
+    out["runs"] = [{k: v for k, v in asdict(r).items() if k != "tokens"} for r in runs]
     return out
 
 

@@ -146,3 +146,35 @@ def test_real_model_bench_smoke(tmp_path, default_model_dir):
     for r in ctx["modes"].values():
         assert MODE_KEYS <= r.keys() and r["decode_tokens_per_s"]["median"] > 0
     assert plot.stat().st_size > 10_000
+
+
+@pytest.mark.real_model
+def test_peers_script_puts_qspec_modes_beside_transformers(default_model_dir, monkeypatch):
+    """benchmarks/peers.py at a tiny size: qspec's modes are rows of the peers' table, on the
+    same token ids (greedy qspec `ar` equals transformers fp32; quantspec equals target-ar)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "peers.py"
+    spec = importlib.util.spec_from_file_location("peers", path)
+    peers = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "peers", peers)  # dataclasses look it up
+    spec.loader.exec_module(peers)
+    result = peers.run_peers(
+        [320],
+        gen=12,
+        repeats=1,
+        peers=("hf",),
+        hf_dtypes=("fp32",),
+        qspec_modes=("ar", "target-ar", "quantspec"),
+        log=lambda m: None,
+    )
+    rows = {r["peer"]: r for r in result["results"]}
+    assert set(rows) == {"qspec-ar", "qspec-target-ar", "qspec-quantspec", "hf-fp32"}
+    assert len({r["prompt_tokens"] for r in rows.values()}) == 1  # one prompt for all
+    assert all(r["new_tokens"] == 12 and r["decode_tokens_per_s"]["median"] for r in rows.values())
+    assert rows["qspec-ar"]["agree_with"] == "hf-fp32"
+    assert rows["qspec-ar"]["agree_tokens"] >= 10  # fp32 vs fp32: equal but for near-ties
+    assert rows["qspec-quantspec"]["tokens"] == rows["qspec-target-ar"]["tokens"]
+    assert rows["qspec-quantspec"]["samples"][0]["extra"]["spec"]["rounds"] > 0

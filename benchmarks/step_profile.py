@@ -1,0 +1,129 @@
+"""Where a decode step's time goes: torch.profiler over `ar` and `quantspec` decoding.
+
+For each mode: prefill the bench prompt (not profiled), then decode `--gen` tokens under the
+profiler and report, per op, its self time as a share of the decode's wall time, and what is
+left outside every op (Python, module dispatch, the profiler's own cost). qspec's C++ CPU
+attention kernel is not a torch op, so it is wrapped here to show up as
+`qspec::hier_attention_cpu`. Each mode first decodes a few tokens unprofiled (lazy weight
+packing, allocator growth). The profiler adds overhead per op, so shares of many small ops
+read high: use it to rank, and `qspec bench` for speed.
+
+    python benchmarks/step_profile.py --context 8k --gen 32 --json docs/profile-8k.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+import kernels.cpu_attention as cpu_attention
+from qspec_core.bench import MODES, BenchConfig, parse_contexts
+from qspec_core.corpus import bench_prompt
+from qspec_core.generate import decode, prefill, prefill_hierarchical
+from qspec_core.hier_cache import HierarchicalKVCache
+from qspec_core.kv_cache import FullPrecisionCache
+from qspec_core.runtime import load_runtime
+from qspec_core.speculative import SpecStats, speculative_decode
+from qspec_core.timing import StageTimer
+
+
+def _labelled(fn):
+    def wrapped(*args, **kwargs):
+        with record_function("qspec::hier_attention_cpu"):
+            return fn(*args, **kwargs)
+
+    return wrapped
+
+
+cpu_attention.hier_attention_cpu = _labelled(cpu_attention.hier_attention_cpu)
+
+
+@torch.inference_mode()
+def profile_mode(rt, mode_name: str, prompt: list[int], gen: int, gamma: int, top: int) -> dict:
+    mode = MODES[mode_name]
+    model = rt.model
+    size = len(prompt) + gen
+    config = BenchConfig(contexts=[size], gen=gen, gamma=gamma)
+    if mode.cache == "fp":
+        cache = FullPrecisionCache(model.config, size, dtype=model.dtype)
+        logits = prefill(model, cache, prompt, 0, "fp")
+    else:
+        cache = HierarchicalKVCache(model.config, size, model.config.head_dim, dtype=model.dtype)
+        logits = prefill_hierarchical(model, cache, prompt)
+    generator = torch.Generator().manual_seed(0)
+    common = (model, cache, logits, len(prompt), gen, config.params, generator, ())
+    timer, stats = StageTimer(), SpecStats()
+    if mode.speculative:
+        tokens = speculative_decode(
+            *common, gamma, timer, stats, draft_path=mode.draft_path, target_path=mode.target_path
+        )
+    else:
+        tokens = decode(*common, path=mode.target_path, timer=timer)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        n = sum(1 for _ in tokens)
+        wall = time.perf_counter() - t0
+    events = prof.key_averages()
+    in_ops = sum(e.self_cpu_time_total for e in events) / 1e6
+    ranked = sorted(events, key=lambda e: -e.self_cpu_time_total)[:top]
+    return {
+        "mode": mode_name,
+        "prompt_tokens": len(prompt),
+        "new_tokens": n,
+        "wall_s": wall,
+        "stages_s": dict(timer.seconds),
+        "rounds": stats.rounds if mode.speculative else None,
+        "in_ops_share": in_ops / wall,
+        "outside_ops_share": max(0.0, 1 - in_ops / wall),
+        "ops": [
+            {
+                "op": e.key,
+                "calls": e.count,
+                "self_s": e.self_cpu_time_total / 1e6,
+                "share": e.self_cpu_time_total / 1e6 / wall,
+            }
+            for e in ranked
+        ],
+    }
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", help="default: qspec's default model")
+    ap.add_argument("--context", default="8k")
+    ap.add_argument("--gen", type=int, default=32)
+    ap.add_argument("--gamma", type=int, default=4)
+    ap.add_argument("--modes", default="ar,quantspec")
+    ap.add_argument("--top", type=int, default=12)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    rt = load_runtime(args.model, dtype="fp32", need_draft=True)
+    out = []
+    for context in parse_contexts(args.context):
+        prompt = bench_prompt(rt.tokenizer, context - args.gen)
+        for mode in args.modes.split(","):
+            profile_mode(rt, mode, prompt[:256], 8, args.gamma, args.top)  # warm-up
+            r = profile_mode(rt, mode, prompt, args.gen, args.gamma, args.top)
+            out.append(r)
+            steps = r["rounds"] or r["new_tokens"]
+            print(
+                f"\n{mode} at {len(prompt)} prompt tokens: {r['new_tokens']} tokens in "
+                f"{r['wall_s']:.2f} s ({1000 * r['wall_s'] / steps:.1f} ms per "
+                f"{'round' if r['rounds'] else 'step'}); outside ops "
+                f"{r['outside_ops_share']:.0%}"
+            )
+            for stage, s in r["stages_s"].items():
+                print(f"  stage {stage:<10} {s:7.3f} s")
+            for op in r["ops"]:
+                print(f"  {op['share']:6.1%} {op['self_s']:7.3f} s {op['calls']:6d}x  {op['op']}")
+    if args.json:
+        args.json.write_text(json.dumps({"torch": torch.__version__, "runs": out}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
