@@ -270,15 +270,15 @@ class QspecPeer:
 
 
 def load_qspec_peers(model: str | None, modes: tuple[str, ...], gen: int, notes) -> list:
-    from qspec_core.bench import MODES, BenchConfig
+    from qspec_core.bench import MODES, BenchConfig, needs_converted_model
     from qspec_core.runtime import load_runtime
 
     unknown = [m for m in modes if m not in MODES]
     if unknown:
         raise SystemExit(f"--qspec-modes: unknown {unknown} (have: {', '.join(MODES)})")
-    need_draft = any(MODES[m].speculative or MODES[m].weights == "int8" for m in modes)
-    runtime = load_runtime(model, dtype="fp32", log=lambda m: None, need_draft=need_draft)
     config = BenchConfig(contexts=[], gen=gen, modes=modes)
+    need = needs_converted_model(config)
+    runtime = load_runtime(model, dtype="fp32", log=lambda m: None, need_draft=need)
     notes.append(f"qspec modes {', '.join(modes)}: fp32, greedy, gamma {config.gamma}")
     return [QspecPeer(runtime, m, config) for m in modes]
 

@@ -4,9 +4,9 @@ For each mode: prefill the bench prompt (not profiled), then decode `--gen` toke
 profiler and report, per op, its self time as a share of the decode's wall time, and what is
 left outside every op (Python, module dispatch, the profiler's own cost). qspec's C++ CPU
 attention kernel is not a torch op, so it is wrapped here to show up as
-`qspec::hier_attention_cpu`. Each mode first decodes a few tokens unprofiled (lazy weight
-packing, allocator growth). The profiler adds overhead per op, so shares of many small ops
-read high: use it to rank, and `qspec bench` for speed.
+`qspec::hier_attention_cpu`. Each mode first decodes a few tokens as a discarded warm-up
+(lazy weight packing, allocator growth). The profiler adds overhead per op, so shares of
+many small ops read high: use it to rank, and `qspec bench` for speed.
 
     python benchmarks/step_profile.py --context 8k --gen 32 --json docs/profile-8k.json
 """
@@ -22,13 +22,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 import kernels.cpu_attention as cpu_attention
-from qspec_core.bench import MODES, BenchConfig, parse_contexts
+from qspec_core.bench import BenchConfig, parse_contexts, start_decode
 from qspec_core.corpus import bench_prompt
-from qspec_core.generate import decode, prefill, prefill_hierarchical
-from qspec_core.hier_cache import HierarchicalKVCache
-from qspec_core.kv_cache import FullPrecisionCache
 from qspec_core.runtime import load_runtime
-from qspec_core.speculative import SpecStats, speculative_decode
 from qspec_core.timing import StageTimer
 
 
@@ -45,25 +41,9 @@ cpu_attention.hier_attention_cpu = _labelled(cpu_attention.hier_attention_cpu)
 
 @torch.inference_mode()
 def profile_mode(rt, mode_name: str, prompt: list[int], gen: int, gamma: int, top: int) -> dict:
-    mode = MODES[mode_name]
-    model = rt.model
-    size = len(prompt) + gen
-    config = BenchConfig(contexts=[size], gen=gen, gamma=gamma)
-    if mode.cache == "fp":
-        cache = FullPrecisionCache(model.config, size, dtype=model.dtype)
-        logits = prefill(model, cache, prompt, 0, "fp")
-    else:
-        cache = HierarchicalKVCache(model.config, size, model.config.head_dim, dtype=model.dtype)
-        logits = prefill_hierarchical(model, cache, prompt)
-    generator = torch.Generator().manual_seed(0)
-    common = (model, cache, logits, len(prompt), gen, config.params, generator, ())
-    timer, stats = StageTimer(), SpecStats()
-    if mode.speculative:
-        tokens = speculative_decode(
-            *common, gamma, timer, stats, draft_path=mode.draft_path, target_path=mode.target_path
-        )
-    else:
-        tokens = decode(*common, path=mode.target_path, timer=timer)
+    config = BenchConfig(contexts=[len(prompt) + gen], gen=gen, gamma=gamma)
+    timer = StageTimer()
+    _, tokens, stats = start_decode(rt.model, mode_name, prompt, gen, config, 0, timer)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         t0 = time.perf_counter()
         n = sum(1 for _ in tokens)
@@ -76,8 +56,8 @@ def profile_mode(rt, mode_name: str, prompt: list[int], gen: int, gamma: int, to
         "prompt_tokens": len(prompt),
         "new_tokens": n,
         "wall_s": wall,
-        "stages_s": dict(timer.seconds),
-        "rounds": stats.rounds if mode.speculative else None,
+        "stages_s": {k: v for k, v in timer.seconds.items() if k != "prefill"},
+        "rounds": stats.rounds if stats is not None else None,
         "in_ops_share": in_ops / wall,
         "outside_ops_share": max(0.0, 1 - in_ops / wall),
         "ops": [

@@ -719,8 +719,13 @@ def bench(
     ar is taken pair-wise within each repeat. Ignores stop tokens: every run decodes --gen.
     """
     from qspec_cli.render import bench_tables
-    from qspec_core.bench import MODES as MODES_BENCH
-    from qspec_core.bench import BenchConfig, parse_contexts, parse_modes, run_bench
+    from qspec_core.bench import (
+        BenchConfig,
+        needs_converted_model,
+        parse_contexts,
+        parse_modes,
+        run_bench,
+    )
 
     config = BenchConfig(
         contexts=parse_contexts(context),
@@ -739,9 +744,7 @@ def bench(
 
         check_plotting(plot)
     # a named model's converted folder (made once) only when a mode needs the draft or INT8
-    need = any(MODES_BENCH[m].draft_path == "draft" for m in config.modes) or any(
-        config.weights(m) == "int8" for m in config.modes
-    )
+    need = needs_converted_model(config)
     runtime = _load(model, dtype, threads, need_draft=need)  # bench toggles weights per mode
     with err.status("bench") as status:
         report = run_bench(

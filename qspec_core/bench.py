@@ -126,6 +126,12 @@ class BenchConfig:
         return MODES[mode].weights or self.target_weights
 
 
+def needs_converted_model(config: BenchConfig) -> bool:
+    """Whether a mode runs the 4-bit draft weights or INT8 weights: only a converted folder
+    has them (a named model's is made once, on first need)."""
+    return any(MODES[m].draft_path == "draft" or config.weights(m) == "int8" for m in config.modes)
+
+
 def check_config(config: BenchConfig, runtime: Runtime) -> None:
     """Refuse what cannot run, before any work: sizes beyond the model, no draft, no room."""
     limit = runtime.context_limit
@@ -216,16 +222,12 @@ def run_once(
         set_target_weights(model, before)
 
 
-def _run_once(runtime, mode_name, prompt, gen, config, seed) -> Run:
+def start_decode(model, mode_name: str, prompt: list[int], gen: int, config, seed, timer):
+    """Prefill `prompt` into a fresh cache of the mode's kind (timed as stage "prefill") and
+    start decoding: returns (cache, the lazy generator of `gen` token ids, the round stats of a
+    speculative mode or None). Nothing is decoded until the generator is iterated."""
     mode = MODES[mode_name]
-    model = runtime.model
-    cuda = model.device.type == "cuda"
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-    timer = StageTimer()
     size = len(prompt) + gen
-    start = time.perf_counter()
     if mode.cache == "fp":
         cache = FullPrecisionCache(model.config, size, dtype=model.dtype, device=model.device)
         with timer.stage("prefill"):
@@ -238,18 +240,30 @@ def _run_once(runtime, mode_name, prompt, gen, config, seed) -> Run:
             logits = prefill_hierarchical(model, cache, prompt)
     generator = torch.Generator(device=model.device).manual_seed(seed)
     common = (model, cache, logits, len(prompt), gen, config.params, generator, ())
-    stats = SpecStats() if mode.speculative else None
-    if mode.speculative:
-        tokens = speculative_decode(
-            *common,
-            config.gamma,
-            timer,
-            stats,
-            draft_path=mode.draft_path,
-            target_path=mode.target_path,
-        )
-    else:
-        tokens = decode(*common, path=mode.target_path, timer=timer)
+    if not mode.speculative:
+        return cache, decode(*common, path=mode.target_path, timer=timer), None
+    stats = SpecStats()
+    tokens = speculative_decode(
+        *common,
+        config.gamma,
+        timer,
+        stats,
+        draft_path=mode.draft_path,
+        target_path=mode.target_path,
+    )
+    return cache, tokens, stats
+
+
+def _run_once(runtime, mode_name, prompt, gen, config, seed) -> Run:
+    mode = MODES[mode_name]
+    model = runtime.model
+    cuda = model.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    timer = StageTimer()
+    start = time.perf_counter()
+    cache, tokens, stats = start_decode(model, mode_name, prompt, gen, config, seed, timer)
     first = None
     out = []
     for token in tokens:

@@ -68,12 +68,13 @@ def ensure_named_draft(model: RegistryModel, log=print) -> Path:
     """A named model converted with a GPTQ draft (and INT8 verifier weights), made once into
     the qspec cache the first time a mode needs it."""
     from qspec_core.convert import INT8_METHOD, add_int8_weights, convert
+    from qspec_core.corpus import DATA
     from qspec_core.documents import read_document
     from qspec_core.models import models_dir
 
     target = models_dir() / (model.name + DRAFT_SUFFIX)
     meta = target / "qspec_draft.json"
-    calib = Path(__file__).resolve().parent / "data" / "gpl-3.0.txt"
+    calib = DATA / "gpl-3.0.txt"
     calib_source = "qspec_core/data/gpl-3.0.txt"
     if meta.exists():
         int8 = json.loads(meta.read_text()).get("target_int8") or {}
