@@ -97,29 +97,34 @@ def hier_attention_cpu(
     chunk_size: int = 512,
 ) -> torch.Tensor:
     """Attention over one layer of the hierarchical cache (see `kernels/hier_attention.py` for
-    the argument contract); returns [B, H, T, D] in q's dtype."""
+    the argument contract); returns [B, H, T, D] in q's dtype (a view of a [B, T, H, D]
+    buffer: the output projection's transpose(1, 2).reshape is then free)."""
     module = _load()
     if module is None:
         raise RuntimeError(f"CPU attention kernel unavailable: {_failed}")
-    fp_k = fp_k.float().contiguous()  # <= 3G tokens: a small copy at most
-    fp_v = fp_v.float().contiguous()
+    # fp_k/fp_v: the cache's full-precision slice is read in place (strided, fp32)
+    fp_k = (
+        fp_k if fp_k.dtype == torch.float32 and fp_k.stride(-1) == 1 else fp_k.float().contiguous()
+    )
+    fp_v = (
+        fp_v if fp_v.dtype == torch.float32 and fp_v.stride(-1) == 1 else fp_v.float().contiguous()
+    )
     out = module.hier_attention_cpu(
-        q.contiguous(),
-        k_upper.contiguous(),
-        k_lower.contiguous(),
-        k_scale.contiguous(),
-        k_zero.contiguous(),
-        v_upper.contiguous(),
-        v_lower.contiguous(),
-        v_scale.contiguous(),
-        v_zero.contiguous(),
-        n_quant_q.to(torch.int64).contiguous(),
+        q,
+        k_upper,
+        k_lower,
+        k_scale,
+        k_zero,
+        v_upper,
+        v_lower,
+        v_scale,
+        v_zero,
+        torch.as_tensor(n_quant_q),
         fp_k,
         fp_v,
-        fp_k.shape[2],
         int(fp_pos0),
-        fp_lo.to(torch.int64).contiguous(),
-        input_pos.to(torch.int64).contiguous(),
+        torch.as_tensor(fp_lo),
+        torch.as_tensor(input_pos),
         view == "target",
         int(group_size),
         int(chunk_size),
