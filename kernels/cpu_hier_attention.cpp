@@ -588,7 +588,3 @@ torch::Tensor hier_attention_cpu(torch::Tensor q, torch::Tensor k_upper, torch::
   }
   return out.permute({0, 2, 1, 3});
 }
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("hier_attention_cpu", &hier_attention_cpu, "hierarchical KV attention (CPU)");
-}

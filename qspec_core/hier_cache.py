@@ -95,6 +95,11 @@ class HierarchicalKVCache(torch.nn.Module):
         self.rotate_seconds = 0.0  # time spent quantizing F1 (for the stage breakdown)
         self._staged = [-1] * L  # per layer: n_quant whose F1 sits quantized in the next slot
         self.fused = None  # None: the fused kernel when one runs here; False: the reference
+        # Per-forward memo: every layer of a forward gets the same input_pos tensor, so its
+        # host read and the per-query index tensors are made once, not once per layer.
+        self._pos_memo: tuple | None = None
+        self._rows_memo: tuple | None = None
+        self._cpu_kernel = None
 
     # ------------------------------------------------------------------ lengths and protocol
     @property
@@ -180,7 +185,7 @@ class HierarchicalKVCache(torch.nn.Module):
         # the committed length decides, never a draft position: then every query sees at
         # least as much history quantized as is stored, and `attend` quantizes F1 on the
         # fly for those that see more. Only committed KV can be rotated, by construction.
-        while int(self._boundary(torch.tensor(self.committed))) >= self.n_quant[layer] + G:
+        while max(0, (self.committed // G - 1) * G) >= self.n_quant[layer] + G:  # _boundary
             self._rotate(layer)
         lo, hi = start - self.n_quant[layer], end - self.n_quant[layer]
         if hi > 3 * G:
@@ -197,17 +202,17 @@ class HierarchicalKVCache(torch.nn.Module):
         view = VIEWS.get(path)
         if view is None:
             raise ValueError(f"the hierarchical cache serves 'target' and 'draft', not {path!r}")
-        self._write(layer, k, v, int(input_pos[0]), int(input_pos[-1]) + 1)
+        start, end = self._span(input_pos)
+        self._write(layer, k, v, start, end)
         nq, n_fp, G = self.n_quant[layer], self.fp_len[layer], self.group_size
         fp_k, fp_v = self.fp_k[layer, :, :, :n_fp], self.fp_v[layer, :, :, :n_fp]
-        late = self._boundary(input_pos) > nq  # queries that already see F1 as history
         kernel = self._kernel(q)
         if kernel is not None:
             # Late queries read F1 quantized from the planes' next slot, staged there once (the
             # rotation later writes the very same values), and skip it in the fp region.
-            if bool(late.any()) and self._staged[layer] != nq:
+            any_late, n_quant_q, shift = self._query_rows(start, end, nq)
+            if any_late and self._staged[layer] != nq:
                 self._stage_f1(layer)
-            shift = late.to(torch.int64) * G
             return kernel(
                 q,
                 self.k_upper[layer],
@@ -218,7 +223,7 @@ class HierarchicalKVCache(torch.nn.Module):
                 self.v_lower[layer],
                 self.v_scale[layer],
                 self.v_zero[layer],
-                nq + shift,
+                n_quant_q,
                 fp_k,
                 fp_v,
                 nq,
@@ -227,6 +232,7 @@ class HierarchicalKVCache(torch.nn.Module):
                 view,
                 G,
             )
+        late = self._boundary(input_pos) > nq  # queries that already see F1 as history
         hidden = extra = None
         if bool(late.any()):
             # F1 is confirmed and whole; those queries see it quantized, as they would have
@@ -252,15 +258,40 @@ class HierarchicalKVCache(torch.nn.Module):
             extra=extra,
         )
 
+    def _span(self, input_pos: torch.Tensor) -> tuple[int, int]:
+        """(first position, last + 1) of input_pos, read from it once per forward."""
+        memo = self._pos_memo
+        if memo is None or memo[0] is not input_pos:
+            first, last = input_pos[[0, -1]].tolist()
+            memo = self._pos_memo = (input_pos, (first, last + 1))  # (holds the tensor alive)
+        return memo[1]
+
+    def _query_rows(self, start: int, end: int, nq: int):
+        """For queries at positions [start, end) over a layer with nq quantized positions:
+        (any late query, n_quant per query [T], shift per query [T]); late queries see F1 as
+        history (`_boundary(p) > nq`), which the kernel reads from the planes' next slot."""
+        key = (start, end, nq)
+        if self._rows_memo is None or self._rows_memo[0] != key:
+            G = self.group_size
+            late = [max(0, (p // G - 1) * G) > nq for p in range(start, end)]  # _boundary
+            shift = torch.tensor([G if x else 0 for x in late], dtype=torch.int64)
+            self._rows_memo = (key, (any(late), nq + shift, shift))
+        return self._rows_memo[1]
+
     def _kernel(self, q: torch.Tensor):
         """The fused attention for q's device, or None for the PyTorch reference below."""
         if self.fused is False:
             return None
         if q.device.type == "cpu":
+            if self._cpu_kernel is not None:
+                return self._cpu_kernel
             from kernels import cpu_attention
 
             if cpu_attention.available():
-                return partial(cpu_attention.hier_attention_cpu, chunk_size=self.chunk_size)
+                self._cpu_kernel = partial(
+                    cpu_attention.hier_attention_cpu, chunk_size=self.chunk_size
+                )
+                return self._cpu_kernel
         else:
             from kernels import hier_attention
 

