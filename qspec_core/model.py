@@ -36,12 +36,17 @@ class Linear(nn.Linear):
         self.use_int8 = False
 
     def forward(self, x: torch.Tensor, path: str = "fp") -> torch.Tensor:
-        if path in DRAFT_WEIGHT_PATHS and self.draft is not None:
-            return self.draft(x)
+        # (submodules and parameters read from their dicts: nn.Module.__getattr__ is slow, and
+        # a decode step makes 211 of these calls)
+        if path in DRAFT_WEIGHT_PATHS:
+            draft = self._modules.get("draft")
+            if draft is not None:
+                return draft(x)
         if self.use_int8:
-            return self.int8(x)
-        if cpu_linear.usable(x, self.weight):  # a decode or verify step on CPU, fp32
-            return cpu_linear.linear(x, self.weight, self.bias)
+            return self._modules["int8"](x)
+        weight = self._parameters["weight"]
+        if cpu_linear.usable(x, weight):  # a decode or verify step on CPU, fp32
+            return cpu_linear.linear(x, weight, self._parameters["bias"])
         return super().forward(x)
 
 
@@ -174,11 +179,38 @@ class Transformer(nn.Module):
         """
         x = self.embed_tokens(tokens)
         cos, sin = self.rotary_emb(input_pos, x.dtype)
-        for layer in self.layers:
-            x = layer(x, cos, sin, input_pos, cache, path)
+        if x.shape[0] * x.shape[1] <= cpu_linear.MAX_ROWS and _fast(x):
+            x = self._decode_layers(x, cos, sin, input_pos, cache, path)
+        else:
+            for layer in self.layers:
+                x = layer(x, cos, sin, input_pos, cache, path)
         if last_only:
             x = x[:, -1:]
         return self.lm_head(self.norm(x), path)
+
+    def _decode_layers(self, x, cos, sin, input_pos, cache, path):
+        """The layers of a decode or verify step on CPU in fp32: `DecoderLayer.forward`'s math
+        with the C++ ops of `kernels/cpu_decode.cpp`, minus the ~20 Python module calls per
+        layer around them (the linears still go through their modules, hooks included).
+        `test_model_steps_equal_the_eager_model` holds the two equal."""
+        ops = cpu_ext.load()
+        B, T, _ = x.shape
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
+            h = ops.rms_norm_cpu(x, norm1.weight, norm1.eps)
+            q = attn.q_proj(h, path).view(B, T, attn.n_heads, attn.head_dim)
+            k = attn.k_proj(h, path).view(B, T, attn.n_kv_heads, attn.head_dim)
+            v = attn.v_proj(h, path).view(B, T, attn.n_kv_heads, attn.head_dim)
+            ops.rope_cpu(q, cos, sin)  # in place, on the projections' fresh outputs
+            ops.rope_cpu(k, cos, sin)
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+            out = cache.attend(attn.layer_idx, q, k, v, input_pos, path)  # [B, H, T, D]
+            h = attn.o_proj(out.transpose(1, 2).reshape(B, T, -1), path)
+            y = ops.add_rms_norm_cpu(x, h, norm2.weight, norm2.eps)  # x += h
+            up = mlp.up_proj(y, path)
+            x.add_(mlp.down_proj(F.silu(mlp.gate_proj(y, path)).mul_(up), path))
+        return x
 
 
 def linear_layers(model: Transformer) -> dict[str, Linear]:

@@ -78,6 +78,7 @@ class Int4Linear(nn.Module):
         self.register_buffer("input_scale", torch.ones(in_features) if scaled else None)
         self.register_buffer("output_scale", torch.ones(out_features) if scaled else None)
         self._cpu_kernel = None  # (int4pack, scale_and_zero) for the CPU int4 kernel, built lazily
+        self._w4a8 = None  # `_w4a8_args()`, built lazily
 
     @classmethod
     def from_quantized(cls, q, scale, zero, group_size, bias=None) -> Int4Linear:
@@ -170,7 +171,28 @@ class Int4Linear(nn.Module):
         layer.load_state_dict(state)
         return layer
 
+    def _w4a8_args(self):
+        """(packed, scale, zero, group size) for the W4A8 kernel of a draft step, or False
+        when this layer's form needs the general path (AWQ scales, act-order, groups that are
+        not multiples of 64). Built once; `_apply` and state loads reset it."""
+        plain = self.input_scale is None and self.perm is None and self.output_scale is None
+        if not plain or self.in_features % 64 or self.group_size % 64:
+            return False
+        return (self.packed, self.scale, self.zero, self.group_size)
+
+    def _apply(self, fn, *args, **kwargs):
+        self._w4a8 = None  # buffers are replaced (.to, .float): drop what points at the old ones
+        self._cpu_kernel = None
+        return super()._apply(fn, *args, **kwargs)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w4a8 = self._w4a8
+        if w4a8 is None:
+            w4a8 = self._w4a8 = self._w4a8_args()
+        if w4a8 and cpu_linear.int4_usable(x, self.in_features, self.group_size):
+            # a draft step: our W4A8 kernel (kernels/cpu_linear.cpp)
+            y = cpu_linear.int4_linear(x, *w4a8, bias=self._buffers["bias"])
+            return y
         if self.input_scale is not None:
             x = x * self.input_scale.to(x.dtype)
         if self.perm is not None:
@@ -179,9 +201,6 @@ class Int4Linear(nn.Module):
             y = w4a16_matmul(
                 x, self.packed, self.scale.to(x.dtype), self.zero.to(x.dtype), self.group_size
             )
-        elif cpu_linear.int4_usable(x, self.in_features, self.group_size):
-            # a draft step: our W4A8 kernel (kernels/cpu_linear.cpp), 3x PyTorch's int4 kernel
-            y = cpu_linear.int4_linear(x, self.packed, self.scale, self.zero, self.group_size)
         elif self.cpu_kernel_ok() and x.dtype == torch.float32 and cpu_ext.available():
             # the same kernel call as below, its casts and bias in one C++ call (cpu_decode.cpp)
             int4pack, scale_and_zero = self._cpu_int4()
@@ -203,4 +222,5 @@ class Int4Linear(nn.Module):
 
     def _load_from_state_dict(self, *args, **kwargs):
         self._cpu_kernel = None  # weights changed: rebuild the kernel layout on next use
+        self._w4a8 = None
         return super()._load_from_state_dict(*args, **kwargs)
