@@ -60,3 +60,19 @@ def test_views_differ_so_the_comparison_has_teeth():
     draft = cpu_attention.hier_attention_cpu(*args, "draft", 64)
     target = cpu_attention.hier_attention_cpu(*args, "target", 64)
     assert (draft - target).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("view", ["draft", "target"])
+@pytest.mark.parametrize("D, R", [(64, 3), (128, 2)])
+def test_a_query_gives_the_same_bits_alone_or_in_a_verify(view, D, R):
+    """Greedy QuantSpec equals autoregressive decoding on the target path only if a verify's
+    query rows come out bit for bit as they do one at a time (rows are processed in pairs)."""
+    args, chunk = _case(D=D, G=64, n_kv=3, R=R, T=5, nq=640, F=100, late=2)
+    q, *planes, nq_q, fp_k, fp_v, fp_pos0, fp_lo, pos = args
+    together = cpu_attention.hier_attention_cpu(*args, view, 64, chunk_size=chunk)
+    for t in range(5):
+        one = (q[:, :, t : t + 1], *planes, nq_q[t : t + 1], fp_k, fp_v, fp_pos0)
+        alone = cpu_attention.hier_attention_cpu(
+            *one, fp_lo[t : t + 1], pos[t : t + 1], view, 64, chunk_size=chunk
+        )
+        assert torch.equal(alone, together[:, :, t : t + 1])
