@@ -3,8 +3,9 @@
 For each mode: prefill the bench prompt (not profiled), then decode `--gen` tokens under the
 profiler and report, per op, its self time as a share of the decode's wall time, and what is
 left outside every op (Python, module dispatch, the profiler's own cost). qspec's C++ CPU
-attention kernel is not a torch op, so it is wrapped here to show up as
-`qspec::hier_attention_cpu`. Each mode first decodes a few tokens as a discarded warm-up
+kernels (attention, the few-row and W4A8 linears, norms, RoPE) are not torch ops, so they are
+wrapped here to show up as `qspec::<name>`. Each mode first decodes a few tokens as a
+discarded warm-up
 (lazy weight packing, allocator growth). The profiler adds overhead per op, so shares of
 many small ops read high: use it to rank, and `qspec bench` for speed.
 
@@ -21,22 +22,32 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-import kernels.cpu_attention as cpu_attention
+from kernels import cpu_ext
 from qspec_core.bench import BenchConfig, parse_contexts, start_decode
 from qspec_core.corpus import bench_prompt
 from qspec_core.runtime import load_runtime
 from qspec_core.timing import StageTimer
 
 
-def _labelled(fn):
-    def wrapped(*args, **kwargs):
-        with record_function("qspec::hier_attention_cpu"):
-            return fn(*args, **kwargs)
+class _Labelled:
+    """qspec's C++ extension with every function wrapped in a profiler label, so that its
+    kernels show up as `qspec::<name>` instead of as time outside every op."""
 
-    return wrapped
+    def __init__(self, module):
+        self._module = module
+
+    def __getattr__(self, name):
+        fn = getattr(self._module, name)
+
+        def wrapped(*args, **kwargs):
+            with record_function(f"qspec::{name}"):
+                return fn(*args, **kwargs)
+
+        return wrapped
 
 
-cpu_attention.hier_attention_cpu = _labelled(cpu_attention.hier_attention_cpu)
+if cpu_ext.load() is not None:
+    cpu_ext._module = _Labelled(cpu_ext.load())
 
 
 @torch.inference_mode()

@@ -192,7 +192,7 @@ class Transformer(nn.Module):
     def _decode_layers(self, x, cos, sin, input_pos, cache, path):
         """The layers of a decode or verify step on CPU in fp32: `DecoderLayer.forward`'s math
         with the C++ ops of `kernels/cpu_decode.cpp`, minus the ~20 Python module calls per
-        layer around them (the linears still go through their modules, hooks included).
+        layer around them (linears run their own forward; hooks, if any, are honoured).
         `test_model_steps_equal_the_eager_model` holds the two equal."""
         ops = cpu_ext.load()
         B, T, _ = x.shape

@@ -178,3 +178,24 @@ def test_peers_script_puts_qspec_modes_beside_transformers(default_model_dir, mo
     assert rows["qspec-ar"]["agree_tokens"] >= 10  # fp32 vs fp32: equal but for near-ties
     assert rows["qspec-quantspec"]["tokens"] == rows["qspec-target-ar"]["tokens"]
     assert rows["qspec-quantspec"]["samples"][0]["extra"]["spec"]["rounds"] > 0
+
+
+@pytest.mark.real_model
+def test_decode_steps_script_times_every_step(default_model_dir, tmp_path):
+    """benchmarks/decode_steps.py at a tiny size, with a same-run comparison: every step and
+    its switched-off twin is timed and written."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "decode_steps.py"
+    out = tmp_path / "steps.json"
+    cmd = [sys.executable, str(script), "--context", "200", "--repeats", "1"]
+    cmd += ["--compare", "w4a8", "--tokens-per-round", "3.5", "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(out.read_text())
+    assert set(result["ms"]) == {
+        "ar", "draft", "verify", "ar without w4a8", "draft without w4a8", "verify without w4a8"
+    }  # fmt: skip
+    assert all(v > 0 for v in result["ms"].values()) and result["estimated_speedup"] > 0

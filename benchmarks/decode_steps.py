@@ -1,0 +1,113 @@
+"""One `ar` step, one draft step and one verify step at a given context, side by side.
+
+Prefills the context once (a full-precision forward of the default model, or `--model`),
+loads the same KV into a hierarchical cache, then times single forwards, interleaved and
+rolled back after each: `ar` (full weights, fp32 KV, one token), `draft` (4-bit weights, INT4
+view, one token) and `verify` (full weights, INT8 view, gamma + 1 tokens). `--compare` adds
+the same steps with one of qspec's C++ CPU paths switched off, in the same run:
+`linear` (the few-row fp32 linear -> F.linear) and `w4a8` (the W4A8 draft linear -> PyTorch's
+int4 kernel with bf16 activations). Medians of `--repeats`; the estimate is
+tokens_per_round * ar / (gamma * draft + verify), with tokens_per_round from `qspec bench`.
+
+    python benchmarks/decode_steps.py --context 8192 --compare linear,w4a8 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from kernels import cpu_linear
+from qspec_core.generate import prefill
+from qspec_core.hier_cache import HierarchicalKVCache
+from qspec_core.kv_cache import FullPrecisionCache
+from qspec_core.runtime import load_runtime
+
+SWITCHES = {"linear": "usable", "w4a8": "int4_usable"}  # --compare name -> cpu_linear gate
+
+
+def _without(gate: str, fn):
+    """fn with one cpu_linear gate forced off (its PyTorch path runs instead)."""
+
+    def run():
+        real = getattr(cpu_linear, gate)
+        setattr(cpu_linear, gate, lambda *a, **k: False)
+        try:
+            fn()
+        finally:
+            setattr(cpu_linear, gate, real)
+
+    return run
+
+
+@torch.inference_mode()
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", help="default: qspec's default model (with its draft)")
+    ap.add_argument("--context", type=int, default=8192)
+    ap.add_argument("--gamma", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=11)
+    ap.add_argument("--compare", default="", help="comma-separated: " + ",".join(SWITCHES))
+    ap.add_argument("--tokens-per-round", type=float, default=None, help="for the estimate")
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    rt = load_runtime(a.model, dtype="fp32", need_draft=True, log=lambda *_: None)
+    model, ctx = rt.model, a.context
+    ids = list(range(1000, 1000 + ctx))  # token ids only set the KV; any ids will do
+    fp = FullPrecisionCache(model.config, ctx + a.gamma + 2, dtype=torch.float32)
+    prefill(model, fp, ids, 0, "fp")
+    hc = HierarchicalKVCache(model.config, ctx + a.gamma + 2, dtype=torch.float32)
+    hc.load_full_precision(fp.k[:, :, :, :ctx], fp.v[:, :, :, :ctx])
+    one, pos1 = torch.tensor([[42]]), torch.tensor([ctx])
+    many, pos_many = torch.tensor([[42] * (a.gamma + 1)]), torch.arange(ctx, ctx + a.gamma + 1)
+
+    def step(tokens, pos, cache, path):
+        def run():
+            model(tokens, pos, cache, path)
+            cache.truncate(ctx)
+
+        return run
+
+    steps = {
+        "ar": step(one, pos1, fp, "fp"),
+        "draft": step(one, pos1, hc, "draft"),
+        "verify": step(many, pos_many, hc, "target"),
+    }
+    for name in filter(None, a.compare.split(",")):
+        if name not in SWITCHES:
+            raise SystemExit(f"--compare takes {', '.join(SWITCHES)}, not {name!r}")
+        for base in ("ar", "draft", "verify"):
+            steps[f"{base} without {name}"] = _without(SWITCHES[name], steps[base])
+    for fn in steps.values():  # warm up: lazy layouts, allocator
+        fn()
+    times = {name: [] for name in steps}
+    for _ in range(a.repeats):
+        for name, fn in steps.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+    print(f"context {ctx}, gamma {a.gamma}, {torch.get_num_threads()} threads, "
+          f"medians of {a.repeats} interleaved repeats (ms per forward)")  # fmt: skip
+    for name, v in ms.items():
+        print(f"  {name:28s} {v:8.1f}")
+    result = {"context": ctx, "gamma": a.gamma, "repeats": a.repeats, "ms": ms}
+    result["ar_over_draft"] = ms["ar"] / ms["draft"]
+    if a.tokens_per_round:
+        round_ms = a.gamma * ms["draft"] + ms["verify"]
+        result["estimated_speedup"] = a.tokens_per_round * ms["ar"] / round_ms
+        print(f"  estimate at {a.tokens_per_round} tokens per round: "
+              f"{result['estimated_speedup']:.2f}x ar")  # fmt: skip
+    print(f"  ar / draft: {result['ar_over_draft']:.2f}x")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"torch": torch.__version__, "threads": torch.get_num_threads(),
+                       **result}, f, indent=1)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
