@@ -7,8 +7,8 @@
 //   add_rms_norm_cpu(x, h, w, eps)   x += h in place, then rms_norm(x)
 //   rope_cpu(x, cos, sin)            rotate-half RoPE in place on x [B, T, n, D] (stride 1
 //                                    along D), cos/sin [T, D]
-//   int4_linear_cpu(x, pack, sz, G, n, bias)  PyTorch's int4 weight kernel on fp32 x: the
-//                                    bf16 casts it needs and the bias, in one call
+//   int4_linear_cpu(x, pack, sz, G, n)  PyTorch's int4 weight kernel on fp32 x with the bf16
+//                                    casts it needs, in one call
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -82,11 +82,10 @@ void rope_cpu(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
 }
 
 torch::Tensor int4_linear_cpu(torch::Tensor x, torch::Tensor pack, torch::Tensor scale_zero,
-                              int64_t group_size, int64_t n_out, c10::optional<torch::Tensor> bias) {
+                              int64_t group_size, int64_t n_out) {
   const auto lead = x.sizes().vec();
   auto x2 = x.reshape({-1, x.size(-1)}).to(torch::kBFloat16);
   auto y = at::_weight_int4pack_mm_for_cpu(x2, pack, group_size, scale_zero).to(x.scalar_type());
-  if (bias.has_value() && bias->defined()) y.add_(*bias);
   auto shape = lead;
   shape.back() = n_out;
   return y.view(shape);

@@ -15,7 +15,7 @@ torch::Tensor rms_norm_cpu(torch::Tensor x, torch::Tensor w, double eps);
 torch::Tensor add_rms_norm_cpu(torch::Tensor x, torch::Tensor h, torch::Tensor w, double eps);
 void rope_cpu(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
 torch::Tensor int4_linear_cpu(torch::Tensor x, torch::Tensor pack, torch::Tensor scale_zero,
-                              int64_t group_size, int64_t n_out, c10::optional<torch::Tensor> bias);
+                              int64_t group_size, int64_t n_out);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("hier_attention_cpu", &hier_attention_cpu, "hierarchical KV attention (CPU)");

@@ -205,7 +205,7 @@ class Int4Linear(nn.Module):
             # the same kernel call as below, its casts and bias in one C++ call (cpu_decode.cpp)
             int4pack, scale_and_zero = self._cpu_int4()
             y = cpu_ext.load().int4_linear_cpu(
-                x, int4pack, scale_and_zero, self.group_size, self.out_features, None
+                x, int4pack, scale_and_zero, self.group_size, self.out_features
             )
         elif self.cpu_kernel_ok():
             int4pack, scale_and_zero = self._cpu_int4()
