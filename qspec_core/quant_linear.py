@@ -191,8 +191,7 @@ class Int4Linear(nn.Module):
             w4a8 = self._w4a8 = self._w4a8_args()
         if w4a8 and cpu_linear.int4_usable(x, self.in_features, self.group_size):
             # a draft step: our W4A8 kernel (kernels/cpu_linear.cpp)
-            y = cpu_linear.int4_linear(x, *w4a8, bias=self._buffers["bias"])
-            return y
+            return cpu_linear.int4_linear(x, *w4a8, bias=self._buffers["bias"])
         if self.input_scale is not None:
             x = x * self.input_scale.to(x.dtype)
         if self.perm is not None:
@@ -202,7 +201,7 @@ class Int4Linear(nn.Module):
                 x, self.packed, self.scale.to(x.dtype), self.zero.to(x.dtype), self.group_size
             )
         elif self.cpu_kernel_ok() and x.dtype == torch.float32 and cpu_ext.available():
-            # the same kernel call as below, its casts and bias in one C++ call (cpu_decode.cpp)
+            # the same kernel call as below, with its casts, in one C++ call (cpu_decode.cpp)
             int4pack, scale_and_zero = self._cpu_int4()
             y = cpu_ext.load().int4_linear_cpu(
                 x, int4pack, scale_and_zero, self.group_size, self.out_features
