@@ -5,8 +5,10 @@ loads the same KV into a hierarchical cache, then times single forwards, interle
 rolled back after each: `ar` (full weights, fp32 KV, one token), `draft` (4-bit weights, INT4
 view, one token) and `verify` (full weights, INT8 view, gamma + 1 tokens). `--compare` adds
 the same steps with one of qspec's C++ CPU paths switched off, in the same run:
-`linear` (the few-row fp32 linear -> F.linear) and `w4a8` (the W4A8 draft linear -> PyTorch's
-int4 kernel with bf16 activations). Medians of `--repeats`; the estimate is
+`linear` (the few-row fp32 linear -> F.linear), `w4a8` (the W4A8 draft linear -> PyTorch's
+int4 kernel with bf16 activations) and `stack` (all layers in one C++ call -> the Python layer
+loop; `linear` and `w4a8` switch the stack off too, since it calls those kernels itself).
+Medians of `--repeats`; the estimate is
 tokens_per_round * ar / (gamma * draft + verify), with tokens_per_round from `qspec bench`.
 
     python benchmarks/decode_steps.py --context 8192 --compare linear,w4a8 --json out.json
@@ -22,24 +24,34 @@ import time
 import torch
 
 from kernels import cpu_linear
+from qspec_core import cpu_step
 from qspec_core.generate import prefill
 from qspec_core.hier_cache import HierarchicalKVCache
 from qspec_core.kv_cache import FullPrecisionCache
 from qspec_core.runtime import load_runtime
 
-SWITCHES = {"linear": "usable", "w4a8": "int4_usable"}  # --compare name -> cpu_linear gate
+# --compare name -> the gates that, answering False (None), switch the C++ path off
+STACK = (cpu_step, "stack_for")
+SWITCHES = {
+    "linear": [(cpu_linear, "usable"), STACK],
+    "w4a8": [(cpu_linear, "int4_usable"), STACK],
+    "stack": [STACK],
+}
 
 
-def _without(gate: str, fn):
-    """fn with one cpu_linear gate forced off (its PyTorch path runs instead)."""
+def _without(gates: list, fn):
+    """fn with gates forced off (the paths below them run instead)."""
 
     def run():
-        real = getattr(cpu_linear, gate)
-        setattr(cpu_linear, gate, lambda *a, **k: False)
+        real = [getattr(owner, name) for owner, name in gates]
+        for gate in gates:
+            off = None if gate == STACK else False
+            setattr(*gate, lambda *a, off=off, **k: off)
         try:
             fn()
         finally:
-            setattr(cpu_linear, gate, real)
+            for (owner, name), fn_real in zip(gates, real, strict=True):
+                setattr(owner, name, fn_real)
 
     return run
 

@@ -2,7 +2,8 @@
 
 Sources: `cpu_hier_attention.cpp` (attention over the hierarchical cache), `cpu_linear.cpp`
 (x W^T for the few rows of a decode or verify step), `cpu_decode.cpp` (the small ops around
-them: RMSNorm, RoPE, the int4 linear's casts) and `cpu_module.cpp` (the bindings). The
+them: RMSNorm, RoPE, the int4 linear's casts), `cpu_step.cpp` (all decoder layers of a
+decode step in one call) and `cpu_module.cpp` (the bindings). The
 build runs on first use with the system C++ compiler (about a minute), per source and per CPU
 (it is compiled for the host's instruction set); if it fails, `available()` is False and every
 caller keeps its PyTorch path.
@@ -21,7 +22,13 @@ import torch
 HERE = Path(__file__).parent
 SOURCES = tuple(
     HERE / n
-    for n in ("cpu_hier_attention.cpp", "cpu_linear.cpp", "cpu_decode.cpp", "cpu_module.cpp")
+    for n in (
+        "cpu_hier_attention.cpp",
+        "cpu_linear.cpp",
+        "cpu_decode.cpp",
+        "cpu_step.cpp",
+        "cpu_module.cpp",
+    )
 )
 DISABLE_ENV = "QSPEC_CPU_KERNELS"  # "0" turns the C++ kernels off (the PyTorch paths run)
 _module = None

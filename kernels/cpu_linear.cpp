@@ -146,15 +146,16 @@ torch::Tensor linear_rows_cpu(torch::Tensor x, torch::Tensor w, c10::optional<to
 // matmul); this is the draft path only, whose output only proposes tokens.
 namespace {
 
-struct QuantRows {  // x [M, K] -> per 64-chunk: even/odd int8 halves, step, sum of codes
+struct QuantRows {  // x [M, K] -> per 64-chunk: even/odd int8 halves, step; per group: zsum
   std::vector<int8_t> even, odd;  // [M, K/64, 32]
-  std::vector<float> step, sum;   // [M, K/64]
+  std::vector<float> step;        // [M, K/64]
+  std::vector<float> zsum;        // [M, K/G]: sum over the group's chunks of step * sum(codes)
 };
 
-QuantRows quantize_rows(const float* x, int64_t M, int64_t K) {
-  const int64_t C = K / 64;
+QuantRows quantize_rows(const float* x, int64_t M, int64_t K, int64_t G) {
+  const int64_t C = K / 64, per_group = G / 64;
   QuantRows r{std::vector<int8_t>(M * C * 32), std::vector<int8_t>(M * C * 32),
-              std::vector<float>(M * C), std::vector<float>(M * C)};
+              std::vector<float>(M * C), std::vector<float>(M * (K / G), 0.f)};
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t c = 0; c < C; ++c) {
       const float* xc = x + m * K + c * 64;
@@ -162,51 +163,101 @@ QuantRows quantize_rows(const float* x, int64_t M, int64_t K) {
       for (int i = 0; i < 64; ++i) amax = std::max(amax, std::abs(xc[i]));
       const float step = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
       int sum = 0;
+      int8_t* even = &r.even[(m * C + c) * 32];
+      int8_t* odd = &r.odd[(m * C + c) * 32];
       for (int i = 0; i < 32; ++i) {
-        const int e = int(std::nearbyint(xc[2 * i] * inv));
-        const int o = int(std::nearbyint(xc[2 * i + 1] * inv));
-        r.even[(m * C + c) * 32 + i] = int8_t(e);
-        r.odd[(m * C + c) * 32 + i] = int8_t(o);
+        // lrintf rounds half to even (the default rounding mode), as torch.round does
+        const int e = int(lrintf(xc[2 * i] * inv)), o = int(lrintf(xc[2 * i + 1] * inv));
+        even[i] = int8_t(e);
+        odd[i] = int8_t(o);
         sum += e + o;
       }
       r.step[m * C + c] = step;
-      r.sum[m * C + c] = float(sum);
+      r.zsum[m * (K / G) + c / per_group] += step * float(sum);
     }
   }
   return r;
 }
 
+#ifdef QSPEC_AVX2
+// NR weight rows from n against M rows of x. Per 64-input chunk c and row pair (r, m):
+// acc += s[r, g] * step[m, c] * sum_k q x_codes (integers, exact); the zero points after.
+template <int M, int NR>
+inline void int4_block(const QuantRows& xq, const uint8_t* packed, const float* scale,
+                       const float* zero, const float* bias, float* out, int64_t K, int64_t N,
+                       int64_t G, int64_t n) {
+  const int64_t C = K / 64, NG = K / G, per_group = G / 64;
+  const __m256i mask = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  __m256 acc[NR][M];
+#pragma GCC unroll 8
+  for (int r = 0; r < NR; ++r)
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) acc[r][m] = _mm256_setzero_ps();
+  for (int64_t g = 0, c = 0; g < NG; ++g) {
+    __m256 sv[NR];
+#pragma GCC unroll 8
+    for (int r = 0; r < NR; ++r) sv[r] = _mm256_set1_ps(scale[(n + r) * NG + g]);
+    for (int64_t cc = 0; cc < per_group; ++cc, ++c) {
+      __m256i lo[NR], hi[NR];
+#pragma GCC unroll 8
+      for (int r = 0; r < NR; ++r) {
+        const __m256i b = _mm256_loadu_si256(
+            reinterpret_cast<const __m256i*>(packed + (n + r) * (K / 2) + c * 32));
+        lo[r] = _mm256_and_si256(b, mask);
+        hi[r] = _mm256_and_si256(_mm256_srli_epi16(b, 4), mask);
+      }
+#pragma GCC unroll 8
+      for (int m = 0; m < M; ++m) {
+        const int64_t at = (m * C + c) * 32;
+        const __m256i e = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(&xq.even[at]));
+        const __m256i o = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(&xq.odd[at]));
+        const __m256 step = _mm256_broadcast_ss(&xq.step[m * C + c]);
+#pragma GCC unroll 8
+        for (int r = 0; r < NR; ++r) {
+          const __m256i p16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo[r], e),
+                                               _mm256_maddubs_epi16(hi[r], o));
+          const __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, ones));
+          acc[r][m] = _mm256_fmadd_ps(_mm256_mul_ps(p, step), sv[r], acc[r][m]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < NR; ++r) {
+    const float* s = scale + (n + r) * NG;
+    const float* z = zero + (n + r) * NG;
+    for (int m = 0; m < M; ++m) {
+      float y = hsum(acc[r][m]);
+      for (int64_t g = 0; g < NG; ++g) y -= s[g] * z[g] * xq.zsum[m * NG + g];
+      out[m * N + n + r] = bias ? y + bias[n + r] : y;
+    }
+  }
+}
+#endif
+
 template <int M>
 void int4_rows(const QuantRows& xq, const uint8_t* packed, const float* scale, const float* zero,
                const float* bias, float* out, int64_t K, int64_t N, int64_t G) {
+#ifdef QSPEC_AVX2
+  // NR weight rows share each activation load; four for one row of x (a draft step)
+  constexpr int NR = M == 1 ? 4 : M == 2 ? 2 : 1;
+  at::parallel_for(0, (N + NR - 1) / NR, grain_rows(K / 2 * NR), [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t n = b * NR;
+      if (n + NR <= N) {
+        int4_block<M, NR>(xq, packed, scale, zero, bias, out, K, N, G, n);
+      } else {
+        for (int64_t i = n; i < N; ++i)
+          int4_block<M, 1>(xq, packed, scale, zero, bias, out, K, N, G, i);
+      }
+    }
+  });
+#else
   const int64_t C = K / 64, NG = K / G, per_group = G / 64;
   at::parallel_for(0, N, grain_rows(K / 2), [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) {
       const uint8_t* row = packed + n * (K / 2);
       const float* s = scale + n * NG;
       const float* z = zero + n * NG;
-#ifdef QSPEC_AVX2
-      __m256 acc[M];
-      for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
-      const __m256i mask = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-      for (int64_t c = 0; c < C; ++c) {
-        const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c * 32));
-        const __m256i lo = _mm256_and_si256(b, mask);
-        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), mask);
-        const float sg = s[c / per_group];
-        for (int m = 0; m < M; ++m) {
-          const int64_t at = (m * C + c) * 32;
-          const __m256i e = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(&xq.even[at]));
-          const __m256i o = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(&xq.odd[at]));
-          const __m256i p16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, e),
-                                               _mm256_maddubs_epi16(hi, o));
-          const __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, ones));
-          acc[m] = _mm256_fmadd_ps(p, _mm256_set1_ps(sg * xq.step[m * C + c]), acc[m]);
-        }
-      }
-      for (int m = 0; m < M; ++m) {
-        float y = hsum(acc[m]);
-#else
       for (int m = 0; m < M; ++m) {
         float y = 0.f;
         for (int64_t c = 0; c < C; ++c) {
@@ -218,15 +269,12 @@ void int4_rows(const QuantRows& xq, const uint8_t* packed, const float* scale, c
           }
           y += float(dot) * s[c / per_group] * xq.step[m * C + c];
         }
-#endif
-        for (int64_t c = 0; c < C; ++c) {  // the zero points: s dx z sum_k xq
-          const int64_t g = c / per_group;
-          y -= s[g] * z[g] * xq.step[m * C + c] * xq.sum[m * C + c];
-        }
+        for (int64_t g = 0; g < NG; ++g) y -= s[g] * z[g] * xq.zsum[m * NG + g];
         out[m * N + n] = bias ? y + bias[n] : y;
       }
     }
   });
+#endif
 }
 
 }  // namespace
@@ -250,7 +298,7 @@ torch::Tensor int4_rows_cpu(torch::Tensor x, torch::Tensor packed, torch::Tensor
     bc = b->to(torch::kFloat).contiguous();
     bias = bc.data_ptr<float>();
   }
-  const QuantRows xq = quantize_rows(x.data_ptr<float>(), M, K);
+  const QuantRows xq = quantize_rows(x.data_ptr<float>(), M, K, group_size);
   auto out = torch::empty({M, N}, torch::kFloat);
   const uint8_t* pp = packed.data_ptr<uint8_t>();
   const float *sp = scale.data_ptr<float>(), *zp = zero.data_ptr<float>();

@@ -16,6 +16,7 @@ torch::Tensor add_rms_norm_cpu(torch::Tensor x, torch::Tensor h, torch::Tensor w
 void rope_cpu(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
 torch::Tensor int4_linear_cpu(torch::Tensor x, torch::Tensor pack, torch::Tensor scale_zero,
                               int64_t group_size, int64_t n_out);
+void bind_decoder_stack(pybind11::module& m);  // cpu_step.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("hier_attention_cpu", &hier_attention_cpu, "hierarchical KV attention (CPU)");
@@ -25,4 +26,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm_cpu", &add_rms_norm_cpu, "x += h in place, then RMSNorm (CPU, fp32)");
   m.def("rope_cpu", &rope_cpu, "rotate-half RoPE in place on [B, T, n, D] (CPU, fp32)");
   m.def("int4_linear_cpu", &int4_linear_cpu, "int4 weight matmul on fp32 input (CPU)");
+  bind_decoder_stack(m);
 }

@@ -166,6 +166,13 @@ class HierarchicalKVCache(torch.nn.Module):
         return ((positions // G - 1) * G).clamp(min=0)
 
     def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int, end: int) -> None:
+        lo, hi = self._claim(layer, start, end)
+        self.fp_k[layer, :, :, lo:hi] = k
+        self.fp_v[layer, :, :, lo:hi] = v
+
+    def _claim(self, layer: int, start: int, end: int) -> tuple[int, int]:
+        """Make room for positions [start, end) in a layer's full-precision region (rotating
+        if due) and count them in; returns where they go in it, [lo, hi)."""
         G = self.group_size
         if start < self.n_quant[layer]:
             raise ValueError(
@@ -193,9 +200,55 @@ class HierarchicalKVCache(torch.nn.Module):
                 f"a forward of {end - start} tokens does not fit the "
                 f"full-precision buffer; feed at most G = {G} tokens at a time"
             )
-        self.fp_k[layer, :, :, lo:hi] = k
-        self.fp_v[layer, :, :, lo:hi] = v
         self.fp_len[layer] = hi
+        return lo, hi
+
+    def cpu_step(self, input_pos: torch.Tensor, path: str, n_tokens: int):
+        """For a decode-sized forward on CPU: does every layer's bookkeeping of `attend` now
+        and returns `run(stack, x, cos, sin)`, which runs all layers in one C++ call
+        (`qspec_core/cpu_step.py`); None when this forward must go layer by layer (layers
+        out of step, no fused kernel, a forward longer than G, a bad path: `attend` raises)."""
+        view = VIEWS.get(path)
+        L, G = len(self.n_quant), self.group_size
+        if (
+            view is None
+            or n_tokens > G  # (then a late query could need an F1 this forward rewrites)
+            or self.fp_k.dtype != torch.float32
+            or self.fp_k.device.type != "cpu"
+            or self.n_quant.count(self.n_quant[0]) != L
+            or self.fp_len.count(self.fp_len[0]) != L
+            or self._kernel(self.fp_k) is None
+        ):
+            return None
+        start, end = self._span(input_pos)
+        for layer in range(L):
+            lo, hi = self._claim(layer, start, end)
+        nq = self.n_quant[0]
+        any_late, n_quant_q, shift = self._query_rows(start, end, nq)
+        if any_late:  # late queries read F1 quantized from the planes' next slot
+            for layer in range(L):
+                if self._staged[layer] != nq:
+                    self._stage_f1(layer)
+        buffers = [
+            self.k_upper,
+            self.k_lower,
+            self.k_scale,
+            self.k_zero,
+            self.v_upper,
+            self.v_lower,
+            self.v_scale,
+            self.v_zero,
+            self.fp_k,
+            self.fp_v,
+        ]
+        target, chunk = view == "target", self.chunk_size
+
+        def run(stack, x, cos, sin):
+            return stack.run_hier(
+                x, cos, sin, buffers, lo, hi, nq, n_quant_q, shift, input_pos, target, G, chunk
+            )
+
+        return run
 
     def attend(self, layer, q, k, v, input_pos, path):
         """Store k/v [B, n_kv, T, D] at input_pos [T] in F2; attend q in the path's view."""

@@ -89,20 +89,46 @@ class FullPrecisionCache(torch.nn.Module):
             raise ValueError(
                 f"the full-precision cache serves 'fp', 'target' and 'draft', not {path!r}"
             )
+        start, end = self._span(input_pos)
+        self.k[layer, :, :, start:end] = k
+        self.v[layer, :, :, start:end] = v
+        if layer == self.k.shape[0] - 1:
+            self.seq_len = end
+        k_all, v_all = self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+        return causal_attention(q, k_all, v_all, input_pos, self._mask[1])
+
+    def _span(self, input_pos: torch.Tensor) -> tuple[int, int]:
+        """(first position, last + 1) of a forward's input_pos, checked; builds its mask."""
         start, end = int(input_pos[0]), int(input_pos[-1]) + 1
         if end > self.max_seq_len:
             raise ValueError(f"position {end - 1} is beyond the cache ({self.max_seq_len})")
         if start > self.seq_len:
             raise ValueError(f"write at {start} leaves a gap after length {self.seq_len}")
-        self.k[layer, :, :, start:end] = k
-        self.v[layer, :, :, start:end] = v
-        if layer == self.k.shape[0] - 1:
-            self.seq_len = end
         key = (start, end)
         if self._mask[0] != key:
             self._mask = (key, causal_mask(input_pos, end))
-        k_all, v_all = self.k[layer, :, :, :end], self.v[layer, :, :, :end]
-        return causal_attention(q, k_all, v_all, input_pos, self._mask[1])
+        return start, end
+
+    def cpu_step(self, input_pos: torch.Tensor, path: str, n_tokens: int):
+        """For a decode-sized forward on CPU: `run(stack, x, cos, sin)`, all layers in one C++
+        call (`qspec_core/cpu_step.py`) with the attention `causal_attention` computes; None
+        when this forward goes layer by layer (a cache not fp32 on CPU, a bad path)."""
+        if path not in PATHS or path == "draft-kv4":
+            return None  # (`attend` raises)
+        if self.k.dtype != torch.float32 or self.k.device.type != "cpu":
+            return None
+        start, end = self._span(input_pos)
+        self.seq_len = end
+        # causal_attention's cases: the whole sequence at once is plain causal; one query at
+        # the newest position sees every key (no mask); else the mask
+        is_causal = n_tokens == end and start == 0
+        mask = None if is_causal else self._mask[1]
+        k, v = self.k, self.v
+
+        def run(stack, x, cos, sin):
+            return stack.run_full(x, cos, sin, k, v, start, end, mask, is_causal)
+
+        return run
 
     def truncate(self, length: int) -> None:
         if not 0 <= length <= self.seq_len:

@@ -13,6 +13,7 @@ from torch import nn
 from torch.nn.modules import module as _module_hooks
 
 from kernels import cpu_ext, cpu_linear
+from qspec_core import cpu_step
 from qspec_core.config import ModelConfig
 from qspec_core.kv_cache import KVCache
 from qspec_core.rope import RotaryEmbedding, apply_rotary
@@ -154,6 +155,10 @@ class Transformer(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
+    def _apply(self, fn, *args, **kwargs):
+        cpu_step.forget(self)  # .to(), .float(): the built stacks point at the old tensors
+        return super()._apply(fn, *args, **kwargs)
+
     @property
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
@@ -190,10 +195,17 @@ class Transformer(nn.Module):
         return self.lm_head(self.norm(x), path)
 
     def _decode_layers(self, x, cos, sin, input_pos, cache, path):
-        """The layers of a decode or verify step on CPU in fp32: `DecoderLayer.forward`'s math
-        with the C++ ops of `kernels/cpu_decode.cpp`, minus the ~20 Python module calls per
-        layer around them (linears run their own forward; hooks, if any, are honoured).
-        `test_model_steps_equal_the_eager_model` holds the two equal."""
+        """The layers of a decode or verify step on CPU in fp32: in one C++ call
+        (`qspec_core/cpu_step.py`) when the path's weights and the cache allow, else
+        `DecoderLayer.forward`'s math with the C++ ops of `kernels/cpu_decode.cpp`, minus the
+        ~20 Python module calls per layer around them (linears run their own forward; hooks,
+        if any, are honoured). `test_model_steps_equal_the_eager_model` holds the three equal.
+        """
+        stack = cpu_step.stack_for(self, path)
+        step = getattr(cache, "cpu_step", None)
+        run = step(input_pos, path, x.shape[1]) if stack is not None and step else None
+        if run is not None:
+            return run(stack, x, cos, sin)
         ops = cpu_ext.load()
         B, T, _ = x.shape
         for layer in self.layers:

@@ -1,0 +1,195 @@
+"""The whole-stack C++ decode step (`kernels/cpu_step.cpp`, `qspec_core/cpu_step.py`) against the
+Python layer loop it replaces: the same bits on every path and cache, through rotations and
+late queries, and never a stale weight after the model changes."""
+
+import pytest
+import torch
+from hf_tiny import ours_from_hf, tiny_hf
+
+from kernels import cpu_ext
+from qspec_core import cpu_step
+from qspec_core.hier_cache import HierarchicalKVCache
+from qspec_core.int8_linear import Int8Linear
+from qspec_core.kv_cache import FullPrecisionCache
+from qspec_core.model import attach_draft, attach_int8, linear_layers, set_target_weights
+from qspec_core.quant_linear import Int4Linear
+
+pytestmark = pytest.mark.skipif(not cpu_ext.available(), reason="no C++ compiler here")
+
+
+def _model(seed=0, **overrides):
+    # head_dim 64 (the AVX2 attention), in_features multiples of 64 (the W4A8 draft)
+    kw = dict(hidden_size=128, intermediate_size=192, num_attention_heads=2)
+    kw.update(overrides)
+    model = ours_from_hf(tiny_hf("llama", seed=seed, num_key_value_heads=1, **kw))
+    drafts = {n: Int4Linear.from_linear(m, 64) for n, m in linear_layers(model).items()}
+    attach_draft(model, drafts)
+    return model
+
+
+@pytest.fixture
+def python_loop(monkeypatch):
+    """Inside the `with`, decode steps take the Python layer loop."""
+
+    class Loop:
+        def __enter__(self):
+            monkeypatch.setattr(cpu_step, "stack_for", lambda model, path: None)
+
+        def __exit__(self, *exc):
+            monkeypatch.undo()
+
+    return Loop()
+
+
+def _used(model, path) -> bool:
+    return cpu_step.stack_for(model, path) is not None
+
+
+def _rounds(model, cache, path, ids, steps, commit=True):
+    """Feeds ids in the given [start, stop) steps; returns the logits of all of them."""
+    out = []
+    with torch.no_grad():
+        for start, stop in steps:
+            out.append(model(ids[:, start:stop], torch.arange(start, stop), cache, path))
+            if commit:
+                cache.commit(stop)
+    return torch.cat(out, 1)
+
+
+def _hier(model):
+    return HierarchicalKVCache(model.config, 300, dtype=torch.float32)
+
+
+def _full(model):
+    return FullPrecisionCache(model.config, 200, dtype=torch.float32)
+
+
+# a prefill, then one-token steps and verify-sized steps, crossing several 64-token groups
+STEPS = (
+    [(0, 64), (64, 120)]
+    + [(p, p + 1) for p in range(120, 130)]
+    + [
+        (130, 135),
+        (135, 136),
+        (136, 141),
+        (141, 149),
+        (149, 150),
+    ]
+)
+
+
+@pytest.mark.parametrize(
+    "cache_kind, path",
+    [
+        ("full", "fp"),
+        ("full", "draft"),
+        ("hier", "target"),
+        ("hier", "draft"),
+        ("hier", "draft-kv4"),
+    ],  # fmt: skip
+)
+def test_stack_gives_the_python_loops_bits(cache_kind, path, python_loop):
+    model = _model()
+    ids = torch.randint(0, 101, (1, 150), generator=torch.Generator().manual_seed(1))
+    make = _full if cache_kind == "full" else _hier
+    with python_loop:
+        want = _rounds(model, make(model), path, ids, STEPS)
+    assert _used(model, path)
+    got = _rounds(model, make(model), path, ids, STEPS)
+    assert torch.equal(got, want)
+
+
+def test_speculative_rounds_with_rollbacks_and_late_queries(python_loop):
+    """Draft steps run past the committed length (late queries see F1 quantized on the fly),
+    the verify rewrites them, the cache rolls back: the same logits and the same cache."""
+    model = _model(seed=2)
+    ids = torch.randint(0, 101, (1, 300), generator=torch.Generator().manual_seed(3))
+
+    def rounds():
+        cache = _hier(model)
+        out = [_rounds(model, cache, "target", ids, [(0, 64), (64, 126)])]
+        with torch.no_grad():
+            for n in range(126, 270, 3):  # 4 drafts, a verify of 5, keep 3 of them
+                for p in range(n, n + 4):
+                    out.append(model(ids[:, p : p + 1], torch.tensor([p]), cache, "draft"))
+                pos = torch.arange(n, n + 5)
+                out.append(model(ids[:, n : n + 5], pos, cache, "target"))
+                cache.truncate(n + 3)
+                cache.commit(n + 3)
+        return torch.cat(out, 1), cache.state(), cache.meta()
+
+    with python_loop:
+        want, want_state, want_meta = rounds()
+    got, state, meta = rounds()
+    assert torch.equal(got, want)
+    assert meta == want_meta and meta["n_quant"] >= 192  # rotated on the way
+    for name, t in want_state.items():
+        assert torch.equal(state[name], t), name
+
+
+def test_a_changed_model_never_runs_stale_weights(python_loop):
+    model = _model(seed=4)
+    ids = torch.randint(0, 101, (1, 70), generator=torch.Generator().manual_seed(5))
+    steps = [(0, 64), (64, 65), (65, 70)]
+
+    def both(path):
+        with python_loop:
+            want = _rounds(model, _hier(model), path, ids, steps)
+        got = _rounds(model, _hier(model), path, ids, steps)
+        return got, want
+
+    got, want = both("target")
+    assert torch.equal(got, want)
+    # in place, by load_state_dict, by a new Parameter, a new twin: each must show
+    with torch.no_grad():
+        model.layers[0].mlp.down_proj.weight.mul_(1.5)
+    got2, want2 = both("target")
+    assert torch.equal(got2, want2) and not torch.equal(got2, got)
+    state = {k: v * 0.9 if "q_proj.weight" in k else v for k, v in model.state_dict().items()}
+    model.load_state_dict(state, assign=True)
+    got3, want3 = both("target")
+    assert torch.equal(got3, want3) and not torch.equal(got3, got2)
+    layer = model.layers[1].self_attn.o_proj
+    layer.weight = torch.nn.Parameter(layer.weight * 0.5, requires_grad=False)
+    got4, want4 = both("target")
+    assert torch.equal(got4, want4) and not torch.equal(got4, got3)
+    d1, _ = both("draft")
+    up = model.layers[0].mlp.up_proj
+    up.draft = Int4Linear.from_linear(torch.nn.Linear(128, 192, bias=False), 64)
+    d2, want_d2 = both("draft")
+    assert torch.equal(d2, want_d2) and not torch.equal(d2, d1)
+
+
+def test_paths_the_stack_does_not_run_fall_back(python_loop):
+    """INT8 target weights, AWQ-scaled twins and hooks take the Python loop (and still work)."""
+    model = _model(seed=6)
+    assert _used(model, "target") and _used(model, "draft")
+    attach_int8(model, {n: Int8Linear.from_linear(m) for n, m in linear_layers(model).items()})
+    set_target_weights(model, "int8")
+    assert not _used(model, "target")
+    set_target_weights(model, "full")
+    assert _used(model, "target")
+    proj = model.layers[1].self_attn.k_proj
+    proj.draft = proj.draft.with_scales(torch.rand(128) + 0.5)
+    assert not _used(model, "draft") and _used(model, "target")
+    seen = []
+    handle = model.layers[0].mlp.gate_proj.register_forward_hook(lambda m, i, o: seen.append(1))
+    assert not _used(model, "target")
+    ids = torch.randint(0, 101, (1, 3))
+    with torch.no_grad():
+        model(ids, torch.arange(3), _full(model), "fp")
+    assert seen == [1]
+    handle.remove()
+    assert _used(model, "target")
+
+
+def test_dtype_change_drops_the_stacks():
+    model = _model(seed=7)
+    assert _used(model, "fp")
+    model.to(torch.bfloat16)
+    assert "_cpu_stacks" not in model.__dict__
+    model.float()
+    ids = torch.randint(0, 101, (1, 4))
+    with torch.no_grad():
+        out = model(ids, torch.arange(4), _full(model), "fp")
+    assert out.dtype == torch.float32 and _used(model, "fp")
