@@ -36,15 +36,22 @@ void rope_cpu(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
 
 namespace {
 
-// One linear layer: fp32 weight [N, K], or the W4A8 draft twin (packed [N, K/2], scale/zero
-// [N, K/G]); x [M, K] -> [M, N].
+// One linear layer, x [M, K] -> [M, N]: fp32 weight [N, K]; or the W4A8 draft twin (packed
+// [N, K/2], scale/zero [N, K/G]); or the INT8 target twin (int8 [N, K], fp32 scale [N]), run
+// as `Int8Linear._cpu_forward` runs it: bf16 activations, unit kernel scales, fp32 scale after.
 struct Projection {
-  torch::Tensor weight, packed, scale, zero;
+  torch::Tensor weight, packed, scale, zero, int8, unit_scale;
   c10::optional<torch::Tensor> bias;
   int64_t group_size = 0;
 
   torch::Tensor operator()(const torch::Tensor& x) const {
     if (packed.defined()) return int4_rows_cpu(x, packed, scale, zero, group_size, bias);
+    if (int8.defined()) {
+      auto xb = x.to(torch::kBFloat16).contiguous();
+      if (reinterpret_cast<uintptr_t>(xb.data_ptr()) % 64) xb = xb.clone();  // aligned rows
+      auto acc = at::_weight_int8pack_mm(xb, int8, unit_scale);  // [M, N] bf16
+      return bias.has_value() ? at::addcmul(*bias, acc, scale) : at::mul(acc, scale);
+    }
     return linear_rows_cpu(x, weight, bias);
   }
 };
@@ -78,6 +85,14 @@ class DecoderStack {
                        int64_t group_size, c10::optional<torch::Tensor> bias) {
     Projection p;
     p.packed = packed, p.scale = scale, p.zero = zero, p.group_size = group_size, p.bias = bias;
+    pending_.push_back(p);
+  }
+
+  void add_int8_linear(torch::Tensor weight_int8, torch::Tensor unit_scale,
+                       torch::Tensor weight_scale, c10::optional<torch::Tensor> bias) {
+    TORCH_CHECK(weight_scale.scalar_type() == torch::kFloat, "fp32 INT8 scales only");
+    Projection p;
+    p.int8 = weight_int8, p.unit_scale = unit_scale, p.scale = weight_scale, p.bias = bias;
     pending_.push_back(p);
   }
 
@@ -170,6 +185,7 @@ void bind_decoder_stack(pybind11::module& m) {
       .def(pybind11::init<int64_t, int64_t, int64_t, double>())
       .def("add_linear", &DecoderStack::add_linear)
       .def("add_int4_linear", &DecoderStack::add_int4_linear)
+      .def("add_int8_linear", &DecoderStack::add_int8_linear)
       .def("add_layer", &DecoderStack::add_layer)
       .def("__len__", &DecoderStack::size)
       // (the forward touches no Python object: other threads may run meanwhile)

@@ -1,13 +1,14 @@
 """All decoder layers of a decode or verify step in one C++ call (`kernels/cpu_step.cpp`).
 
 `stack_for(model, path)` gives the `DecoderStack` that runs `path`'s layers: the fp32 weights,
-or the draft's 4-bit twins through the W4A8 kernel, exactly as `Transformer._decode_layers`
-picks them. It is built once per path and reused while everything it was built from is
-unchanged: each call checks, by identity, every weight, twin and flag it read (about 1,500
-dict lookups, tens of microseconds against a step of tens of milliseconds), and that no
-hooks are registered. None when the path needs what the C++ loop does not run: INT8 target
-weights, a 4-bit twin in a form other than plain W4A8 (AWQ scales, act-order), weights not
-fp32, or hooks (calibration); the model then runs its Python layer loop.
+the draft's 4-bit twins through the W4A8 kernel, or the INT8 target twins, exactly as
+`Transformer._decode_layers` picks them. It is built once per path and reused while
+everything it was built from is unchanged: each call checks, by identity, every weight, twin
+and flag it read (about 1,500 dict lookups, tens of microseconds against a step of tens of
+milliseconds), and that no hooks are registered. None when the path needs what the C++ loop
+does not run: a 4-bit twin in a form other than plain W4A8 (AWQ scales, act-order), an INT8
+twin the CPU int8 kernel cannot take, weights not fp32, or hooks (calibration); the model
+then runs its Python layer loop.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 from torch.nn.modules import module as _module_hooks
 
 from kernels import cpu_ext
+from qspec_core.int8_linear import Int8Linear
 from qspec_core.quant_linear import Int4Linear
 
 
@@ -95,6 +97,7 @@ def _add_linear(stack, linear, draft_path: bool, entry: _Entry) -> bool:
         (params, "weight", weight),
         (params, "bias", bias),
         (modules, "draft", draft),
+        (modules, "int8", modules.get("int8")),
         (linear.__dict__, "use_int8", linear.use_int8),
     ]
     entry.hooked.append(linear)
@@ -112,7 +115,19 @@ def _add_linear(stack, linear, draft_path: bool, entry: _Entry) -> bool:
             return False
         stack.add_int4_linear(*args, twin_bias)
         return True
-    if linear.use_int8 or not _fp32(weight) or (bias is not None and not _fp32(bias)):
+    if linear.use_int8:
+        int8 = modules["int8"]
+        entry.hooked.append(int8)
+        if not isinstance(int8, Int8Linear):
+            return False
+        names = ("weight_int8", "_unit_scale", "weight_scale", "bias")
+        tensors = [int8._buffers[n] for n in names]
+        entry.checks += [(int8._buffers, n, t) for n, t in zip(names, tensors, strict=True)]
+        if not int8.cpu_kernel_ok() or tensors[2].dtype != torch.float32:
+            return False
+        stack.add_int8_linear(*tensors)
+        return True
+    if not _fp32(weight) or (bias is not None and not _fp32(bias)):
         return False
     stack.add_linear(weight, bias)
     return True

@@ -65,31 +65,28 @@ def _full(model):
 
 
 # a prefill, then one-token steps and verify-sized steps, crossing several 64-token groups
-STEPS = (
-    [(0, 64), (64, 120)]
-    + [(p, p + 1) for p in range(120, 130)]
-    + [
-        (130, 135),
-        (135, 136),
-        (136, 141),
-        (141, 149),
-        (149, 150),
-    ]
-)
+STEPS = [(0, 64), (64, 120)] + [(p, p + 1) for p in range(120, 130)]
+STEPS += [(130, 135), (135, 136), (136, 141), (141, 149), (149, 150)]
 
 
 @pytest.mark.parametrize(
-    "cache_kind, path",
+    "cache_kind, path, weights",
     [
-        ("full", "fp"),
-        ("full", "draft"),
-        ("hier", "target"),
-        ("hier", "draft"),
-        ("hier", "draft-kv4"),
-    ],  # fmt: skip
+        ("full", "fp", "full"),
+        ("full", "draft", "full"),
+        ("hier", "target", "full"),
+        ("hier", "draft", "full"),
+        ("hier", "draft-kv4", "full"),
+        ("full", "fp", "int8"),
+        ("hier", "target", "int8"),
+    ],
 )
-def test_stack_gives_the_python_loops_bits(cache_kind, path, python_loop):
+def test_stack_gives_the_python_loops_bits(cache_kind, path, weights, python_loop):
     model = _model()
+    if weights == "int8":
+        layers = linear_layers(model)
+        attach_int8(model, {n: Int8Linear.from_linear(m) for n, m in layers.items()})
+        set_target_weights(model, "int8")
     ids = torch.randint(0, 101, (1, 150), generator=torch.Generator().manual_seed(1))
     make = _full if cache_kind == "full" else _hier
     with python_loop:
@@ -161,12 +158,16 @@ def test_a_changed_model_never_runs_stale_weights(python_loop):
 
 
 def test_paths_the_stack_does_not_run_fall_back(python_loop):
-    """INT8 target weights, AWQ-scaled twins and hooks take the Python loop (and still work)."""
+    """AWQ-scaled twins, INT8 twins the int8 kernel cannot take and hooks take the Python loop
+    (and still work); switching target weights rebuilds the stack."""
     model = _model(seed=6)
     assert _used(model, "target") and _used(model, "draft")
     attach_int8(model, {n: Int8Linear.from_linear(m) for n, m in linear_layers(model).items()})
+    full = cpu_step.stack_for(model, "target")
     set_target_weights(model, "int8")
-    assert not _used(model, "target")
+    assert _used(model, "target") and cpu_step.stack_for(model, "target") is not full
+    model.layers[0].self_attn.q_proj.int8 = Int8Linear.from_linear(torch.nn.Linear(120, 128))
+    assert not _used(model, "target")  # K = 120: not a multiple of the int8 kernel's 16
     set_target_weights(model, "full")
     assert _used(model, "target")
     proj = model.layers[1].self_attn.k_proj
