@@ -3,10 +3,10 @@
 Sources: `cpu_hier_attention.cpp` (attention over the hierarchical cache), `cpu_linear.cpp`
 (x W^T for the few rows of a decode or verify step), `cpu_decode.cpp` (the small ops around
 them: RMSNorm, RoPE, the int4 linear's casts), `cpu_step.cpp` (all decoder layers of a
-decode step in one call) and `cpu_module.cpp` (the bindings). The
-build runs on first use with the system C++ compiler (about a minute), per source and per CPU
-(it is compiled for the host's instruction set); if it fails, `available()` is False and every
-caller keeps its PyTorch path.
+decode step in one call) and `cpu_module.cpp` (the bindings). The build runs on first use
+with the system C++ compiler (about two minutes), per source and per CPU (it is compiled for
+the host's instruction set); if it fails, `available()` is False and every caller keeps its
+PyTorch path.
 """
 
 from __future__ import annotations

@@ -142,8 +142,11 @@ torch::Tensor linear_rows_cpu(torch::Tensor x, torch::Tensor w, c10::optional<to
 // its Q4 x Q8 dot products, so that the inner product runs on integers: vpmaddubsw multiplies
 // 32 nibbles (u8) by 32 int8 activations and adds pairs, exactly (|sum| <= 2 * 15 * 127). Per
 // 64-input chunk c of row n:  sum_k (q - z) s xq dx = s dx (sum_k q xq - z sum_k xq).
-// The twin is `kernels.cpu_linear.int4_linear_ref` (the same activation rounding, then a dense
-// matmul); this is the draft path only, whose output only proposes tokens.
+// The zero-point term is summed per weight group from per-chunk step * sum(codes), computed
+// once with the activations. Four weight rows share each activation load when x has one row
+// (a draft step). The twin is `kernels.cpu_linear.int4_linear_ref` (the same activation
+// rounding, then a dense matmul); this is the draft path only, whose output only proposes
+// tokens.
 namespace {
 
 struct QuantRows {  // x [M, K] -> per 64-chunk: even/odd int8 halves, step; per group: zsum

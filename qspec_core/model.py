@@ -196,10 +196,11 @@ class Transformer(nn.Module):
 
     def _decode_layers(self, x, cos, sin, input_pos, cache, path):
         """The layers of a decode or verify step on CPU in fp32: in one C++ call
-        (`qspec_core/cpu_step.py`) when the path's weights and the cache allow, else
+        (`qspec_core/cpu_step.py`) when the path's weights and the cache allow; else
         `DecoderLayer.forward`'s math with the C++ ops of `kernels/cpu_decode.cpp`, minus the
         ~20 Python module calls per layer around them (linears run their own forward; hooks,
-        if any, are honoured). `test_model_steps_equal_the_eager_model` holds the three equal.
+        if any, are honoured). `tests/test_cpu_step.py` holds the two to the same bits, and
+        `test_model_steps_equal_the_eager_model` both to the eager model.
         """
         stack = cpu_step.stack_for(self, path)
         step = getattr(cache, "cpu_step", None)
