@@ -14,6 +14,7 @@ act-order), an INT8 twin the CPU int8 kernel cannot take, weights not fp32, or h
 from __future__ import annotations
 
 import operator
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -49,9 +50,14 @@ class _Entry:
         return any(map(_FORWARD_HOOKS, self.hooked)) or any(map(_PRE_HOOKS, self.hooked))
 
 
+# model -> {path: _Entry}; beside the model rather than on it, so that copying or pickling a
+# model never meets the C++ object
+_STACKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def stack_for(model, path: str):
     """The DecoderStack for `path`'s weights, or None (see the module docstring)."""
-    stacks = model.__dict__.setdefault("_cpu_stacks", {})
+    stacks = _STACKS.setdefault(model, {})
     entry = stacks.get(path)
     if entry is None or not entry.current():
         entry = stacks[path] = _build(model, path)
@@ -62,7 +68,7 @@ def stack_for(model, path: str):
 
 def forget(model) -> None:
     """Drop the built stacks (the model's tensors were replaced: `.to`, `.float`, ...)."""
-    model.__dict__.pop("_cpu_stacks", None)
+    _STACKS.pop(model, None)
 
 
 def _build(model, path: str) -> _Entry:

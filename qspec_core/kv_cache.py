@@ -4,6 +4,10 @@ The model never touches K/V tensors after projecting them: each attention layer 
 keys and values to `cache.attend(...)`, which stores them and returns the attention output.
 That call is the seam where the hierarchical INT4/INT8 cache plugs in: it decides what it
 stores (full precision, packed planes) and which view (`path`) the attention reads.
+
+A cache may also offer `cpu_step(input_pos, path, n_tokens)`: for a decode-sized forward on
+CPU it does every layer's bookkeeping at once and returns a function that runs all layers in
+one C++ call (`qspec_core/cpu_step.py`), or None to go layer by layer through `attend`.
 """
 
 from __future__ import annotations

@@ -2,6 +2,8 @@
 Python layer loop it replaces: the same bits on every path and cache, through rotations and
 late queries, and never a stale weight after the model changes."""
 
+import copy
+
 import pytest
 import torch
 from hf_tiny import ours_from_hf, tiny_hf
@@ -187,8 +189,9 @@ def test_paths_the_stack_does_not_run_fall_back(python_loop):
 def test_dtype_change_drops_the_stacks():
     model = _model(seed=7)
     assert _used(model, "fp")
+    copy.deepcopy(model)  # (the C++ stack lives beside the model, not on it)
     model.to(torch.bfloat16)
-    assert "_cpu_stacks" not in model.__dict__
+    assert model not in cpu_step._STACKS
     model.float()
     ids = torch.randint(0, 101, (1, 4))
     with torch.no_grad():
