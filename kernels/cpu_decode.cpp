@@ -10,6 +10,8 @@
 //   int4_linear_cpu(x, pack, sz, G, n)  PyTorch's int4 weight kernel on fp32 x with the bf16
 //                                    casts it needs, in one call
 #include <torch/extension.h>
+
+#include "cpu_kernels.h"  // (the declarations these definitions must match)
 #include <ATen/Parallel.h>
 
 #include <cmath>

@@ -30,6 +30,7 @@ SOURCES = tuple(
         "cpu_module.cpp",
     )
 )
+HEADERS = (HERE / "cpu_kernels.h",)  # hashed with the sources, so an edit rebuilds
 DISABLE_ENV = "QSPEC_CPU_KERNELS"  # "0" turns the C++ kernels off (the PyTorch paths run)
 _module = None
 _failed: str | None = None
@@ -45,7 +46,7 @@ def _cpu_tag() -> str:
                 break
     except OSError:
         flags = platform.processor()
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES))
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS))
     digest.update(flags.encode() + torch.__version__.encode())
     return digest.hexdigest()[:12]
 

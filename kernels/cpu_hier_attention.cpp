@@ -20,6 +20,8 @@
 // even dims, then its odd dims, so that a byte's two nibbles land in two contiguous runs and
 // every inner loop is stride 1. q, the K metadata and the output are permuted alike.
 #include <torch/extension.h>
+
+#include "cpu_kernels.h"  // (the declarations these definitions must match)
 #include <ATen/Parallel.h>
 
 #include <algorithm>

@@ -10,6 +10,8 @@
 // latency. The sum over K runs in eight lanes and is reduced at the end: results equal
 // F.linear's to rounding, not bit for bit.
 #include <torch/extension.h>
+
+#include "cpu_kernels.h"  // (the declarations these definitions must match)
 #include <ATen/Parallel.h>
 
 #include <algorithm>

@@ -15,24 +15,10 @@
 //     hier_attention_cpu over the layer's planes and the region's first n_fp positions;
 //   run_full: a full-precision cache k/v [L, B, n_kv, S, D], the new K/V written at
 //     [start, end), then SDPA over [0, end) with the cache's mask (or is_causal).
-#include <torch/extension.h>
-
 #include <functional>
 #include <vector>
 
-torch::Tensor hier_attention_cpu(torch::Tensor q, torch::Tensor k_upper, torch::Tensor k_lower,
-                                 torch::Tensor k_scale, torch::Tensor k_zero,
-                                 torch::Tensor v_upper, torch::Tensor v_lower,
-                                 torch::Tensor v_scale, torch::Tensor v_zero,
-                                 torch::Tensor n_quant_q, torch::Tensor fp_k, torch::Tensor fp_v,
-                                 int64_t fp_pos0, torch::Tensor fp_lo, torch::Tensor input_pos,
-                                 bool target, int64_t group_size, int64_t chunk);
-torch::Tensor linear_rows_cpu(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> b);
-torch::Tensor int4_rows_cpu(torch::Tensor x, torch::Tensor packed, torch::Tensor scale,
-                            torch::Tensor zero, int64_t group_size, c10::optional<torch::Tensor> b);
-torch::Tensor rms_norm_cpu(torch::Tensor x, torch::Tensor w, double eps);
-torch::Tensor add_rms_norm_cpu(torch::Tensor x, torch::Tensor h, torch::Tensor w, double eps);
-void rope_cpu(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
+#include "cpu_kernels.h"
 
 namespace {
 
