@@ -66,8 +66,9 @@ def _full(model):
     return FullPrecisionCache(model.config, 200, dtype=torch.float32)
 
 
-# a prefill, then one-token steps and verify-sized steps, crossing several 64-token groups
-STEPS = [(0, 64), (64, 120)] + [(p, p + 1) for p in range(120, 130)]
+# a short prompt (plain causal), a prefill, then one-token and verify-sized steps, crossing
+# several 64-token groups
+STEPS = [(0, 5), (5, 64), (64, 120)] + [(p, p + 1) for p in range(120, 130)]
 STEPS += [(130, 135), (135, 136), (136, 141), (141, 149), (149, 150)]
 
 
