@@ -432,24 +432,27 @@ void full_precision_task(const Args& a, int64_t bh, Rows& rows) {
       const int64_t lo = std::max<int64_t>(a.fp_lo[t] - b0, 0);
       const int64_t hi = std::min<int64_t>(a.pos[t] - a.fp_pos0 - b0 + 1, n);  // keys [lo, hi)
       if (hi <= lo) continue;
+      // The row folds keys [0, hi) of the block, never the keys after its own position:
+      // how many of those there are depends on how many tokens came with it (a verify's
+      // later drafts), and folding them, even masked, would move where the vector body ends
+      // and the scalar tail begins (another exp, another summation order). `hi` is a
+      // function of the row's position alone, so the row's bits are too.
       const float* qr = a.q + (bh * RT + r) * D;
 #ifdef QSPEC_AVX2
       if constexpr (DT != 0) {
-        scores_avx2<DT>(qr, kb, n, 0.f, p);
+        scores_avx2<DT>(qr, kb, hi, 0.f, p);
       }
 #endif
-      if constexpr (DT == 0) scores_portable(qr, kb, n, D, 0.f, p);
-      for (int64_t j = 0; j < n; ++j) {
-        if (j < lo || j >= hi) p[j] = NEG_INF;
-      }
+      if constexpr (DT == 0) scores_portable(qr, kb, hi, D, 0.f, p);
+      for (int64_t j = 0; j < lo; ++j) p[j] = NEG_INF;
 #ifdef QSPEC_AVX2
       if constexpr (DT != 0) {
-        fold_row_avx2<DT>(p, n, vb, nullptr, nullptr, rows.acc + r * D, rows.m[r],
+        fold_row_avx2<DT>(p, hi, vb, nullptr, nullptr, rows.acc + r * D, rows.m[r],
                           rows.l[r], zacc);
         continue;
       }
 #endif
-      fold_row_portable(p, n, vb, nullptr, nullptr, D, rows.acc + r * D, rows.m[r],
+      fold_row_portable(p, hi, vb, nullptr, nullptr, D, rows.acc + r * D, rows.m[r],
                         rows.l[r], zacc);
     }
   }

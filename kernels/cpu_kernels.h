@@ -12,7 +12,11 @@ torch::Tensor hier_attention_cpu(torch::Tensor q, torch::Tensor k_upper, torch::
                                  int64_t fp_pos0, torch::Tensor fp_lo, torch::Tensor input_pos,
                                  bool target, int64_t group_size, int64_t chunk);
 // cpu_linear.cpp
+// The most rows a decode or verify step hands the few-row kernels: gamma + 1 for gamma <= 16.
+constexpr int64_t kMaxStepRows = 17;
 torch::Tensor linear_rows_cpu(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> b);
+torch::Tensor int8_rows_cpu(torch::Tensor x, torch::Tensor w, torch::Tensor scale,
+                            c10::optional<torch::Tensor> b);
 torch::Tensor int4_rows_cpu(torch::Tensor x, torch::Tensor packed, torch::Tensor scale,
                             torch::Tensor zero, int64_t group_size, c10::optional<torch::Tensor> b);
 // cpu_decode.cpp

@@ -1,4 +1,4 @@
-// A decode-sized forward (at most 8 tokens) through every decoder layer in one C++ call.
+// A decode-sized forward (at most kMaxStepRows = 17 tokens) through every decoder layer in one C++ call.
 //
 // A 135M-parameter model makes about 25 PyTorch calls per layer in a decode step; from Python
 // each costs 3-15 us on this class of CPU, which adds up to as much as the arithmetic of the
@@ -24,20 +24,15 @@ namespace {
 
 // One linear layer, x [M, K] -> [M, N]: fp32 weight [N, K]; or the W4A8 draft twin (packed
 // [N, K/2], scale/zero [N, K/G]); or the INT8 target twin (int8 [N, K], fp32 scale [N]), run
-// as `Int8Linear._cpu_forward` runs it: bf16 activations, unit kernel scales, fp32 scale after.
+// as `Int8Linear` runs a step's rows: `int8_rows_cpu`.
 struct Projection {
-  torch::Tensor weight, packed, scale, zero, int8, unit_scale;
+  torch::Tensor weight, packed, scale, zero, int8;
   c10::optional<torch::Tensor> bias;
   int64_t group_size = 0;
 
   torch::Tensor operator()(const torch::Tensor& x) const {
     if (packed.defined()) return int4_rows_cpu(x, packed, scale, zero, group_size, bias);
-    if (int8.defined()) {
-      auto xb = x.to(torch::kBFloat16).contiguous();
-      if (reinterpret_cast<uintptr_t>(xb.data_ptr()) % 64) xb = xb.clone();  // aligned rows
-      auto acc = at::_weight_int8pack_mm(xb, int8, unit_scale);  // [M, N] bf16
-      return bias.has_value() ? at::addcmul(*bias, acc, scale) : at::mul(acc, scale);
-    }
+    if (int8.defined()) return int8_rows_cpu(x, int8, scale, bias);
     return linear_rows_cpu(x, weight, bias);
   }
 };
@@ -74,11 +69,11 @@ class DecoderStack {
     pending_.push_back(p);
   }
 
-  void add_int8_linear(torch::Tensor weight_int8, torch::Tensor unit_scale,
-                       torch::Tensor weight_scale, c10::optional<torch::Tensor> bias) {
+  void add_int8_linear(torch::Tensor weight_int8, torch::Tensor weight_scale,
+                       c10::optional<torch::Tensor> bias) {
     TORCH_CHECK(weight_scale.scalar_type() == torch::kFloat, "fp32 INT8 scales only");
     Projection p;
-    p.int8 = weight_int8, p.unit_scale = unit_scale, p.scale = weight_scale, p.bias = bias;
+    p.int8 = weight_int8, p.scale = weight_scale, p.bias = bias;
     pending_.push_back(p);
   }
 
@@ -138,7 +133,8 @@ class DecoderStack {
                     const Attend& attend) {
     TORCH_CHECK(x.scalar_type() == torch::kFloat && x.is_contiguous() && x.dim() == 3,
                 "x must be contiguous fp32 [B, T, hidden]");
-    TORCH_CHECK(x.size(0) * x.size(1) <= 8, "a decode step: at most 8 tokens");
+    TORCH_CHECK(x.size(0) * x.size(1) <= kMaxStepRows, "a decode step: at most ", kMaxStepRows,
+                " tokens");
     TORCH_CHECK(pending_.empty(), "a layer is half built");
     const int64_t B = x.size(0), T = x.size(1), M = B * T;
     auto rows = x.view({M, x.size(2)});  // the residual stream, updated in place

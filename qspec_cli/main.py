@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -10,10 +11,13 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.text import Text
 
-from qspec_core.documents import read_document
+from qspec_core.config import check_kv_group_size
+from qspec_core.documents import is_stdin, read_document
 from qspec_core.errors import QspecError
-from qspec_core.sampling import SamplingParams
+from qspec_core.paths import check_output_file
+from qspec_core.sampling import MIN_TEMPERATURE, SamplingParams
 from qspec_core.session import MODES, SUMMARY_REQUEST, ChatSession
 
 app = typer.Typer(
@@ -22,8 +26,26 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-out = Console(highlight=False)
-err = Console(stderr=True, highlight=False)
+# emoji=False: a file named `a:cat:b.txt` keeps its name. User strings (paths, model names,
+# messages) are printed as `Text`, never as markup: `x[/red].txt` would raise MarkupError,
+# and `rich.markup.escape` renders a trailing backslash doubled at the end of a line.
+out = Console(highlight=False, emoji=False)
+err = Console(stderr=True, highlight=False, emoji=False)
+
+
+def _log(message: str) -> None:
+    err.print(Text(message, style="dim"), soft_wrap=True)  # paths stay whole, copy-pastable
+
+
+def _warn(message: str) -> None:
+    err.print(Text(message, style="yellow"))
+
+
+def _print_error(message: str) -> None:
+    """`error: MESSAGE` as exactly one line: a message may hold newlines (a library's error,
+    a file name) and must not be wrapped at the terminal's width either."""
+    line = " ".join(part.strip() for part in str(message).splitlines() if part.strip())
+    err.print(Text.assemble(("error:", "red"), " ", line), soft_wrap=True)
 
 
 def _version(value: bool) -> None:
@@ -71,23 +93,49 @@ GammaOpt = Annotated[
 
 
 GroupOpt = Annotated[
-    int | None, typer.Option(help="KV quantization group G (default: the model's head_dim).")
+    int | None,
+    typer.Option(
+        help="KV quantization group G: even, divides head_dim, above --gamma "
+        "(default: the model's head_dim)."
+    ),
 ]
 
 
-def _session(file: Path | None, document: Path | None, runtime, **kwargs) -> ChatSession:
-    """A session over a snapshot (`*.qspec`, no re-prefill) or over a text document."""
-    if file is not None and file.suffix == ".qspec":
+def _read_text(path: Path) -> str:
+    """A document's text, read once: a FIFO or a pipe (`-`) cannot be read a second time."""
+    if is_stdin(path) and sys.stdin.isatty():
+        _log("reading the document from standard input: end it with Ctrl-D")
+    return read_document(path)
+
+
+def _input(file: Path) -> tuple[Path | None, str | None]:
+    """FILE of summarize: (snapshot, None) for a `*.qspec`, else (None, the document's text).
+    Either way checked before any model loads."""
+    if file.suffix == ".qspec":
+        from qspec_core.snapshot import read_manifest
+
+        read_manifest(file)  # not a snapshot, or a damaged one: say so before loading
+        return file, None
+    return None, _read_text(file)
+
+
+def _session(snapshot: Path | None, text: str | None, runtime, **kwargs) -> ChatSession:
+    """A session over a snapshot (`*.qspec`, no re-prefill) or over a document's text."""
+    if snapshot is not None:
         from qspec_core.snapshot import load_snapshot
 
         snap = load_snapshot(
-            file, runtime.folder, runtime.model, runtime.context_limit, kwargs.get("group_size")
+            snapshot,
+            runtime.folder,
+            runtime.model,
+            runtime.context_limit,
+            kwargs.get("group_size"),
         )
-        session = ChatSession(runtime, snap.document, **kwargs)
+        # the snapshot's document is what was prefilled (cut already if it was too long):
+        # cutting it again here would change its tokens
+        session = ChatSession(runtime, snap.document, **{**kwargs, "truncate": False})
         session.adopt_cache(snap.cache, snap.token_ids)
         return session
-    path = document if file is None else file
-    text = read_document(path) if path is not None else None
     return ChatSession(runtime, text, **kwargs)
 
 
@@ -104,10 +152,18 @@ def _gamma(value: str) -> int | str:
 
 
 MaxNewOpt = Annotated[int, typer.Option(min=1, help="Most tokens to generate per answer.")]
-TempOpt = Annotated[float, typer.Option(min=0.0, help="Sampling temperature; 0 is greedy.")]
-TopPOpt = Annotated[float, typer.Option(min=0.0, max=1.0, help="Nucleus sampling mass.")]
+# temperature and top-p are checked by SamplingParams (finite, in range), one message for all
+TempOpt = Annotated[
+    float,
+    typer.Option(help=f"Sampling temperature: 0 is greedy, else at least {MIN_TEMPERATURE}."),
+]
+TopPOpt = Annotated[float, typer.Option(help="Nucleus sampling mass, in (0, 1].")]
 TopKOpt = Annotated[int, typer.Option(min=0, help="Sample from the k likeliest tokens; 0: all.")]
-SeedOpt = Annotated[int, typer.Option(help="Seed of the sampling generator (runs reproduce).")]
+SEED_MAX = 2**64 - 1  # torch.Generator.manual_seed takes 64 bits
+SeedOpt = Annotated[
+    int,
+    typer.Option(min=0, max=SEED_MAX, help="Seed of the sampling generator (runs reproduce)."),
+]
 TruncOpt = Annotated[
     bool,
     typer.Option("--truncate", help="Cut the end of a document longer than the model's context."),
@@ -130,6 +186,22 @@ TARGET_DISTRIBUTION = {
 }
 
 
+def _check_run_options(dtype: str, threads: int | None, target_weights: str = "full") -> None:
+    """Options `_load` uses, checked before anything is read or loaded."""
+    from qspec_core.runtime import DTYPES
+
+    if dtype != "auto" and dtype not in DTYPES:
+        raise QspecError(f"--dtype must be auto or one of {', '.join(DTYPES)}, not {dtype!r}")
+    cpus = os.cpu_count() or 1
+    if threads is not None and not 1 <= threads <= cpus:
+        # more threads than CPUs only slows a CPU-bound step; far more crashes the kernels
+        raise QspecError(f"--threads must be in 1..{cpus} (the CPUs here), not {threads}")
+    if target_weights not in TARGET_DISTRIBUTION:
+        raise QspecError(
+            f"--target-weights must be {' or '.join(TARGET_DISTRIBUTION)}, not {target_weights!r}"
+        )
+
+
 def _load(
     model: str | None,
     dtype: str,
@@ -140,16 +212,21 @@ def _load(
 ):
     import torch
 
-    from qspec_core.runtime import DTYPES, load_runtime
+    from qspec_core.runtime import load_runtime
 
-    if dtype != "auto" and dtype not in DTYPES:
-        raise QspecError(f"--dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
+    _check_run_options(dtype, threads, target_weights)
     if threads:
         torch.set_num_threads(threads)
-    log = (lambda msg: None) if quiet else (lambda msg: err.print(f"[dim]{msg}[/dim]"))
+    log = (lambda msg: None) if quiet else _log
     return load_runtime(
         model, dtype=dtype, log=log, need_draft=need_draft, target_weights=target_weights
     )
+
+
+def _check_group_size(group_size: int | None, runtime, gamma: int | str | None = None) -> None:
+    """The part of --group-size (and --gamma) that depends on the model, checked as soon as it
+    is loaded: before any prefill."""
+    check_kv_group_size(group_size, runtime.model.config.head_dim, gamma)
 
 
 def _check_mode(mode: str) -> None:
@@ -168,7 +245,10 @@ def _params(temperature: float, top_p: float, top_k: int) -> SamplingParams:
 def summarize(
     file: Annotated[
         Path,
-        typer.Argument(help="UTF-8 text document, or a snapshot (*.qspec) made by qspec prefill."),
+        typer.Argument(
+            help="UTF-8 text document ('-': standard input), or a snapshot (*.qspec) made by "
+            "qspec prefill."
+        ),
     ],
     model: ModelOpt = None,
     mode: ModeOpt = "quantspec",
@@ -193,29 +273,34 @@ def summarize(
     """
     from qspec_cli.render import PrefillProgress, stats_table
 
-    if file.suffix != ".qspec":
-        read_document(file)  # bad input fails before any model loads
+    # every option, then the input, before any model loads
     params = _params(temperature, top_p, top_k)
     _check_mode(mode)
+    drafts = _gamma(gamma)
+    spec_gamma = drafts if mode == "quantspec" else None
+    check_kv_group_size(group_size, gamma=spec_gamma)
+    _check_run_options(dtype, threads, target_weights)
+    snapshot, text = _input(file)
     runtime = _load(
         model, dtype, threads, need_draft=mode == "quantspec", target_weights=target_weights
     )
+    _check_group_size(group_size, runtime, spec_gamma)
     session = _session(
-        file,
-        None,
+        snapshot,
+        text,
         runtime,
         params=params,
         seed=seed,
         max_new_tokens=max_new_tokens,
         mode=mode,
         truncate=truncate,
-        gamma=_gamma(gamma),
+        gamma=drafts,
         group_size=group_size,
     )
     if session.truncated_tokens:
-        err.print(
-            f"[yellow]document truncated: dropped its last {session.truncated_tokens} "
-            f"tokens to fit the {session.limit}-token context[/yellow]"
+        _warn(
+            f"document truncated: dropped its last {session.truncated_tokens} "
+            f"tokens to fit the {session.limit}-token context"
         )
     progress = PrefillProgress(err)
     try:
@@ -260,7 +345,10 @@ def chat(
         ),
     ] = None,
     document: Annotated[
-        Path | None, typer.Option("--document", "-d", help="UTF-8 text document to ask about.")
+        Path | None,
+        typer.Option(
+            "--document", "-d", help="UTF-8 text document to ask about ('-': standard input)."
+        ),
     ] = None,
     model: ModelOpt = None,
     mode: ModeOpt = "quantspec",
@@ -280,7 +368,7 @@ def chat(
 
     Ctrl-C stops the current answer and keeps the session; Ctrl-D or /exit leaves.
     """
-    from qspec_cli.render import PrefillProgress, stats_table
+    from qspec_cli.render import PrefillProgress, session_title, stats_table
 
     if snapshot is not None and document is not None:
         raise QspecError("give a snapshot or --document, not both")
@@ -288,16 +376,28 @@ def chat(
         raise QspecError(
             f"{snapshot}: a snapshot file ends in .qspec (for a text file, use --document)"
         )
-    if document is not None:
-        read_document(document)  # bad input fails before any model loads
+    if is_stdin(document) and not sys.stdin.isatty():
+        # the questions are read from standard input too: after a piped document, none remain
+        raise QspecError(
+            "--document -: chat reads its questions from standard input, which already holds "
+            "the document; pass the document as a file (or use qspec summarize -)"
+        )
     params = _params(temperature, top_p, top_k)
     _check_mode(mode)
+    drafts = _gamma(gamma)
+    spec_gamma = drafts if mode == "quantspec" else None
+    check_kv_group_size(group_size, gamma=spec_gamma)
+    _check_run_options(dtype, threads, target_weights)
+    if snapshot is not None:
+        _input(snapshot)  # checks it is a readable snapshot before any model loads
+    text = _read_text(document) if document is not None else None
     runtime = _load(
         model, dtype, threads, need_draft=mode == "quantspec", target_weights=target_weights
     )
+    _check_group_size(group_size, runtime, spec_gamma)
     session = _session(
         snapshot,
-        document,
+        text,
         runtime,
         params=params,
         seed=seed,
@@ -305,17 +405,12 @@ def chat(
         mode=mode,
         truncate=truncate,
         capacity=runtime.context_limit,
-        gamma=_gamma(gamma),
+        gamma=drafts,
         group_size=group_size,
     )
     if session.truncated_tokens:
-        err.print(
-            f"[yellow]document truncated: dropped its last {session.truncated_tokens} "
-            f"tokens[/yellow]"
-        )
-    err.print(
-        f"[dim]{runtime.name} · mode {mode} · /exit /reset /stats · Ctrl-C stops an answer[/dim]"
-    )
+        _warn(f"document truncated: dropped its last {session.truncated_tokens} tokens")
+    _log(f"{runtime.name} · mode {mode} · /exit /reset /stats · Ctrl-C stops an answer")
     progress = PrefillProgress(err)
     while True:
         try:
@@ -329,12 +424,15 @@ def chat(
             return
         if question == "/reset":
             session.reset()
-            err.print("[dim]conversation cleared (the document stays loaded)[/dim]")
+            _log("conversation cleared (the document stays loaded)")
             continue
         if question == "/stats":
-            out.print(stats_table(session.totals, f"session · {session.turns} answers"))
+            # totals hold every reply, stopped ones too; turns only the finished ones
+            replies = session.turns + session.stopped
+            out.print(stats_table(session.totals, session_title(replies, session.stopped)))
             continue
         reply = session.ask(question, on_prefill=progress)
+        failed = False
         try:
             for piece in reply:
                 out.out(piece, end="")
@@ -342,21 +440,27 @@ def chat(
             reply.close()
             out.print("\n[yellow](stopped)[/yellow]", end="")
         except QspecError as e:
-            err.print(f"[red]error:[/red] {e}")
-            continue
+            failed = True
+            _print_error(str(e))
         finally:
             progress.stop()
+        if failed:
+            continue
         out.print()
         out.print(stats_table(session.last, ""))
 
 
 @app.command()
 def prefill(
-    file: Annotated[Path, typer.Argument(help="UTF-8 text document to prefill.")],
+    file: Annotated[
+        Path, typer.Argument(help="UTF-8 text document to prefill ('-': standard input).")
+    ],
     output: Annotated[
         Path | None,
         typer.Option(
-            "-o", "--output", help="Snapshot file to write (default: FILE with suffix .qspec)."
+            "-o",
+            "--output",
+            help="Snapshot file to write (default: FILE with suffix .qspec; required for '-').",
         ),
     ] = None,
     model: ModelOpt = None,
@@ -376,27 +480,44 @@ def prefill(
     import time
 
     from qspec_cli.render import PrefillProgress
-    from qspec_core.snapshot import save_snapshot
+    from qspec_core.session import SNAPSHOT_ANSWER_ROOM
+    from qspec_core.snapshot import check_output, estimate_bytes, save_snapshot
 
+    check_kv_group_size(group_size)
+    _check_run_options(dtype, threads, target_weights)
+    if is_stdin(file) and output is None:
+        raise QspecError("a document read from standard input (-) needs -o/--output")
     output = output or file.with_suffix(".qspec")
-    if output.exists() and not force:
-        raise QspecError(f"{output} exists; pass --force to overwrite it")
-    text = read_document(file)
+    check_output(output, force)  # before the (long) prefill, and again with its size below
+    text = _read_text(file)
     runtime = _load(model, dtype, threads, target_weights=target_weights)
+    _check_group_size(group_size, runtime)
+    # --truncate leaves room for a question and an answer of chat's default length, so the
+    # snapshot works with default settings
     session = ChatSession(
-        runtime, text, mode="target-ar", truncate=truncate, group_size=group_size, max_new_tokens=1
+        runtime,
+        text,
+        mode="target-ar",
+        truncate=truncate,
+        group_size=group_size,
+        max_new_tokens=min(SNAPSHOT_ANSWER_ROOM, runtime.context_limit // 2),
     )
     if session.truncated_tokens:
-        err.print(
-            f"[yellow]document truncated: dropped its last {session.truncated_tokens} "
-            f"tokens[/yellow]"
-        )
+        _warn(f"document truncated: dropped its last {session.truncated_tokens} tokens")
     prefix = session.document_prefix_ids()
     if len(prefix) + 16 > session.limit:
         raise QspecError(
             f"the document is {len(prefix)} tokens with its framing, the model's "
             f"context is {session.limit}; use --truncate"
         )
+    need = estimate_bytes(
+        runtime.model.config,
+        len(prefix),
+        group_size or runtime.model.config.head_dim,
+        runtime.model.dtype,
+        len(session.document.encode()),
+    )
+    check_output(output, force, need_bytes=need)
     progress = PrefillProgress(err)
     t0 = time.perf_counter()
     try:
@@ -425,8 +546,10 @@ def prefill(
         print(json.dumps({"output": str(output), "bytes": size, "bf16_kv_bytes": bf16, **manifest}))
         return
     out.print(
-        f"wrote {output}: {len(ids):,} tokens prefilled in {seconds:.1f} s "
-        f"({len(ids) / seconds:,.0f} tok/s)"
+        Text(
+            f"wrote {output}: {len(ids):,} tokens prefilled in {seconds:.1f} s "
+            f"({len(ids) / seconds:,.0f} tok/s)"
+        )
     )
     out.print(
         f"snapshot {size / 2**20:,.1f} MiB · a bf16 KV cache of the same tokens "
@@ -443,10 +566,10 @@ def info(
     """Show a snapshot's manifest and sizes, and whether it matches a model (--model, or the
     default model)."""
     from qspec_core.models import resolve_model
-    from qspec_core.snapshot import model_fingerprint, read_manifest, tokenizer_fingerprint
+    from qspec_core.snapshot import model_fingerprint, tokenizer_fingerprint, verify_snapshot
 
-    manifest = read_manifest(snapshot)
-    folder = resolve_model(model, lambda m: err.print(f"[dim]{m}[/dim]"))
+    manifest = verify_snapshot(snapshot)  # every tensor's checksum: a flipped bit is refused
+    folder = resolve_model(model, _log)
     checks = {
         "model": manifest["model_fingerprint"] == model_fingerprint(folder),
         "tokenizer": manifest["tokenizer_fingerprint"] == tokenizer_fingerprint(folder),
@@ -461,7 +584,7 @@ def info(
         return
     from rich.table import Table
 
-    table = Table(title=str(snapshot), title_justify="left", show_header=False)
+    table = Table(title=Text(str(snapshot)), title_justify="left", show_header=False)
     q = manifest["quantization"]
     rows = [
         ("model", manifest["model"]),
@@ -485,7 +608,7 @@ def info(
         ),
     ]
     for key, value in rows:
-        table.add_row(key, value)
+        table.add_row(Text(key), Text(str(value)))  # manifest values and names are not markup
     out.print(table)
 
 
@@ -504,12 +627,14 @@ def convert(
     group_size: Annotated[
         int | None,
         typer.Option(
+            min=1,
             help="Quantization group along in_features; default 128, or 64 where 128 does not "
-            "divide every layer."
+            "divide every layer.",
         ),
     ] = None,
     calib: Annotated[
-        Path | None, typer.Option(help="Calibration text (default: the bundled GPL-3.0 text).")
+        Path | None,
+        typer.Option(help="Calibration text (default: the bundled GPL-3.0 text; '-': stdin)."),
     ] = None,
     calib_tokens: Annotated[int, typer.Option(min=64, help="Calibration tokens to use.")] = 1024,
     draft_from: Annotated[
@@ -539,13 +664,12 @@ def convert(
 
     if draft_from is None and method not in ("rtn", "gptq", "awq"):
         raise QspecError(f"--method {method!r} is not available (have: rtn, gptq, awq)")
+    _check_run_options("fp32", threads)
     calib_path = calib or Path(__file__).resolve().parent.parent / "qspec_core/data/gpl-3.0.txt"
-    calib_text = read_document(calib_path)
+    calib_text = _read_text(calib_path)
     runtime = _load(model, "fp32", threads)  # quantization math runs in fp32
     calib_ids = runtime.tokenizer.encode(calib_text)[:calib_tokens]
-    draft_path = (
-        resolve_model(draft_from, lambda m: err.print(f"[dim]{m}[/dim]")) if draft_from else None
-    )
+    draft_path = resolve_model(draft_from, _log) if draft_from else None
     n_layers = sum(1 for _ in runtime.model.modules() if type(_).__name__ == "Linear")
     with Progress(
         TextColumn("{task.description}"),
@@ -591,12 +715,16 @@ def convert(
         return
     errors = sorted(report.rel_weight_error.items(), key=lambda kv: -kv[1])
     out.print(
-        f"wrote {output} · {meta['method']} · group {meta['group_size']} · "
-        f"{len(meta['modules'])} layers in 4 bits"
+        Text(
+            f"wrote {output} · {meta['method']} · group {meta['group_size']} · "
+            f"{len(meta['modules'])} layers in 4 bits"
+        )
     )
     out.print(
-        f"relative weight error: mean {sum(v for _, v in errors) / len(errors):.4f}, "
-        f"worst {errors[0][1]:.4f} ({errors[0][0]})"
+        Text(
+            f"relative weight error: mean {sum(v for _, v in errors) / len(errors):.4f}, "
+            f"worst {errors[0][1]:.4f} ({errors[0][0]})"
+        )
     )
     if report.tokens:
         out.print(
@@ -604,7 +732,7 @@ def convert(
             f"agreement {report.top1_agreement:.2%}, KL {report.kl:.4f} nats"
         )
     if exported:
-        out.print(f"GPTQ checkpoint: {exported}")
+        out.print(Text(f"GPTQ checkpoint: {exported}"))
 
 
 @app.command()
@@ -612,13 +740,12 @@ def quality(
     file: Annotated[
         Path | None,
         typer.Argument(
-            help="UTF-8 text to evaluate on (default: the bundled Apache-2.0 licence text)."
+            help="UTF-8 text to evaluate on ('-': standard input; default: the bundled "
+            "Apache-2.0 licence text)."
         ),
     ] = None,
     model: ModelOpt = None,
-    group_size: Annotated[
-        int | None, typer.Option(help="KV quantization group G (default: the model's head_dim).")
-    ] = None,
+    group_size: GroupOpt = None,
     max_tokens: Annotated[int, typer.Option(min=16, help="Evaluate on the first N tokens.")] = 2048,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
     dtype: DtypeOpt = "auto",
@@ -630,10 +757,20 @@ def quality(
     """
     from qspec_core.quality import measure_kv_quality
 
+    check_kv_group_size(group_size)
+    _check_run_options(dtype, threads)
     path = file or Path(__file__).resolve().parent.parent / "qspec_core/data/apache-2.0.txt"
-    text = read_document(path)
+    text = _read_text(path)
     runtime = _load(model, dtype, threads, need_draft=True)  # carries the INT8 weights
+    _check_group_size(group_size, runtime)
     ids = runtime.tokenizer.encode(text)[:max_tokens]
+    G = group_size or runtime.model.config.head_dim
+    if len(ids) <= 2 * G:  # the KV of position p is quantized only up to (p // G - 1) * G
+        raise QspecError(
+            f"{'standard input' if is_stdin(path) else path}: {len(ids)} tokens, but with "
+            f"G = {G} no KV is quantized before {2 * G + 1} tokens: use a longer text or "
+            "a larger --max-tokens"
+        )
     with err.status("measuring") as status:
         result = measure_kv_quality(
             runtime.model, ids, group_size, on_path=lambda p: status.update(f"path {p}")
@@ -643,10 +780,9 @@ def quality(
         return
     from rich.table import Table
 
-    table = Table(
-        title=f"{runtime.name} · {result.tokens} tokens of {path.name} · G = {result.group_size}",
-        title_justify="left",
-    )
+    source = "standard input" if is_stdin(path) else path.name
+    title = f"{runtime.name} · {result.tokens} tokens of {source} · G = {result.group_size}"
+    table = Table(title=Text(title), title_justify="left")
     for col in ("KV", "perplexity", "KL vs fp", "top-1 vs fp", "bytes/token"):
         table.add_column(col, justify="right" if col != "KV" else "left")
     fp_bytes = result.bytes_per_token["bf16"]
@@ -719,6 +855,7 @@ def bench(
     ar is taken pair-wise within each repeat. Ignores stop tokens: every run decodes --gen.
     """
     from qspec_cli.render import bench_tables
+    from qspec_core.bench import MODES as BENCH_MODES
     from qspec_core.bench import (
         BenchConfig,
         needs_converted_model,
@@ -739,13 +876,28 @@ def bench(
         warmup=warmup,
         target_weights=target_weights,
     )
+    # gamma meets G only where a speculative mode verifies on the hierarchical cache
+    spec_gamma = next(
+        (
+            config.gamma
+            for m in config.modes
+            if BENCH_MODES[m].speculative and BENCH_MODES[m].cache == "hier"
+        ),
+        None,
+    )
+    check_kv_group_size(group_size, gamma=spec_gamma)
+    _check_run_options(dtype, threads, target_weights)
+    if json_file is not None and str(json_file) != "-":
+        check_output_file(json_file, "--json")  # not after minutes of benchmarking
     if plot is not None:
         from qspec_cli.plot import check_plotting
 
         check_plotting(plot)
+        check_output_file(plot, "--plot")
     # a named model's converted folder (made once) only when a mode needs the draft or INT8
     need = needs_converted_model(config)
     runtime = _load(model, dtype, threads, need_draft=need)  # bench toggles weights per mode
+    _check_group_size(group_size, runtime, spec_gamma)
     with err.status("bench") as status:
         report = run_bench(
             runtime,
@@ -769,7 +921,7 @@ def bench(
         from qspec_cli.plot import plot_bench
 
         plot_bench(report, plot)
-        err.print(f"plot: {plot}")
+        err.print(Text(f"plot: {plot}"))
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -783,16 +935,31 @@ def _write_atomic(path: Path, text: str) -> None:
         raise QspecError(f"cannot write {path}: {e.strerror or e}") from None
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     """Console entry point: user errors are one line on stderr and exit code 2."""
     try:
-        app()
+        # standalone_mode=False: click's own errors (unknown option, bad value, missing
+        # argument) reach us as exceptions instead of a multi-line box, and follow the same
+        # contract; --help and --version come back as their exit code 0
+        code = app(args=argv, prog_name="qspec", standalone_mode=False)
     except QspecError as e:
-        err.print(f"[red]error:[/red] {e}", markup=True, soft_wrap=True)
+        _print_error(str(e))
         sys.exit(2)
+    except typer.TyperException as e:  # click's ClickException and its UsageErrors
+        if type(e).__name__ == "NoArgsIsHelpError":  # bare `qspec`: the help is printed
+            sys.exit(2)
+        ctx = getattr(e, "ctx", None)
+        hint = f" (see {ctx.command_path} --help)" if ctx is not None else ""
+        _print_error(e.format_message().rstrip(".") + hint)
+        sys.exit(2)
+    except typer.Abort:  # EOF at a prompt
+        _print_error("aborted")
+        sys.exit(1)
     except KeyboardInterrupt:
-        err.print("[yellow]interrupted[/yellow]")
-        sys.exit(130)
+        code = 130
+    if code == 130:  # click turns Ctrl-C into exit code 130
+        _warn("interrupted")
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,8 @@
-"""Rich rendering of stats and progress; nothing here computes results."""
+"""Rich rendering of stats and progress; nothing here computes results.
+
+Titles and cells that carry names from outside (model names and paths, CPU and GPU names,
+modes read from a JSON report) are `Text`, never markup: `[/x]` in a name must print as is.
+"""
 
 from __future__ import annotations
 
@@ -13,14 +17,30 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 from rich.table import Table
+from rich.text import Text
 
 from qspec_core.session import ReplyStats
 
 PROGRESS_MIN_TOKENS = 1024  # shorter prefills finish before a bar is worth drawing
 
 
+def plural(n: int, word: str) -> str:
+    return f"{n:,} {word}" + ("" if n == 1 else "s")
+
+
+def session_title(answers: int, stopped: int = 0) -> str:
+    """Title of chat's /stats table: the replies its totals add up."""
+    return f"session · {plural(answers, 'answer')}" + (f" ({stopped:,} stopped)" if stopped else "")
+
+
 def stats_table(stats: ReplyStats, title: str) -> Table:
-    table = Table(title=title, title_justify="left", show_edge=False, pad_edge=False)
+    """One reply's (or a session's) stage timings; `title` is plain text, not markup."""
+    table = Table(
+        title=Text(title) if title else None,
+        title_justify="left",
+        show_edge=False,
+        pad_edge=False,
+    )
     table.add_column("stage")
     table.add_column("seconds", justify="right")
     table.add_column("tokens", justify="right")
@@ -104,8 +124,9 @@ def bench_tables(report: dict) -> list[Table]:
         table = Table(
             title=f"context {_size(ctx['context'])} ({ctx['prompt_tokens']:,} prompt tokens)",
             title_justify="left",
-            caption=header + "\nKV B/token: bytes read per history token, all layers "
-            "(draft / target)",
+            caption=Text(
+                header + "\nKV B/token: bytes read per history token, all layers (draft / target)"
+            ),
             caption_justify="left",
             show_edge=False,
             pad_edge=False,
@@ -119,7 +140,7 @@ def bench_tables(report: dict) -> list[Table]:
             speed = r["speedup_vs_ar"]
             rate = r["decode_tokens_per_s"]
             table.add_row(
-                name,
+                Text(name),
                 f"{r['prefill_tokens_per_s']['median']:,.0f}",
                 f"{r['ttft_s']['median']:.2f}",
                 f"{rate['median']:.2f}",
@@ -145,13 +166,13 @@ def _stage_table(ctx: dict) -> Table:
     )
     table.add_column("mode")
     for s in stages:
-        table.add_column(s, justify="right")
+        table.add_column(Text(s), justify="right")
     for name, r in ctx["modes"].items():
         cells = []
         for s in stages:
             st = r["stages"].get(s)
             cells.append(f"{st['seconds']:.2f} ({st['share']:.0%})" if st else "")
-        table.add_row(name, *cells)
+        table.add_row(Text(name), *cells)
     return table
 
 

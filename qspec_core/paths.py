@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from qspec_core.errors import QspecError
+
 
 def qspec_home(env: dict[str, str] | None = None) -> Path:
     env = os.environ if env is None else env
@@ -16,3 +18,43 @@ def qspec_home(env: dict[str, str] | None = None) -> Path:
 
 def models_dir(env: dict[str, str] | None = None) -> Path:
     return qspec_home(env) / "models"
+
+
+def _home_source(env: dict[str, str]) -> str:
+    """Which setting chose the cache folder, for an error message the user can act on."""
+    if env.get("QSPEC_HOME"):
+        return f"QSPEC_HOME={env['QSPEC_HOME']}"
+    if env.get("XDG_CACHE_HOME"):
+        return f"XDG_CACHE_HOME={env['XDG_CACHE_HOME']} (QSPEC_HOME is not set)"
+    return "the default ~/.cache/qspec (neither QSPEC_HOME nor XDG_CACHE_HOME is set)"
+
+
+def writable_models_dir(env: dict[str, str] | None = None) -> Path:
+    """`models_dir()`, created if needed; a QspecError naming the variable that chose it when
+    it cannot be used (a regular file on the way, no permission, a read-only file system)."""
+    env = os.environ if env is None else env
+    folder = models_dir(env)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        problem = None if os.access(folder, os.W_OK | os.X_OK) else "not writable"
+    except OSError as e:
+        problem = e.strerror or str(e)
+    if problem is not None:
+        raise QspecError(
+            f"cannot keep converted models in {folder} ({problem}): it comes from "
+            f"{_home_source(env)}; point QSPEC_HOME at a writable folder"
+        )
+    return folder
+
+
+def check_output_file(path: Path, option: str) -> None:
+    """Refuse an output file that cannot be written, before the work that produces it: a
+    folder in its place, or a parent folder that is missing or not writable."""
+    path = Path(path)
+    if path.is_dir():
+        raise QspecError(f"{option} {path}: is a folder; give a file name")
+    parent = path.parent
+    if not parent.is_dir():
+        raise QspecError(f"{option} {path}: folder {parent} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise QspecError(f"{option} {path}: folder {parent} is not writable")

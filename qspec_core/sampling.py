@@ -2,24 +2,32 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
+# Below this, logits / T leaves fp32's range (1e-45 gives inf - inf = nan probabilities), and
+# long before that sampling is greedy in all but name: temperature 0 says so exactly.
+MIN_TEMPERATURE = 1e-3
+
 
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 0.0  # 0: greedy
+    temperature: float = 0.0  # 0: greedy, else >= MIN_TEMPERATURE
     top_p: float = 1.0
     top_k: int = 0  # 0: no limit
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise ValueError("temperature must be >= 0")
-        if not 0 < self.top_p <= 1:
-            raise ValueError("top_p must be in (0, 1]")
+        t = self.temperature
+        if not math.isfinite(t) or (t != 0 and t < MIN_TEMPERATURE):
+            raise ValueError(
+                f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE}, not {t}"
+            )
+        if not math.isfinite(self.top_p) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], not {self.top_p}")
         if self.top_k < 0:
-            raise ValueError("top_k must be >= 0")
+            raise ValueError(f"top_k must be >= 0 (0: no limit), not {self.top_k}")
 
     @property
     def greedy(self) -> bool:

@@ -15,7 +15,7 @@ import torch
 
 from qspec_core.errors import QspecError
 from qspec_core.generate import decode, prefill, prefill_hierarchical
-from qspec_core.hier_cache import HierarchicalKVCache
+from qspec_core.hier_cache import CacheCheckpoint, HierarchicalKVCache
 from qspec_core.kv_cache import FullPrecisionCache
 from qspec_core.model import has_draft
 from qspec_core.runtime import Runtime
@@ -35,6 +35,10 @@ SUMMARY_REQUEST = (
 # target-ar: autoregressive on the target path (the distribution quantspec reproduces)
 # ar: autoregressive, full-precision weights and KV (the baseline)
 MODES = ("quantspec", "target-ar", "ar")
+# Tokens a `prefill --truncate` snapshot leaves free for a question and its answer: chat's
+# default --max-new-tokens, so a truncated snapshot works with default settings (at most half
+# the context, for small models).
+SNAPSHOT_ANSWER_ROOM = 512
 
 
 @dataclass
@@ -122,11 +126,15 @@ class ChatSession:
         self.truncated_tokens = 0
         self.history: list[dict] = []
         self.document = self._fit_document(document) if truncate else document
-        self.totals = ReplyStats()
-        self.turns = 0
+        self.totals = ReplyStats()  # every reply's stats, stopped ones included
+        self.turns = 0  # finished answers (in the history)
+        self.stopped = 0  # replies cancelled mid-way (counted in totals, not in the history)
         self.capacity = capacity
         self._cache: FullPrecisionCache | HierarchicalKVCache | None = None
         self._cached_ids: list[int] = []
+        # (n_tokens, checkpoint) of the hierarchical cache holding exactly the document
+        # prefix: a later question goes back there even after answers were quantized
+        self._doc_point: tuple[int, CacheCheckpoint] | None = None
 
     @property
     def limit(self) -> int:
@@ -198,6 +206,7 @@ class ChatSession:
             else:  # rebuild: the planes are preallocated (rare: only chat without --capacity)
                 self._cache = None
                 self._cached_ids = []
+                self._doc_point = None
                 return self._ensure_cache(need)
         return self._cache
 
@@ -223,6 +232,7 @@ class ChatSession:
             head = doc if doc and ids[: len(doc)] == doc and len(doc) < len(ids) else ids[:1]
             logits = prefill_hierarchical(model, cache, head, on_progress=progress)
             reuse = len(head)
+            self._doc_point = (len(doc), cache.checkpoint()) if head == doc else None
             if reuse == len(ids):
                 return logits
         return prefill(
@@ -253,8 +263,16 @@ class ChatSession:
         cache = self._ensure_cache(len(ids) + self.max_new_tokens)
         reuse = min(common_prefix(ids, self._cached_ids[: cache.seq_len]), len(ids) - 1)
         if isinstance(cache, HierarchicalKVCache) and reuse < max(cache.n_quant):
-            reuse = 0  # the divergence lies in the quantized history: start over
-            cache.reset()
+            # the divergence lies in the quantized history: back to the document's end if it
+            # is still shared (the usual case: /reset, or an answer quantized past the
+            # document), else start over
+            point = self._doc_point
+            if point is not None and reuse >= point[0]:
+                cache.restore(point[1])
+                reuse = point[0]
+            else:
+                reuse = 0
+                cache.reset()
         cache.truncate(reuse)
         stats = ReplyStats(prompt_tokens=len(ids), prefilled_tokens=len(ids) - reuse)
         if self.mode == "quantspec":
@@ -307,6 +325,8 @@ class ChatSession:
                     {"role": "assistant", "content": reply},
                 ]
                 self.turns += 1
+            else:
+                self.stopped += 1
             self.totals.add(stats)
 
     def prefill_document(self, on_prefill=None) -> tuple[HierarchicalKVCache, list[int]]:
@@ -334,9 +354,11 @@ class ChatSession:
                 "tokenizer and chat template"
             )
         self._cache, self._cached_ids = cache, list(token_ids)
+        self._doc_point = (len(token_ids), cache.checkpoint())
 
     def reset(self) -> None:
         """Forget the conversation, keep the document (its KV stays cached)."""
         self.history = []
         self.totals = ReplyStats()
         self.turns = 0
+        self.stopped = 0

@@ -128,7 +128,7 @@ def speculative_decode(
     stats = stats if stats is not None else SpecStats()
     # a verify feeds gamma + 1 tokens, which must fit the hierarchical cache's slack of G
     limit = min(GAMMA_MAX, getattr(cache, "group_size", GAMMA_MAX + 1) - 1)
-    adaptive = AdaptiveGamma(4 if gamma == "auto" else int(gamma), limit=limit)
+    adaptive = AdaptiveGamma(min(4, limit) if gamma == "auto" else int(gamma), limit=limit)
     if gamma != "auto" and not 1 <= int(gamma) <= limit:
         raise ValueError(f"gamma must be in 1..{limit}")
     device = model.device

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from qspec_core.config import ModelConfig
+from qspec_core.config import ConfigError, ModelConfig
 from qspec_core.errors import QspecError
 from qspec_core.model import Transformer
 
@@ -21,10 +21,14 @@ def checkpoint_files(folder: Path) -> list[Path]:
     index = folder / "model.safetensors.index.json"
     if index.exists():
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            names = sorted(set(weight_map.values()))
+            if not all(isinstance(n, str) and n and Path(n).name == n for n in names):
+                raise ValueError("weight_map must map tensor names to shard file names")
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            # ValueError covers bad JSON and UTF-8; TypeError/AttributeError a wrong shape
             raise QspecError(f"corrupt checkpoint index {index}: {e}") from None
-        return [folder / name for name in sorted(set(weight_map.values()))]
+        return [folder / name for name in names]
     # draft.safetensors holds a converted model's 4-bit draft, loaded separately
     files = sorted(f for f in folder.glob("*.safetensors") if f.name != "draft.safetensors")
     if not files:
@@ -90,8 +94,8 @@ def load_model(folder: Path, dtype=torch.bfloat16, device="cpu") -> Transformer:
         raise QspecError(f"{folder} has no config.json: not a Hugging Face model folder")
     try:
         config = ModelConfig.from_file(config_path)
-    except (json.JSONDecodeError, KeyError) as e:
-        raise QspecError(f"corrupt config.json in {folder}: {e}") from None
+    except ConfigError as e:
+        raise QspecError(f"corrupt {config_path}: {e}") from None
     model = build_model(config, load_state_dict(folder), dtype=dtype, device=device)
     from qspec_core.convert import load_draft  # a converted folder also carries its 4-bit draft
 

@@ -1,6 +1,6 @@
 import pytest
 
-from qspec_core.config import ModelConfig
+from qspec_core.config import ConfigError, ModelConfig
 from qspec_core.errors import UnsupportedModelError
 
 BASE = dict(
@@ -67,3 +67,57 @@ def test_sliding_window_caps_the_context():
         }
     )
     assert qwen_on.context_limit == 1024
+
+
+LLAMA = {**BASE, "model_type": "llama"}
+
+
+@pytest.mark.parametrize(
+    "hf,match",
+    [
+        ([], "expected a JSON object, not a list"),
+        ("llama", "expected a JSON object, not a string"),
+        ({**LLAMA, "hidden_size": "576"}, "hidden_size must be an integer >= 1, not '576'"),
+        ({**LLAMA, "hidden_size": 64.0}, "hidden_size must be an integer"),
+        ({**LLAMA, "num_hidden_layers": True}, "num_hidden_layers must be an integer"),
+        ({**LLAMA, "num_attention_heads": 0}, "num_attention_heads must be an integer >= 1"),
+        ({**LLAMA, "vocab_size": None}, "vocab_size is missing"),
+        ({k: v for k, v in LLAMA.items() if k != "intermediate_size"}, "intermediate_size is"),
+        ({**LLAMA, "num_attention_heads": 5}, "not a multiple of num_attention_heads"),
+        ({**LLAMA, "num_key_value_heads": 3}, "not a multiple of num_key_value_heads"),
+        ({**LLAMA, "rms_norm_eps": -1}, "rms_norm_eps must be a positive number"),
+        ({**LLAMA, "rope_theta": "1e4"}, "rope_theta must be a positive number"),
+        ({**LLAMA, "rope_scaling": "linear"}, "rope_parameters/rope_scaling must be an object"),
+        ({**LLAMA, "rope_scaling": {"rope_type": "linear"}}, "'linear' needs factor"),
+        ({**LLAMA, "rope_scaling": {"rope_type": "llama3", "factor": 8}}, "needs low_freq"),
+        ({**LLAMA, "tie_word_embeddings": "false"}, "tie_word_embeddings must be true or false"),
+        ({**LLAMA, "eos_token_id": "</s>"}, "eos_token_id must be a token id"),
+        ({**LLAMA, "eos_token_id": [2, -1]}, "eos_token_id must be a token id"),
+        ({**LLAMA, "bos_token_id": 1.5}, "bos_token_id must be a token id"),
+        ({**BASE, "model_type": "mistral", "sliding_window": "4k"}, "sliding_window must be"),
+    ],
+)
+def test_damaged_config_names_the_key(hf, match):
+    with pytest.raises(ConfigError, match=match):
+        ModelConfig.from_hf_config(hf)
+
+
+def test_odd_head_dim_is_refused():
+    with pytest.raises(UnsupportedModelError, match="odd head_dim"):
+        ModelConfig.from_hf_config({**LLAMA, "head_dim": 15})
+
+
+def test_config_errors_are_user_errors_naming_the_file(tmp_path):
+    """weights.load_model turns a damaged config.json into one QspecError naming the file."""
+    from qspec_core.errors import QspecError
+    from qspec_core.weights import load_model
+
+    config = tmp_path / "config.json"
+    for content, match in [
+        (b"[]", "expected a JSON object"),
+        (b"\xff\xfe{}", "not a readable JSON file"),
+        (b'{"model_type": "llama", "hidden_size": "576"', "not a readable JSON file"),
+    ]:
+        config.write_bytes(content)
+        with pytest.raises(QspecError, match=f"corrupt {config}: {match}"):
+            load_model(tmp_path)

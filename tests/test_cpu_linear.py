@@ -31,11 +31,13 @@ def test_every_output_is_written():
     torch.testing.assert_close(got, w.sum(1)[None])
 
 
-def test_usable_only_for_few_fp32_rows():
+def test_usable_only_for_a_steps_rows():
     w = torch.randn(8, 16)
     assert cpu_linear.usable(torch.randn(3, 16), w)
-    assert not cpu_linear.usable(torch.randn(9, 16), w)  # a prefill chunk: F.linear
-    assert not cpu_linear.usable(torch.randn(3, 16).bfloat16(), w)
+    assert cpu_linear.usable(torch.randn(cpu_linear.MAX_ROWS, 16), w)  # gamma 16's verify
+    assert not cpu_linear.usable(torch.randn(cpu_linear.MAX_ROWS + 1, 16), w)  # prefill
+    assert cpu_linear.usable(torch.randn(3, 16).bfloat16(), w.bfloat16())  # any float dtype
+    assert not cpu_linear.usable(torch.randn(3, 16).to(torch.float64), w)
     assert not cpu_linear.usable(torch.randn(3, 16), w.t().contiguous().t())
 
 

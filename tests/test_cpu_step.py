@@ -169,8 +169,10 @@ def test_paths_the_stack_does_not_run_fall_back(python_loop):
     full = cpu_step.stack_for(model, "target")
     set_target_weights(model, "int8")
     assert _used(model, "target") and cpu_step.stack_for(model, "target") is not full
-    model.layers[0].self_attn.q_proj.int8 = Int8Linear.from_linear(torch.nn.Linear(120, 128))
-    assert not _used(model, "target")  # K = 120: not a multiple of the int8 kernel's 16
+    twin = Int8Linear.from_linear(torch.nn.Linear(128, 128))
+    twin.weight_int8 = twin.weight_int8.t().contiguous().t()  # a layout the kernel refuses
+    model.layers[0].self_attn.q_proj.int8 = twin
+    assert not _used(model, "target")
     set_target_weights(model, "full")
     assert _used(model, "target")
     proj = model.layers[1].self_attn.k_proj

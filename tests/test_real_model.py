@@ -129,28 +129,78 @@ def draft_runtime():
     return load_runtime(None, dtype="fp32", log=lambda m: None, need_draft=True)
 
 
-def test_greedy_quantspec_equals_target_ar_on_a_real_document(draft_runtime):
-    """128 new tokens after ~3,000 tokens of a real text: token for token identical."""
+def _greedy_answers(runtime, text: str, question: str, new_tokens: int):
     from qspec_core.session import ChatSession
 
-    text = draft_runtime.tokenizer.decode(
-        draft_runtime.tokenizer.encode((DATA / "gpl-3.0.txt").read_text())[:3000]
-    )
     answers, stats = {}, None
     for mode in ("target-ar", "quantspec"):
-        session = ChatSession(draft_runtime, text, max_new_tokens=128, mode=mode, gamma=4)
-        # a question whose answer runs long: greedy, no early stop token
-        ids = []
-        for _ in session.ask(
-            "Rewrite the first section of the document in your own words, at length."
-        ):
+        session = ChatSession(runtime, text, max_new_tokens=new_tokens, mode=mode, gamma=4)
+        for _ in session.ask(question):
             pass
         answers[mode] = session._cached_ids[session.last.prompt_tokens :]
-        ids = answers[mode]
-        assert len(ids) >= 64
         stats = session.last.spec if mode == "quantspec" else stats
+    return answers, stats
+
+
+@pytest.mark.parametrize("weights", ["full", "int8"])
+def test_greedy_quantspec_equals_target_ar_on_a_real_document(draft_runtime, weights):
+    """128 new tokens after ~3,000 tokens of a real text: token for token identical, with the
+    checkpoint's weights and with the INT8 verifier weights."""
+    from qspec_core.model import set_target_weights
+
+    tok = draft_runtime.tokenizer
+    text = tok.decode(tok.encode((DATA / "gpl-3.0.txt").read_text())[:3000])
+    set_target_weights(draft_runtime.model, weights)
+    try:  # a question whose answer runs long: greedy, no early stop token
+        answers, stats = _greedy_answers(
+            draft_runtime,
+            text,
+            "Rewrite the first section of the document in your own words, at length.",
+            128,
+        )
+    finally:
+        set_target_weights(draft_runtime.model, "full")
+    assert len(answers["target-ar"]) >= 64
     assert answers["quantspec"] == answers["target-ar"]
     assert stats.rounds > 10 and 0.2 < stats.acceptance_rate < 1.0
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_real_verify_logits_equal_one_token_at_a_time(default_model_dir, dtype):
+    """On the real model (and its INT8 twins): a verify's logits are bit for bit those of
+    target-ar's one-token steps, so near ties break the same way in both modes. bf16 runs
+    where the CPU has native bf16 (elsewhere a bf16 prefill takes minutes; the tiny-model
+    test in test_batch_invariance.py covers bf16 everywhere)."""
+    from qspec_core.generate import prefill
+    from qspec_core.hier_cache import HierarchicalKVCache
+    from qspec_core.model import set_target_weights
+    from qspec_core.runtime import cpu_has_fast_bf16, load_runtime
+
+    if dtype == "bf16" and not cpu_has_fast_bf16():
+        pytest.skip("bf16 matmuls are emulated on this CPU (minutes per prefill)")
+    rt = load_runtime(None, dtype=dtype, log=lambda m: None, need_draft=True)
+    ids = rt.tokenizer.encode((DATA / "apache-2.0.txt").read_text())[:300]
+    prompt, following = ids[:283], ids[283:300]  # 17 = gamma + 1 for gamma 16
+    for weights in ("full", "int8"):
+        set_target_weights(rt.model, weights)
+        caches = []
+        for _ in range(2):
+            cache = HierarchicalKVCache(rt.model.config, 512, dtype=rt.model.dtype)
+            with torch.no_grad():
+                prefill(rt.model, cache, prompt, 0, "target", chunk_size=cache.group_size)
+            cache.commit(len(prompt))
+            caches.append(cache)
+        n = len(prompt)
+        with torch.no_grad():
+            pos = torch.arange(n, n + 17)
+            together = rt.model(torch.tensor([following]), pos, caches[0], "target")[0]
+            alone = torch.cat(
+                [
+                    rt.model(torch.tensor([[t]]), torch.tensor([n + i]), caches[1], "target")[0]
+                    for i, t in enumerate(following)
+                ]
+            )
+        assert torch.equal(together, alone), weights
 
 
 def test_our_kernels_package_is_not_taken_for_hf_kernels():

@@ -82,3 +82,38 @@ def test_too_long_is_refused_with_lengths_and_truncation_fits(tiny):
     assert session.truncated_tokens > 0
     _answer(session, "Summarize the document above.")
     assert session.last.prompt_tokens + 8 <= 512
+
+
+@pytest.mark.parametrize("mode", ["quantspec", "target-ar"])
+@pytest.mark.parametrize("how", ["reset", "cancel"])
+def test_document_kv_survives_answers_quantized_past_it(tiny, mode, how):
+    """An answer long enough to push quantization past the document's end, then /reset (or
+    a question after a cancelled answer): the document is not prefilled again, and the next
+    answer is a fresh session's."""
+    session = ChatSession(tiny, DOC, max_new_tokens=80, mode=mode)
+    doc_len = len(session.document_prefix_ids())
+    reply = session.ask("Tell me everything, at length.")
+    if how == "cancel":
+        for _ in range(70):
+            next(reply)
+        reply.close()
+    else:
+        for _ in reply:
+            pass
+        session.reset()
+    assert session.last.new_tokens >= 64
+    assert max(session._cache.n_quant) > doc_len  # the answer reached the planes
+    follow = _answer(session, "How many ships?")
+    assert session.last.prefilled_tokens == session.last.prompt_tokens - doc_len
+
+    fresh = ChatSession(tiny, DOC, max_new_tokens=80, mode=mode)
+    assert _answer(fresh, "How many ships?") == follow
+
+
+def test_gamma_auto_with_a_small_group_size_stays_below_it(tiny):
+    """--gamma auto starts at 4 drafts, or below G when G is smaller (a verify of gamma + 1
+    tokens must fit the G slots of slack); greedy output still equals target-ar's."""
+    spec = ChatSession(tiny, DOC, max_new_tokens=24, mode="quantspec", gamma="auto", group_size=4)
+    target = ChatSession(tiny, DOC, max_new_tokens=24, mode="target-ar", group_size=4)
+    assert _answer(spec, "Summarize.") == _answer(target, "Summarize.")
+    assert spec.last.spec.rounds > 0

@@ -1,5 +1,6 @@
 """W8A16: per-channel INT8 quantization, the PyTorch twin, the Triton kernel under the
-interpreter, and `Int8Linear`'s CPU path through torch's int8 kernel.
+interpreter, and `Int8Linear`'s CPU paths: qspec's batch-invariant kernel for a step's rows
+(at most `cpu_linear.MAX_ROWS`), torch's int8 kernel for more (prefill).
 
 conftest.py sets TRITON_INTERPRET=1 before any import, so `_launch` really runs Triton here.
 """
@@ -9,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from kernels import w8a16
+from kernels import cpu_ext, cpu_linear, w8a16
 from kernels.w8a16 import _launch, dequantize_int8, quantize_int8, w8a16_matmul, w8a16_ref
 from qspec_core import int8_linear
 from qspec_core.int8_linear import Int8Linear
@@ -125,12 +126,31 @@ def test_ref_rejects_bad_shapes():
 
 
 # ---------------------------------------------------------------------------------------------
-# Int8Linear on CPU: torch's int8 kernel with bf16 activations
+# Int8Linear on CPU: a step's rows through qspec's kernel, more through torch's int8 kernel
+PREFILL_ROWS = cpu_linear.MAX_ROWS + 7  # past the step kernel: torch's int8 kernel
+
+
+@pytest.mark.skipif(not cpu_ext.available(), reason="no C++ compiler here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("m", [1, 5, cpu_linear.MAX_ROWS])
+def test_cpu_step_rows_use_the_fp32_kernel(m, dtype, op_calls):
+    """A decode or verify step: fp32 activations (bf16 ones upcast exactly), fp32 sums, so the
+    error vs the fp64 dequantized product is fp32 rounding: <= (K + 2) u32 (|x| @ |W|^T),
+    plus the final rounding to x.dtype."""
+    k, n = 576, 96
+    layer = make_layer(k, n, bias=True, seed=m)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
+    y = layer(x)
+    assert y.shape == (m, n) and y.dtype == dtype and op_calls == []
+    exact = fp64_reference(x, layer)
+    out_u = 2.0**-24 if dtype == torch.float32 else 2.0**-8  # half an ulp of the output
+    bound = (k + 2) * 2.0**-24 * magnitude(x, layer) + out_u * exact.abs() + 1e-12
+    assert bool(((y.double() - exact).abs() <= bound).all())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("k,n", [(576, 1536), (96, 40)])
-@pytest.mark.parametrize("m", [1, 5, 64])
+@pytest.mark.parametrize("m", [PREFILL_ROWS, 64])
 def test_cpu_path_vs_dequantize_then_matmul(m, k, n, dtype, op_calls):
     """Elementwise bound from the module docstring: the bf16 rounding of x (fp32 inputs) and
     of the kernel's unscaled sum, each <= 2^-9 * (|x| @ |W|^T)."""
@@ -150,9 +170,9 @@ def test_cpu_path_vs_dequantize_then_matmul(m, k, n, dtype, op_calls):
 
 def test_cpu_path_leading_dims_and_no_bias(op_calls):
     layer = make_layer(96, 40, bias=False)
-    x = torch.randn(2, 3, 96, generator=torch.Generator().manual_seed(3))
+    x = torch.randn(2, PREFILL_ROWS, 96, generator=torch.Generator().manual_seed(3))
     y = layer(x)
-    assert y.shape == (2, 3, 40) and len(op_calls) == 1
+    assert y.shape == (2, PREFILL_ROWS, 40) and len(op_calls) == 1
     err = (y.double() - fp64_reference(x, layer)).abs()
     assert bool((err <= 2 * BF16_U * magnitude(x, layer) * (1 + 1e-3) + 1e-6).all())
 
@@ -161,8 +181,9 @@ def test_cpu_path_misaligned_bf16_view(op_calls):
     """A bf16 view at an odd offset: the kernel's aligned row loads would fault on it (M > 1),
     so the layer must hand it an aligned copy."""
     layer = make_layer(64, 40)
-    buffer = torch.randn(4 * 64 + 1, generator=torch.Generator().manual_seed(4)).bfloat16()
-    x = buffer[1:].view(4, 64)  # data_ptr % 64 == 2
+    rows = PREFILL_ROWS
+    buffer = torch.randn(rows * 64 + 1, generator=torch.Generator().manual_seed(4)).bfloat16()
+    x = buffer[1:].view(rows, 64)  # data_ptr % 64 == 2
     assert x.data_ptr() % 64 != 0
     y = layer(x)
     assert len(op_calls) == 1
@@ -173,7 +194,7 @@ def test_cpu_path_misaligned_bf16_view(op_calls):
 @pytest.mark.parametrize("k", [100, 40, 8])  # not multiples of 16: the kernel reads past rows
 def test_cpu_path_falls_back_for_unsupported_k(k, op_calls):
     layer = make_layer(k, 24)
-    x = torch.randn(3, k, generator=torch.Generator().manual_seed(k))
+    x = torch.randn(PREFILL_ROWS, k, generator=torch.Generator().manual_seed(k))
     assert not layer.cpu_kernel_ok()
     y = layer(x)
     assert op_calls == []
@@ -182,7 +203,7 @@ def test_cpu_path_falls_back_for_unsupported_k(k, op_calls):
 
 def test_cpu_path_falls_back_without_the_op(monkeypatch, op_calls):
     layer = make_layer(96, 40)
-    x = torch.randn(2, 96)
+    x = torch.randn(PREFILL_ROWS, 96)
     ref = w8a16_ref(x, layer.weight_int8, layer.weight_scale, layer.bias)
     monkeypatch.setattr(int8_linear, "_HAS_CPU_OP", False)
     assert torch.equal(layer(x), ref) and op_calls == []

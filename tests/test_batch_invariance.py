@@ -1,0 +1,127 @@
+"""Batch invariance of the target path: a token's logits inside a verify of M tokens are bit for
+bit those of the same token decoded alone. Greedy QuantSpec equals target-ar only because of
+this; PyTorch's GEMMs (bf16, int8) pick other kernels and reduction orders for M = 1 and
+M = 5 on AVX-512 machines, which flipped a near tie in a real summary."""
+
+import pytest
+import torch
+from hf_tiny import ours_from_hf, tiny_hf
+
+from kernels import cpu_ext, cpu_linear
+from kernels.w8a16 import quantize_int8
+from qspec_core.generate import prefill
+from qspec_core.hier_cache import HierarchicalKVCache
+from qspec_core.int8_linear import Int8Linear
+from qspec_core.model import attach_int8, linear_layers, set_target_weights
+
+pytestmark = pytest.mark.skipif(not cpu_ext.available(), reason="no C++ compiler here")
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def _bound(x64, w64, K):
+    """Deterministic fp32 dot-product error bound: |fl(x.w) - x.w| <= K u sum|x||w| (u =
+    2^-24), plus the final rounding of y; the kernel must stay inside it."""
+    return (K + 2) * 2.0**-24 * (x64.abs() @ w64.abs().T) + 1e-30
+
+
+@pytest.mark.parametrize("wdtype", ["fp32", "bf16", "fp16", "int8"])
+@pytest.mark.parametrize("K,N", [(64, 40), (200, 33), (576, 96)])
+def test_step_linears_are_batch_invariant_and_within_the_fp32_bound(wdtype, K, N):
+    g = _gen(K + N)
+    x = torch.randn(17, K, generator=g)
+    bias = torch.randn(N, generator=g)
+    dense = torch.randn(N, K, generator=g) * 0.1
+    if wdtype == "int8":
+        q, scale = quantize_int8(dense)
+
+        def run(rows):
+            return cpu_linear.int8_linear(rows, q, scale, bias)
+
+        w64 = q.double() * scale.double()[:, None]
+    else:
+        w = dense.to(DTYPES[wdtype])
+
+        def run(rows):
+            return cpu_linear.linear(rows, w, bias)
+
+        w64 = w.double()
+    whole = run(x)
+    for M in (1, 2, 5, 8, 9, 17):  # every block shape of the kernel, and past one block
+        part = run(x[:M])
+        assert torch.equal(part, whole[:M]), M
+    for m in range(17):  # a row alone gives its bits inside any batch
+        assert torch.equal(run(x[m : m + 1])[0], whole[m]), m
+    exact = x.double() @ w64.T + bias.double()
+    err = (whole.double() - exact).abs()
+    assert (err <= _bound(x.double(), w64, K) + 2.0**-24 * bias.double().abs()).all()
+
+
+def test_step_linears_take_low_precision_activations_exactly():
+    """bf16 activations are upcast exactly; the result is rounded once to bf16."""
+    g = _gen(3)
+    x = torch.randn(5, 96, generator=g).bfloat16()
+    w = torch.randn(48, 96, generator=g).bfloat16()
+    got = cpu_linear.linear(x, w, None)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, cpu_linear.linear(x.float(), w, None).bfloat16())
+
+
+def _tiny_model(dtype: torch.dtype, weights: str):
+    # head_dim 64: the CPU attention kernel's vectorized path (16 would take the portable one)
+    hf = tiny_hf(
+        "llama",
+        hidden_size=128,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_hidden_layers=3,
+        max_position_embeddings=512,
+    )
+    model = ours_from_hf(hf)
+    if weights == "int8":
+        attach_int8(
+            model, {n: Int8Linear.from_linear(layer) for n, layer in linear_layers(model).items()}
+        )
+        set_target_weights(model, "int8")
+    return model.to(dtype)
+
+
+@pytest.mark.parametrize("weights", ["full", "int8"])
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_verify_logits_equal_one_token_at_a_time(dtype, weights):
+    """The target path over M tokens in one forward == the same tokens fed one by one, bit
+    for bit, for every dtype and target weights qspec offers; M up to gamma + 1 = 17."""
+    torch.manual_seed(0)
+    model = _tiny_model(DTYPES[dtype], weights)
+    G = model.config.head_dim
+
+    # 157 = 64 quantized + 93 in the full-precision region: its last block of keys is ragged
+    # (not a multiple of 8) and a verify makes it longer than a single step does
+    n = 157
+    prompt = torch.randint(0, 101, (n,), generator=_gen(4)).tolist()
+
+    def fresh():
+        cache = HierarchicalKVCache(model.config, 256, dtype=model.dtype)
+        with torch.no_grad():
+            prefill(model, cache, prompt, 0, "target", chunk_size=G)
+        cache.commit(n)
+        return cache
+
+    tokens = torch.randint(0, 101, (17,), generator=_gen(5)).tolist()
+    for M in (2, 5, 9, 17):
+        batched, single = fresh(), fresh()
+        assert batched.quantized_len == 64
+        with torch.no_grad():
+            pos = torch.arange(n, n + M)
+            together = model(torch.tensor([tokens[:M]]), pos, batched, "target")[0]
+            alone = torch.cat(
+                [
+                    model(torch.tensor([[t]]), torch.tensor([n + i]), single, "target")[0]
+                    for i, t in enumerate(tokens[:M])
+                ]
+            )
+        assert torch.equal(together, alone), (dtype, weights, M)

@@ -1,0 +1,166 @@
+"""Library-side checks of user input: documents, sampling options, KV group size, cache home.
+
+Each check raises QspecError (or ValueError for SamplingParams, which the CLI turns into one),
+which the CLI prints as one `error:` line with exit code 2.
+"""
+
+import math
+import os
+import threading
+
+import pytest
+
+from qspec_core import documents
+from qspec_core.config import check_kv_group_size
+from qspec_core.documents import read_document
+from qspec_core.errors import QspecError
+from qspec_core.paths import check_output_file, writable_models_dir
+from qspec_core.sampling import MIN_TEMPERATURE, SamplingParams
+
+# ----------------------------------------------------------------------------- documents
+
+
+@pytest.mark.parametrize(
+    "data",
+    [b"\xef\xbb\xbf", b"\xef\xbb\xbf \n\t\r\n", b"\xef\xbb\xbf\xef\xbb\xbf\n", b"", b" \n"],
+    ids=["bom", "bom-whitespace", "two-boms", "zero-bytes", "whitespace"],
+)
+def test_a_byte_order_mark_alone_is_an_empty_file(tmp_path, data):
+    path = tmp_path / "doc.txt"
+    path.write_bytes(data)
+    with pytest.raises(QspecError, match="file is empty"):
+        read_document(path)
+
+
+def test_bom_and_crlf_are_dropped_from_real_text(tmp_path):
+    path = tmp_path / "doc.txt"
+    path.write_bytes(b"\xef\xbb\xbfline one\r\nline two\r\n")
+    assert read_document(path) == "line one\nline two\n"
+
+
+def test_a_fifo_is_read_once(tmp_path):
+    fifo = tmp_path / "doc.fifo"
+    os.mkfifo(fifo)
+
+    def writer():
+        with open(fifo, "w") as f:
+            f.write("text through a pipe\n")
+
+    thread = threading.Thread(target=writer, daemon=True)
+    thread.start()
+    assert read_document(fifo) == "text through a pipe\n"
+    thread.join(timeout=10)
+
+
+def test_standard_input_is_read_for_dash(monkeypatch, tmp_path):
+    import io
+
+    class Stdin:
+        buffer = io.BytesIO("caf\u00e9 from a pipe".encode())
+
+    monkeypatch.setattr(documents.sys, "stdin", Stdin())
+    assert read_document("-") == "caf\u00e9 from a pipe"
+    Stdin.buffer = io.BytesIO(b"\xef\xbb\xbf")
+    with pytest.raises(QspecError, match=r"standard input \(-\): file is empty"):
+        read_document("-")
+
+
+def test_endless_or_huge_input_is_refused_without_reading_it_all(tmp_path, monkeypatch):
+    with pytest.raises(QspecError, match="looks binary"):
+        read_document("/dev/zero")  # the first 64 KiB decide: no endless read
+    monkeypatch.setattr(documents, "MAX_DOCUMENT_BYTES", 100_000)
+    big = tmp_path / "big.txt"
+    big.write_text("word " * 30_000)
+    with pytest.raises(QspecError, match="larger than"):
+        read_document(big)
+
+
+# ----------------------------------------------------------------------------- sampling
+
+
+@pytest.mark.parametrize("t", [1e-45, 1e-4, math.inf, -math.inf, math.nan, -1.0])
+def test_temperature_must_be_zero_or_finite_and_not_tiny(t):
+    with pytest.raises(ValueError, match="temperature must be 0 .greedy."):
+        SamplingParams(temperature=t)
+
+
+def test_smallest_temperature_samples_finite_probabilities():
+    import torch
+
+    from qspec_core.sampling import probabilities
+
+    logits = torch.tensor([[30.0, -30.0, 0.0]])
+    p = probabilities(logits, SamplingParams(temperature=MIN_TEMPERATURE))
+    assert torch.isfinite(p).all() and p[0, 0] == 1.0
+
+
+@pytest.mark.parametrize("top_p", [math.nan, 0.0, -0.5, 1.5, math.inf])
+def test_top_p_must_be_in_unit_interval(top_p):
+    with pytest.raises(ValueError, match="top_p must be in"):
+        SamplingParams(temperature=1.0, top_p=top_p)
+
+
+# ----------------------------------------------------------------------------- KV group size
+
+
+@pytest.mark.parametrize("g", [0, 1, 7, 63, -64, -2])
+def test_group_size_must_be_even_and_at_least_two(g):
+    with pytest.raises(QspecError, match="--group-size must be an even number >= 2"):
+        check_kv_group_size(g)
+
+
+@pytest.mark.parametrize(
+    "group_size,head_dim,gamma,match",
+    [
+        (128, 64, None, "does not divide the model's head_dim 64"),
+        (48, 64, None, "does not divide"),
+        (16, None, 16, "--gamma 16 needs a KV group size above it"),
+        (None, 16, 16, r"G = 16, the head_dim"),
+        (2, None, 2, "use --gamma 1 or less"),
+    ],
+)
+def test_group_size_against_head_dim_and_gamma(group_size, head_dim, gamma, match):
+    with pytest.raises(QspecError, match=match):
+        check_kv_group_size(group_size, head_dim, gamma)
+
+
+@pytest.mark.parametrize(
+    "group_size,head_dim,gamma",
+    [
+        (None, None, 4),
+        (2, None, 1),
+        (2, 64, None),
+        (64, 64, 16),
+        (None, 64, "auto"),
+        (6, 96, 5),
+        (2, 64, "auto"),  # auto starts below G (test_session: it runs)
+    ],
+)
+def test_group_sizes_that_run(group_size, head_dim, gamma):
+    check_kv_group_size(group_size, head_dim, gamma)
+
+
+# ----------------------------------------------------------------------------- cache home
+
+
+@pytest.mark.parametrize("variable", ["QSPEC_HOME", "XDG_CACHE_HOME"])
+def test_cache_home_on_a_regular_file_names_the_variable(tmp_path, variable):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    with pytest.raises(QspecError, match=f"{variable}={blocker}.*point QSPEC_HOME at a writable"):
+        writable_models_dir({variable: str(blocker)})
+
+
+def test_unwritable_cache_home(tmp_path, monkeypatch):
+    # root may write anywhere, so the permission answer is simulated
+    monkeypatch.setattr(os, "access", lambda path, mode: False)
+    with pytest.raises(QspecError, match=r"not writable\).*QSPEC_HOME="):
+        writable_models_dir({"QSPEC_HOME": str(tmp_path / "home")})
+
+
+def test_output_file_checks(tmp_path):
+    check_output_file(tmp_path / "report.json", "--json")
+    with pytest.raises(QspecError, match="is a folder"):
+        check_output_file(tmp_path, "--json")
+    with pytest.raises(QspecError, match="does not exist"):
+        check_output_file(tmp_path / "missing" / "report.json", "--json")
