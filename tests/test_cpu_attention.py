@@ -1,8 +1,16 @@
 """The CPU kernel over the hierarchical cache (`kernels/cpu_hier_attention.cpp`) against its
-PyTorch twin, on the shapes and corner cases the cache produces."""
+PyTorch twin, on the shapes and corner cases the cache produces.
+
+Tolerance: `error_model.py`. Both are compared with a float64 attention over the same
+dequantized K/V; the kernel (dequantization folded into the dot products, a polynomial exp,
+-ffast-math, a summation order that follows the CPU's vector width) measured at most 3.8x
+PyTorch's fp32 error over these cases (and 3 seeds) with every QSPEC_CPU_ISA variant on an
+AVX-512 CPU, about 2x at the median.
+"""
 
 import pytest
 import torch
+from error_model import assert_within_error_model, attention64, dequantize64
 
 from kernels import cpu_attention
 from kernels.hier_attention import hier_attention_ref
@@ -44,6 +52,31 @@ CASES = [
 ]
 
 
+FACTOR = 8  # the kernel's error may be this many times PyTorch's: 2x the worst seen
+
+
+def _reference64(args, view, G):
+    """The float64 attention of a case: the same planes dequantized exactly, the same fp
+    region and the same per-query visibility (history < n_quant_q, fp keys in
+    [fp_lo, input_pos])."""
+    q, ku, kl, ks, kz, vu, vl, vs, vz, n_quant_q, fp_k, fp_v, fp_pos0, fp_lo, pos = args
+    n = int(n_quant_q.max())
+    keys = dequantize64(ku[:, :, :n], kl[:, :, :n], ks[:, :, : n // G], kz[:, :, : n // G],
+                        G, view, keys=True)  # fmt: skip
+    values = dequantize64(vu[:, :, :n], vl[:, :, :n], vs[:, :, :n], vz[:, :, :n], G, view,
+                          keys=False)  # fmt: skip
+    j = torch.arange(fp_k.shape[2])
+    visible = torch.cat(
+        (
+            torch.arange(n)[None, :] < n_quant_q[:, None],
+            (j[None, :] >= fp_lo[:, None]) & (fp_pos0 + j[None, :] <= pos[:, None]),
+        ),
+        dim=1,
+    )
+    keys, values = torch.cat((keys, fp_k.double()), 2), torch.cat((values, fp_v.double()), 2)
+    return attention64(q, keys, values, visible)
+
+
 @pytest.mark.parametrize("view", ["draft", "target"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
 def test_cpu_kernel_matches_the_twin(case, view):
@@ -52,7 +85,7 @@ def test_cpu_kernel_matches_the_twin(case, view):
     want = hier_attention_ref(*args, view, G)
     got = cpu_attention.hier_attention_cpu(*args, view, G, chunk_size=chunk)
     assert got.dtype == want.dtype and got.shape == want.shape
-    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+    assert_within_error_model(got, want, _reference64(args, view, G), FACTOR, what=view)
 
 
 def test_views_differ_so_the_comparison_has_teeth():

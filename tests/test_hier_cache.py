@@ -1,13 +1,24 @@
 """The hierarchical INT4/INT8 cache: attention, rotation, rollback, commit invariant, state."""
 
+import copy
+from functools import partial
+
 import pytest
 import torch
+from error_model import assert_within_error_model, attention64, dequantize64
 from hf_tiny import ours_from_hf, tiny_hf
 
 from kernels.reference import dense_attention, hierarchical_attention
+from qspec_core import hier_cache
 from qspec_core.generate import prefill, prefill_hierarchical
-from qspec_core.hier_cache import CommitInvariantError, HierarchicalKVCache
+from qspec_core.hier_cache import VIEWS, CommitInvariantError, HierarchicalKVCache
 from qspec_core.kv_cache import FullPrecisionCache
+from qspec_core.kv_quant import quantize_keys, quantize_values
+
+# The fused path's error may be this many times PyTorch's: 2x the worst seen (6.45, a late
+# draft query with QSPEC_CPU_ISA=avx2; the kernel folds the zeros into the scores, q.s c + q.z,
+# which loses to cancellation where |z| is large)
+FUSED_FACTOR = 13
 
 
 def _gen(seed):
@@ -225,33 +236,102 @@ def test_paths_are_checked():
         _feed(model, FullPrecisionCache(model.config, 8, dtype=torch.float32), [1], 0, "int2")
 
 
-def test_fused_attention_equals_the_reference_through_rounds_with_late_queries():
+class _Float64Reference:
+    """The tiny model's forward in float64 over a copy of a cache's state: float64 weights,
+    norms that normalize in float64 (the model's own normalize in fp32, as HF does), and
+    float64 attention over the same K/V (planes dequantized exactly; a late query's F1
+    quantized on the fly, as the reference does, then dequantized exactly)."""
+
+    def __init__(self, model, monkeypatch):
+        self.model = copy.deepcopy(model).double()
+        for module in self.model.modules():
+            if type(module).__name__ == "RMSNorm":
+                module.forward = partial(_rms_norm64, module)
+        self.view = None
+        self.fp32_attention = hier_cache.hierarchical_attention
+        monkeypatch.setattr(hier_cache, "hierarchical_attention", self.attention)
+
+    def attention(self, q, dequant_chunk, n_quant, fp_k, fp_v, input_pos, chunk_size,
+                  fp_hidden=None, extra=None):  # fmt: skip
+        """`hierarchical_attention` for the float64 cache; the fp32 one for the others."""
+        if q.dtype != torch.float64:
+            return self.fp32_attention(q, dequant_chunk, n_quant, fp_k, fp_v, input_pos,
+                                       chunk_size, fp_hidden, extra)  # fmt: skip
+        G, T = self.model.config.head_dim, len(input_pos)
+        keys, values, visible = [], [], []
+        if n_quant:
+            k, v = dequant_chunk(0, n_quant)  # (float64, from float64 scales and zeros)
+            keys.append(k)
+            values.append(v)
+            visible.append(torch.ones(T, n_quant, dtype=torch.bool))
+        if extra is not None:  # F1 as history for late queries: its codes, exactly
+            kq, vq = quantize_keys(fp_k[:, :, :G], G), quantize_values(fp_v[:, :, :G], G)
+            keys.append(dequantize64(kq.upper, kq.lower, kq.scale, kq.zero, G, self.view, True))
+            values.append(dequantize64(vq.upper, vq.lower, vq.scale, vq.zero, G, self.view, False))
+            visible.append(extra[2])
+        mask = n_quant + torch.arange(fp_k.shape[2])[None, :] <= input_pos[:, None]
+        keys.append(fp_k)
+        values.append(fp_v)
+        visible.append(mask if fp_hidden is None else mask & ~fp_hidden)
+        return attention64(q, torch.cat(keys, 2), torch.cat(values, 2), torch.cat(visible, 1))
+
+    def feed(self, source, tokens, start, path):
+        cache = _copy(self.model, source, torch.float64)
+        for name in ("k_scale", "k_zero", "v_scale", "v_zero"):  # exact dequantization
+            setattr(cache, name, getattr(cache, name).double())
+        self.view = VIEWS[path]
+        return _feed(self.model, cache, tokens, start, path)
+
+
+def _rms_norm64(norm, x):
+    return norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps))
+
+
+def _copy(model, source, dtype=torch.float32):
+    """A reference-path cache holding `source`'s state."""
+    cache = HierarchicalKVCache(model.config, source.max_seq_len, dtype=dtype)
+    cache.load_state(source.state(), source.meta())
+    cache.fused = False
+    return cache
+
+
+def test_fused_attention_equals_the_reference_through_rounds_with_late_queries(monkeypatch):
     """The fused kernel (staging F1 into the planes for late queries) and the reference
-    (quantizing F1 on the fly) give the same logits on both paths, round after round."""
+    (quantizing F1 on the fly) give the same logits on both paths, round after round.
+
+    Both run each forward from the same state: the fused cache goes through the rounds (its
+    staging carries over between forwards, as in decoding) and every forward runs again on a
+    copy of its state with the reference. (Two caches that evolve apart drift: one layer's
+    rounding moves a later K/V value across a quantization step, and from then on they hold
+    different codes.) Tolerance from `error_model.py`, against the float64 forward of the
+    same state: this fused path (its linears, norms and attention all round differently)
+    measured at most 4.2x (native, AVX-512), 6.45x (avx2) and 4.3x (generic) PyTorch's fp32
+    error over these 100 forwards, 1.5x at the median."""
     from kernels import cpu_attention
 
     if not cpu_attention.available():
         pytest.skip("no C++ compiler for the CPU kernel")
     model = _tiny()
-    fused, ref = _cache(model, 256), _cache(model, 256)
-    ref.fused = False
+    exact = _Float64Reference(model, monkeypatch)
+    fused = _cache(model, 256)
     prompt = _tokens(30)
-    for cache in (fused, ref):
-        prefill(model, cache, prompt, 0, "target", chunk_size=16)
-    g, c, late_seen = _gen(9), len(prompt), 0
-    for _ in range(20):
+    prefill(model, fused, prompt, 0, "target", chunk_size=16)
+    g, c, late_seen = _gen(9), len(prompt), {"draft": 0, "target": 0}
+    for rnd in range(20):
         drafts = torch.randint(0, 101, (5,), generator=g).tolist()
-        for i, t in enumerate(drafts[:-1]):
-            a = _feed(model, fused, [t], c + i, "draft")
-            b = _feed(model, ref, [t], c + i, "draft")
-            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
-        a = _feed(model, fused, drafts, c, "target")
-        b = _feed(model, ref, drafts, c, "target")
-        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
-        late_seen += int((fused._boundary(torch.arange(c, c + 5)) > fused.n_quant[0]).any())
+        forwards = [([t], c + i, "draft") for i, t in enumerate(drafts[:-1])]
+        for tokens, start, path in [*forwards, (drafts, c, "target")]:
+            want64 = exact.feed(fused, tokens, start, path)
+            want = _feed(model, _copy(model, fused), tokens, start, path)
+            got = _feed(model, fused, tokens, start, path)
+            # (after the forward, which may have rotated)
+            late = fused._boundary(torch.arange(start, start + len(tokens))) > fused.n_quant[0]
+            late_seen[path] += bool(late.any())
+            what = f"round {rnd}, {path} at {start}, late queries {late.tolist()}"
+            assert_within_error_model(got, want, want64, FUSED_FACTOR, what=what)
         n = int(torch.randint(1, 6, (1,), generator=g))
-        for cache in (fused, ref):
-            cache.truncate(c + n)
-            cache.commit(c + n)
+        fused.truncate(c + n)
+        fused.commit(c + n)
         c += n
-    assert late_seen >= 3 and fused.n_quant == ref.n_quant and fused.quantized_len >= 48
+    assert fused._cpu_kernel is not None  # (the fused kernel ran, not the reference)
+    assert min(late_seen.values()) >= 3 and fused.quantized_len >= 48, late_seen

@@ -1,0 +1,63 @@
+"""Tolerances from an error model instead of fixed atol/rtol (the scheme of FlagAttention's
+tests): run the kernel, PyTorch's fp32 reference and a float64 reference on the same inputs;
+the kernel's largest error against float64 may be at most `factor` times PyTorch's own, plus
+a few fp32 ulps of the output's magnitude (the floor for an output PyTorch happens to get
+almost exactly). A bound that scales with the rounding actually present, so it neither fails
+on a CPU whose vector width changes the summation order nor lets a real error through where
+the outputs are small.
+
+Also the float64 attention over dequantized K/V that the references here share.
+"""
+
+import torch
+
+from qspec_core.kv_quant import QuantizedGroupTensor, dequantize_keys, dequantize_values
+
+EPS32 = torch.finfo(torch.float32).eps
+
+
+def error_bound(ref32, ref64, factor: float, ulps: float = 2.0) -> tuple[float, float]:
+    """(bound on the kernel's max error, PyTorch's max error), both against ref64."""
+    torch_err = (ref32.double() - ref64).abs().max().item()
+    return factor * torch_err + ulps * EPS32 * ref64.abs().max().item(), torch_err
+
+
+# PyTorch's reference must itself agree with float64 to single precision, or a bound scaled
+# by its error says nothing: rounding stays far below this, any wrong key or mask far above.
+SANE = 2.0**-13
+
+
+def assert_within_error_model(got, ref32, ref64, factor: float, ulps: float = 2.0, what=""):
+    """|got - ref64| <= factor |ref32 - ref64| + ulps eps32 |ref64| (maxima over all
+    elements); returns (got's error, PyTorch's error)."""
+    assert got.shape == ref32.shape == ref64.shape and ref64.dtype == torch.float64
+    err = (got.double() - ref64).abs().max().item()
+    bound, torch_err = error_bound(ref32, ref64, factor, ulps)
+    mag = ref64.abs().max().item()
+    assert torch_err <= SANE * mag, f"{what}: the fp32 reference is off by {torch_err:.3g}"
+    assert err <= bound, (
+        f"{what}: max |got - float64| = {err:.3g} exceeds {factor:g} x PyTorch fp32's "
+        f"{torch_err:.3g} + {ulps:g} ulps of {mag:.3g} = {bound:.3g}"
+    )
+    return err, torch_err
+
+
+def dequantize64(upper, lower, scale, zero, group_size: int, view: str, keys: bool):
+    """Packed planes -> K or V in float64: the codes are exact, so this is the data the
+    quantized cache holds, without the fp32 rounding of `kv_quant`'s dequantization."""
+    packed = QuantizedGroupTensor(upper, lower, scale.double(), zero.double())
+    if keys:
+        return dequantize_keys(packed, group_size, view).double()
+    return dequantize_values(packed, group_size, view).double()
+
+
+def attention64(q, k, v, visible):
+    """Softmax attention in float64: q [B, H, T, D], k/v [B, n_kv, S, D] (GQA), visible
+    bool [T, S]. A query that sees no key gets zeros."""
+    B, H, T, D = q.shape
+    n_kv = k.shape[1]
+    qg = q.double().view(B, n_kv, H // n_kv, T, D)
+    scores = torch.einsum("bhrtd,bhsd->bhrts", qg, k.double()) * D**-0.5
+    probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+    probs = torch.where(visible.any(-1, keepdim=True), probs, 0.0)
+    return torch.einsum("bhrts,bhsd->bhrtd", probs, v.double()).reshape(B, H, T, D)

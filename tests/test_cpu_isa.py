@@ -1,0 +1,69 @@
+"""The CPU kernels' other instruction-set paths: the kernel tests again, built for each
+`QSPEC_CPU_ISA` variant this machine runs that the default build does not already cover.
+
+`generic` builds the portable C++ loops (`QSPEC_AVX2` undefined) that CPUs without AVX2 take;
+`avx2` builds the AVX2/FMA intrinsics with 256-bit auto-vectorization, which is what AVX2
+CPUs run, and differs from `native` only where the CPU has AVX-512. Each variant is built
+once into the user's qspec cache (1-2 minutes on 2 cores) and reused by later runs.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kernels import cpu_ext
+
+REPO = Path(__file__).resolve().parent.parent
+CPU_TESTS = [
+    "tests/test_cpu_attention.py",
+    "tests/test_cpu_linear.py",
+    "tests/test_cpu_decode.py",
+    "tests/test_cpu_step.py",
+    "tests/test_hier_cache.py::test_fused_attention_equals_the_reference_through_rounds_with_late_queries",
+    # (its [False] case runs no C++ kernel)
+    "tests/test_hier_cache.py::test_speculative_like_rounds_equal_a_replay_of_the_committed_tokens[None]",
+]
+
+
+def _skip_reason(isa: str) -> str | None:
+    current = cpu_ext.requested_isa()
+    if isa == current:
+        return f"the default run covers {isa}"
+    if isa == "avx2":
+        flags = cpu_ext.cpu_flags()
+        missing = [f for f in cpu_ext.ISA_NEEDS["avx2"] if f not in flags]
+        if not cpu_ext._X86 or missing:
+            return f"this CPU cannot run avx2 code (lacks {', '.join(missing) or 'x86-64'})"
+        if current == "native" and "avx512f" not in flags:
+            return "without AVX-512, native builds the same AVX2 paths"
+    return None
+
+
+@pytest.mark.parametrize("isa", ["avx2", "generic"])
+def test_cpu_kernel_tests_pass_on_every_isa_variant(isa):
+    reason = _skip_reason(isa)
+    if reason:
+        pytest.skip(reason)
+    env = {**os.environ, cpu_ext.ISA_ENV: isa, "TRITON_INTERPRET": "1"}
+    env.pop(cpu_ext.DISABLE_ENV, None)
+    code = "from kernels import cpu_ext; cpu_ext.load(); print(cpu_ext.isa(), cpu_ext.failure())"
+    built = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=900
+    )
+    assert built.returncode == 0 and built.stdout.split()[:1] == [isa], (
+        f"the {isa} build failed: {built.stdout.strip()}\n{built.stderr[-3000:]}"
+    )
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *CPU_TESTS],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
+    tail = (run.stdout + run.stderr)[-6000:]
+    assert run.returncode == 0, f"{cpu_ext.ISA_ENV}={isa}:\n{tail}"
+    assert "C++ compiler" not in run.stdout, f"kernel tests skipped under {isa}:\n{tail}"
