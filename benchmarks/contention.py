@@ -19,6 +19,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -32,8 +33,24 @@ def _hog(stop) -> None:
             x += 1
 
 
+# What each policy name sets: OpenMP's wait policy, or libgomp's spin count before a waiting
+# thread sleeps (the policy left unset). qspec's CLI sets its default only when the user set
+# neither variable.
+POLICIES = {
+    "PASSIVE": {"OMP_WAIT_POLICY": "PASSIVE"},
+    "ACTIVE": {"OMP_WAIT_POLICY": "ACTIVE"},
+}
+
+
+def policy_env(policy: str) -> dict:
+    if policy.startswith("SPIN"):  # e.g. SPIN20000: GOMP_SPINCOUNT=20000
+        return {"GOMP_SPINCOUNT": policy.removeprefix("SPIN")}
+    return POLICIES[policy]
+
+
 def run_bench(args, policy: str, hogged: bool) -> dict:
-    env = dict(os.environ, OMP_WAIT_POLICY=policy)
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    env.update(policy_env(policy))
     cmd = [
         sys.executable,
         "-m",
@@ -74,7 +91,11 @@ def main() -> None:
     ap.add_argument("--context", default="2k")
     ap.add_argument("--gen", type=int, default=48)
     ap.add_argument("--modes", default="ar,target-ar,quantspec")
-    ap.add_argument("--policies", default="PASSIVE,ACTIVE")
+    ap.add_argument(
+        "--policies",
+        default="PASSIVE,ACTIVE",
+        help="comma-separated: PASSIVE, ACTIVE (OMP_WAIT_POLICY), SPIN<N> (GOMP_SPINCOUNT=N)",
+    )
     ap.add_argument("--repeats", type=int, default=1, help="interleaved rounds of every run")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
@@ -87,7 +108,7 @@ def main() -> None:
                 runs.setdefault(label, []).append(run_bench(args, policy, hogged))
     table = {}
     for label, results in runs.items():
-        table[label] = {m: sorted(r[m] for r in results)[len(results) // 2] for m in results[0]}
+        table[label] = {m: statistics.median(r[m] for r in results) for m in results[0]}
     rows = []
     for policy in args.policies.split(","):
         quiet, hog = table[f"{policy}/quiet"], table[f"{policy}/hog"]
