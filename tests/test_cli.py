@@ -10,14 +10,15 @@ import pytest
 from conftest import DATA
 
 
-def run_qspec(*args, cwd=None, env=None):
+def run_qspec(*args, cwd=None, env=None, input=None, timeout=600):
     return subprocess.run(
         [sys.executable, "-m", "qspec_cli.main", *map(str, args)],
+        input=input,
         capture_output=True,
         text=True,
         cwd=cwd,
         env=env,
-        timeout=600,
+        timeout=timeout,
     )
 
 

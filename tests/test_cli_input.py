@@ -7,12 +7,12 @@ goes through a real `python -m qspec_cli.main` process.
 
 import json
 import os
-import subprocess
 import sys
 import threading
 from dataclasses import dataclass
 
 import pytest
+from test_cli import run_qspec
 
 from qspec_cli import main as cli
 
@@ -319,13 +319,7 @@ def test_stats_counts_a_stopped_answer(capsys, tiny_model_dir, doc, monkeypatch)
 
 
 def run(*args, input=None, timeout=300):
-    return subprocess.run(
-        [sys.executable, "-m", "qspec_cli.main", *map(str, args)],
-        input=input,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    return run_qspec(*args, input=input, timeout=timeout)
 
 
 QUICK = ["--mode", "target-ar", "--max-new-tokens", "2", "--json"]
