@@ -177,14 +177,20 @@ def build_lock(
     fd = os.open(folder / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         if not _try_flock(fd):
-            pid = _holder(fd)
-            say(
-                f"waiting for another qspec process to finish building the CPU kernels "
-                f"(pid {pid}; at most {wait_s:g} s, then the PyTorch paths run)…"
-            )
-            deadline = time.monotonic() + wait_s
+            # Loading a finished build holds the lock for a moment too (torch checks it is
+            # up to date): say nothing for a short wait, then say who is holding it up.
+            start = time.monotonic()
+            deadline, quiet_until, said = start + wait_s, start + min(2.0, wait_s / 2), False
             while not _try_flock(fd):
-                left = deadline - time.monotonic()
+                now = time.monotonic()
+                left = deadline - now
+                if not said and (now >= quiet_until or left <= 0):
+                    said = True
+                    say(
+                        f"waiting for another qspec process to finish building the CPU "
+                        f"kernels (pid {_holder(fd)}; at most {wait_s:g} s, then the PyTorch "
+                        f"paths run)…"
+                    )
                 if left <= 0:
                     raise BuildLockTimeout(
                         f"another qspec process (pid {_holder(fd)}) was still building the CPU "

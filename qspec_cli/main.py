@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import sys
+import warnings
 from pathlib import Path
 from typing import Annotated
 
@@ -39,6 +40,12 @@ def _log(message: str) -> None:
 
 def _warn(message: str) -> None:
     err.print(Text(message, style="yellow"))
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """Library warnings (the CPU kernel build, torch) as one plain line, not Python's
+    `file:line: UserWarning:` with a source line under it."""
+    _warn(f"warning: {str(message).removeprefix('qspec: ')}")
 
 
 def _print_error(message: str) -> None:
@@ -937,6 +944,7 @@ def _write_atomic(path: Path, text: str) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """Console entry point: user errors are one line on stderr and exit code 2."""
+    warnings.showwarning = _show_warning
     try:
         # standalone_mode=False: click's own errors (unknown option, bad value, missing
         # argument) reach us as exceptions instead of a multi-line box, and follow the same
