@@ -229,11 +229,9 @@ def _build(isa: str) -> tuple[object | None, str | None]:
     """(module, None), or (None, why) with a warning."""
     from torch.utils.cpp_extension import load as build
 
-    from qspec_core.paths import qspec_home
-
     wait_s = _wait_s()
-    name = build_name(isa)
-    folder = qspec_home() / "build" / name
+    folder = build_folder(isa)
+    name = folder.name
     failed = None
     with contextlib.ExitStack() as held:
         try:

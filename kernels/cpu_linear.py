@@ -52,12 +52,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     return out.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
 
 
+def int8_weight_ok(weight_int8: torch.Tensor) -> bool:
+    """Whether `int8_linear` takes these weights (CPU, int8 [N, K] contiguous)."""
+    w = weight_int8
+    return w.device.type == "cpu" and w.dtype == torch.int8 and w.is_contiguous()
+
+
 def int8_usable(x: torch.Tensor, weight_int8: torch.Tensor) -> bool:
     return (
         x.device.type == "cpu"
         and x.dtype in FLOATS
-        and weight_int8.device.type == "cpu"
-        and weight_int8.is_contiguous()
+        and int8_weight_ok(weight_int8)
         and 1 <= rows(x) <= MAX_ROWS
         and cpu_ext.available()
     )

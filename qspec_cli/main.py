@@ -221,7 +221,7 @@ def _load(
 
     from qspec_core.runtime import load_runtime
 
-    _check_run_options(dtype, threads, target_weights)
+    # (every command runs _check_run_options before anything slow, so not again here)
     if threads:
         torch.set_num_threads(threads)
     log = (lambda msg: None) if quiet else _log
@@ -917,7 +917,9 @@ def bench(
         if str(json_file) == "-":
             print(text)
         else:
-            _write_atomic(json_file, text + "\n")
+            from qspec_core.atomic_write import write_atomic
+
+            write_atomic(json_file, lambda f: f.write((text + "\n").encode()), force=True)
     if json_file is None or str(json_file) != "-":
         # a pipe or file gets the whole table rather than 80 columns of truncated cells
         wide = out if out.is_terminal else Console(highlight=False, width=200)
@@ -929,17 +931,6 @@ def bench(
 
         plot_bench(report, plot)
         err.print(Text(f"plot: {plot}"))
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    """Write via a temp file and rename: an interrupted run leaves no half-written file."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        tmp.write_text(text)
-        tmp.replace(path)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise QspecError(f"cannot write {path}: {e.strerror or e}") from None
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -121,10 +121,8 @@ class Int8Linear(nn.Module):
         )
 
     def rows_kernel_ok(self) -> bool:
-        """Whether a step's rows can run qspec's batch-invariant int8 kernel (CPU, int8
-        [N, K] contiguous)."""
-        w = self._buffers["weight_int8"]
-        return w.device.type == "cpu" and w.dtype == torch.int8 and w.is_contiguous()
+        """Whether a step's rows can run qspec's batch-invariant int8 kernel."""
+        return cpu_linear.int8_weight_ok(self._buffers["weight_int8"])
 
     def _cpu_forward(self, x: torch.Tensor) -> torch.Tensor | None:
         """x [..., K] on CPU -> y [..., N] via the int8 kernel, or None if it cannot run."""
@@ -149,7 +147,7 @@ class Int8Linear(nn.Module):
         if x.is_cuda:
             return w8a16_matmul(x, self.weight_int8, self.weight_scale, self.bias)
         buffers = self._buffers
-        if cpu_linear.int8_usable(x, buffers["weight_int8"]) and self.rows_kernel_ok():
+        if cpu_linear.int8_usable(x, buffers["weight_int8"]):
             # (a model cast with .to(bf16) casts the scale too: the kernel takes it in fp32)
             scale = buffers["weight_scale"].float().contiguous()
             return cpu_linear.int8_linear(x, buffers["weight_int8"], scale, buffers["bias"])

@@ -118,12 +118,13 @@ def save_snapshot(
     meta = cache.meta()
     if meta["n_quant"] + meta["fp_len"] != len(token_ids) or cache.committed != len(token_ids):
         raise QspecError("the cache does not hold exactly the snapshot's committed tokens")
-    tensors = dict(cache.state())
+    # on the CPU once: hashing and writing then read the same host copies
+    tensors = {name: t.cpu() for name, t in cache.state().items()}
     tensors["token_ids"] = torch.tensor(token_ids, dtype=torch.int64).reshape(-1)
     tensors["document_utf8"] = _bytes_tensor(document.encode())
-    manifest = _manifest(cache, meta, tensors, document, model_folder, model_name, extra)
+    manifest = _manifest(cache, meta, tensors, model_folder, model_name, extra)
     prefix = _header(tensors, manifest)
-    _check_own_header(prefix, manifest, sum(len(_raw(t)) for t in tensors.values()))
+    _check_own_header(prefix, manifest, sum(t.numel() * t.element_size() for t in tensors.values()))
 
     def write(f: BinaryIO) -> None:
         _write_file(f, prefix, tensors)
@@ -132,7 +133,8 @@ def save_snapshot(
     return manifest
 
 
-def _manifest(cache, meta, tensors, document, model_folder, model_name, extra) -> dict:
+def _manifest(cache, meta, tensors, model_folder, model_name, extra) -> dict:
+    shas = {name: _tensor_sha(t) for name, t in tensors.items()}
     manifest = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -151,12 +153,12 @@ def _manifest(cache, meta, tensors, document, model_folder, model_name, extra) -
             "fp_dtype": meta["fp_dtype"],
         },
         "cache": cache_config(cache),
-        "document_sha256": hashlib.sha256(document.encode()).hexdigest(),
-        "document_bytes": len(document.encode()),
+        "document_sha256": shas["document_utf8"],  # (the tensor holds the UTF-8 bytes)
+        "document_bytes": tensors["document_utf8"].numel(),
         "tokens": len(tensors["token_ids"]),
         "n_quant": meta["n_quant"],
         "fp_len": meta["fp_len"],
-        "tensor_sha256": {name: _tensor_sha(t) for name, t in tensors.items()},
+        "tensor_sha256": shas,
         **(extra or {}),
     }
     manifest["manifest_sha256"] = _manifest_sha(manifest)
@@ -407,7 +409,8 @@ def load_snapshot(
         tensors = {}
         for name, span in spans.items():
             tensors[name] = _read_tensor(f, path, span)
-            _check_sha(_tensor_sha(tensors[name]), manifest, name, path)
+            if name != "document_utf8":  # (hashed above, before it was read into memory)
+                _check_sha(_tensor_sha(tensors[name]), manifest, name, path)
     token_ids = tensors.pop("token_ids").tolist()
     try:
         document = str(memoryview(tensors.pop("document_utf8").numpy()), "utf-8")
