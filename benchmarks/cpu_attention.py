@@ -18,9 +18,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_attention
-from kernels.hier_attention import hier_attention_ref
-from qspec_core.kv_quant import quantize_keys, quantize_values
+from kernels.cpu import attention as cpu_attention
+from kernels.triton.hier_attention import hier_attention_ref
+from kernels.planes import quantize_keys, quantize_values
 
 
 def _time(fn, inner: int) -> float:

@@ -23,12 +23,12 @@ import time
 
 import torch
 
-from kernels import cpu_linear
-from qspec_core import cpu_step
-from qspec_core.generate import prefill
-from qspec_core.hier_cache import HierarchicalKVCache
-from qspec_core.kv_cache import FullPrecisionCache
-from qspec_core.runtime import load_runtime
+from kernels.cpu import linear as cpu_linear
+from qspec_core.backend import cpu_stack as cpu_step
+from qspec_core.engine.generate import prefill
+from qspec_core.cache.hierarchical import HierarchicalKVCache
+from qspec_core.cache.full import FullPrecisionCache
+from qspec_core.registry.runtime import load_runtime
 
 # --compare name -> the gates that, answering False (None), switch the C++ path off
 STACK = (cpu_step, "stack_for")

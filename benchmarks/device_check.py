@@ -220,7 +220,7 @@ def random_cache(s: Settings, n_kv: int, length: int, T: int, exact: bool, seed:
     """hier_attention's arguments (all but view) for one layer at `length`. exact: planes
     quantized from random K/V with kv_quant (for correctness); else random bytes and scales
     (for timing, where only the bytes read matter)."""
-    from qspec_core.kv_quant import quantize_keys, quantize_values
+    from kernels.planes import quantize_keys, quantize_values
 
     dev, dtype, D, G = s.device, getattr(torch, s.dtype), s.head_dim, s.group
     st = cache_state(length, T, G)
@@ -253,7 +253,7 @@ def random_cache(s: Settings, n_kv: int, length: int, T: int, exact: bool, seed:
 
 def history_bytes(s: Settings, n_kv: int, length: int, T: int, view: str) -> float:
     """Bytes a view must read: packed planes and metadata of the history, plus the fp region."""
-    from qspec_core.kv_quant import kv_bytes_per_token
+    from kernels.planes import kv_bytes_per_token
 
     st = cache_state(length, T, s.group)
     per_token = kv_bytes_per_token(s.head_dim, view, s.group, s.group).total * n_kv
@@ -292,7 +292,7 @@ def section_env(s: Settings, report: Report) -> None:
 def _check_attention(s: Settings, args: dict, view: str) -> list[dict]:
     """Triton vs the twin (fp32 q) on one cache: default and explicit chunks, and on CUDA
     the default (tf32) and ieee dots. ok: max error within 1% of the output's max."""
-    from kernels.hier_attention import hier_attention_launcher, hier_attention_ref
+    from kernels.triton.hier_attention import hier_attention_launcher, hier_attention_ref
 
     ref = hier_attention_ref(**{**args, "q": args["q"].float()}, view=view)
     ref_max = ref.abs().max().item()
@@ -316,8 +316,8 @@ def _check_attention(s: Settings, args: dict, view: str) -> list[dict]:
 
 def _check_kv_pack(s: Settings) -> list[dict]:
     """quantize_*_triton vs kv_quant: mismatching elements per field (0 expected)."""
-    from kernels.kv_pack import quantize_keys_triton, quantize_values_triton
-    from qspec_core.kv_quant import quantize_keys, quantize_values
+    from kernels.triton.kv_pack import quantize_keys_triton, quantize_values_triton
+    from kernels.planes import quantize_keys, quantize_values
 
     gen = torch.Generator(device=s.device).manual_seed(7)
     shape = (1, s.pack_kv_heads, s.pack_tokens[-1], s.head_dim)
@@ -352,8 +352,8 @@ def section_correctness(s: Settings, report: Report) -> None:
 
 def _attention_variants(s: Settings, args: dict):
     """name -> (zero-argument callable, bytes it must read)."""
-    from kernels.hier_attention import hier_attention_launcher
-    from qspec_core.kv_quant import QuantizedGroupTensor, dequantize_keys, dequantize_values
+    from kernels.triton.hier_attention import hier_attention_launcher
+    from kernels.planes import QuantizedGroupTensor, dequantize_keys, dequantize_values
 
     q, G = args["q"], s.group
     n_hist = int(args["n_quant_q"].max())
@@ -426,7 +426,7 @@ def _int4_weight(n: int, k: int, s: Settings, dev: str):
 
 
 def section_w4a16(s: Settings, report: Report) -> None:
-    from kernels.w4a16 import w4a16_matmul
+    from kernels.triton.w4a16 import w4a16_matmul
 
     rows = report.data.setdefault("w4a16", [])
     dtype = getattr(torch, s.dtype)
@@ -451,8 +451,8 @@ def section_w4a16(s: Settings, report: Report) -> None:
 
 
 def section_kv_pack(s: Settings, report: Report) -> None:
-    from kernels.kv_pack import quantize_keys_triton, quantize_values_triton
-    from qspec_core.kv_quant import quantize_keys, quantize_values
+    from kernels.triton.kv_pack import quantize_keys_triton, quantize_values_triton
+    from kernels.planes import quantize_keys, quantize_values
 
     rows = report.data.setdefault("kv_pack", [])
     dtype = getattr(torch, s.dtype)
@@ -495,8 +495,8 @@ def _build_step(s: Settings, n_kv: int, length: int, kind: str, T: int):
     attention; "verify": bf16 GEMMs + target-view attention. Activations are fixed inputs
     (timing only); `distinct_layers` weight and cache sets are cycled over the layers.
     """
-    from kernels.hier_attention import hier_attention_launcher
-    from kernels.w4a16 import w4a16_matmul
+    from kernels.triton.hier_attention import hier_attention_launcher
+    from kernels.triton.w4a16 import w4a16_matmul
 
     dev, dtype = s.device, getattr(torch, s.dtype)
     shapes = _layer_linears(s, n_kv) + [(s.hidden, s.vocab)]  # lm_head last, once per step

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 
-from qspec_core.generate import prefill
-from qspec_core.kv_cache import FullPrecisionCache
-from qspec_core.weights import load_model
+from qspec_core.engine.generate import prefill
+from qspec_core.cache.full import FullPrecisionCache
+from qspec_core.model.checkpoint import load_model
 
 
 @torch.inference_mode()

@@ -16,9 +16,9 @@ from pathlib import Path
 import torch
 
 from qspec_core.documents import read_document
-from qspec_core.runtime import load_runtime
-from qspec_core.sampling import SamplingParams
-from qspec_core.session import SUMMARY_REQUEST, ChatSession
+from qspec_core.registry.runtime import load_runtime
+from qspec_core.engine.sampling import SamplingParams
+from qspec_core.engine.session import SUMMARY_REQUEST, ChatSession
 
 
 def main():

@@ -67,7 +67,7 @@ class Prompt:
 
 def build_prompt(tokenizer, n_tokens: int, context: int) -> Prompt:
     """A rendered document + summary-request chat of about `n_tokens` tokens (never more)."""
-    from qspec_core.session import SUMMARY_REQUEST, document_messages
+    from qspec_core.engine.session import SUMMARY_REQUEST, document_messages
 
     def render(document: str) -> tuple[str, list[int]]:
         messages = document_messages(document) + [{"role": "user", "content": SUMMARY_REQUEST}]
@@ -241,7 +241,7 @@ def load_hf_peers(folder: Path, families, dtypes, lookup_tokens, cache, notes) -
 
 class QspecPeer:
     """qspec's own `qspec bench` modes (`ar`, `quantspec`, ...) as rows of the same table,
-    on the same token ids, interleaved with the peers: `qspec_core.bench.run_once`."""
+    on the same token ids, interleaved with the peers: `qspec_core.bench.runner.run_once`."""
 
     family = "qspec"
 
@@ -251,7 +251,7 @@ class QspecPeer:
 
     @property
     def meta(self) -> dict:
-        from qspec_core.bench import MODES
+        from qspec_core.bench.runner import MODES
 
         return {"backend": "qspec", "dtype": "fp32", "cache": MODES[self.mode].cache}
 
@@ -259,7 +259,7 @@ class QspecPeer:
         self.run(ids, 4)
 
     def run(self, ids: list[int], gen: int) -> Sample:
-        from qspec_core.bench import run_once
+        from qspec_core.bench.runner import run_once
 
         r = run_once(self.runtime, self.mode, ids, gen, self.config, self.config.seed)
         extra = {"prefill_s": r.prefill_s, "stages_s": r.stages_s, "spec": r.spec}
@@ -270,8 +270,8 @@ class QspecPeer:
 
 
 def load_qspec_peers(model: str | None, modes: tuple[str, ...], gen: int, notes) -> list:
-    from qspec_core.bench import MODES, BenchConfig, needs_converted_model
-    from qspec_core.runtime import load_runtime
+    from qspec_core.bench.runner import MODES, BenchConfig, needs_converted_model
+    from qspec_core.registry.runtime import load_runtime
 
     unknown = [m for m in modes if m not in MODES]
     if unknown:
@@ -575,7 +575,7 @@ def _row(peer, prompt: Prompt, samples: list[Sample]) -> dict:
 
 def _agreement(rows: list[dict]) -> None:
     """Mark each row with how many leading tokens match hf-fp32's (else the first row's)."""
-    from qspec_core.session import common_prefix
+    from qspec_core.engine.session import common_prefix
 
     for context in {r["context"] for r in rows}:
         same = [r for r in rows if r["context"] == context]
@@ -611,8 +611,8 @@ def run_peers(
     """
     import torch
 
-    from qspec_core.models import DEFAULT_MODEL, _registry_gguf, resolve_model
-    from qspec_core.tokenizer import Tokenizer
+    from qspec_core.registry.sources import DEFAULT_MODEL, _registry_gguf, resolve_model
+    from qspec_core.model.tokenizer import Tokenizer
 
     threads = threads or os.cpu_count()
     torch.set_num_threads(threads)

@@ -17,9 +17,9 @@ import time
 from pathlib import Path
 
 from qspec_core.documents import read_document
-from qspec_core.runtime import load_runtime
-from qspec_core.session import ChatSession
-from qspec_core.snapshot import load_snapshot, save_snapshot
+from qspec_core.registry.runtime import load_runtime
+from qspec_core.engine.session import ChatSession
+from qspec_core.store.snapshot import load_snapshot, save_snapshot
 
 QUESTION = "Who may copy this document?"
 

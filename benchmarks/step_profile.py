@@ -22,10 +22,10 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from kernels import cpu_ext
-from qspec_core.bench import BenchConfig, parse_contexts, start_decode
-from qspec_core.corpus import bench_prompt
-from qspec_core.runtime import load_runtime
+from kernels.cpu import build as cpu_ext
+from qspec_core.bench.runner import BenchConfig, parse_contexts, start_decode
+from qspec_core.bench.corpus import bench_prompt
+from qspec_core.registry.runtime import load_runtime
 from qspec_core.timing import StageTimer
 
 

@@ -18,8 +18,8 @@ from qspec_core.config import check_kv_group_size
 from qspec_core.documents import is_stdin, read_document
 from qspec_core.errors import QspecError
 from qspec_core.paths import check_output_file
-from qspec_core.sampling import MIN_TEMPERATURE, SamplingParams
-from qspec_core.session import MODES, SUMMARY_REQUEST, ChatSession
+from qspec_core.engine.sampling import MIN_TEMPERATURE, SamplingParams
+from qspec_core.engine.session import MODES, SUMMARY_REQUEST, ChatSession
 
 app = typer.Typer(
     help="qspec: chat with and summarize long documents, fast, on one GPU or a plain CPU.",
@@ -119,7 +119,7 @@ def _input(file: Path) -> tuple[Path | None, str | None]:
     """FILE of summarize: (snapshot, None) for a `*.qspec`, else (None, the document's text).
     Either way checked before any model loads."""
     if file.suffix == ".qspec":
-        from qspec_core.snapshot import read_manifest
+        from qspec_core.store.snapshot import read_manifest
 
         read_manifest(file)  # not a snapshot, or a damaged one: say so before loading
         return file, None
@@ -129,7 +129,7 @@ def _input(file: Path) -> tuple[Path | None, str | None]:
 def _session(snapshot: Path | None, text: str | None, runtime, **kwargs) -> ChatSession:
     """A session over a snapshot (`*.qspec`, no re-prefill) or over a document's text."""
     if snapshot is not None:
-        from qspec_core.snapshot import load_snapshot
+        from qspec_core.store.snapshot import load_snapshot
 
         snap = load_snapshot(
             snapshot,
@@ -195,7 +195,7 @@ TARGET_DISTRIBUTION = {
 
 def _check_run_options(dtype: str, threads: int | None, target_weights: str = "full") -> None:
     """Options `_load` uses, checked before anything is read or loaded."""
-    from qspec_core.runtime import DTYPES
+    from qspec_core.registry.runtime import DTYPES
 
     if dtype != "auto" and dtype not in DTYPES:
         raise QspecError(f"--dtype must be auto or one of {', '.join(DTYPES)}, not {dtype!r}")
@@ -219,7 +219,7 @@ def _load(
 ):
     import torch
 
-    from qspec_core.runtime import load_runtime
+    from qspec_core.registry.runtime import load_runtime
 
     # (every command runs _check_run_options before anything slow, so not again here)
     if threads:
@@ -487,8 +487,8 @@ def prefill(
     import time
 
     from qspec_cli.render import PrefillProgress
-    from qspec_core.session import SNAPSHOT_ANSWER_ROOM
-    from qspec_core.snapshot import check_output, estimate_bytes, save_snapshot
+    from qspec_core.engine.session import SNAPSHOT_ANSWER_ROOM
+    from qspec_core.store.snapshot import check_output, estimate_bytes, save_snapshot
 
     check_kv_group_size(group_size)
     _check_run_options(dtype, threads, target_weights)
@@ -572,8 +572,8 @@ def info(
 ):
     """Show a snapshot's manifest and sizes, and whether it matches a model (--model, or the
     default model)."""
-    from qspec_core.models import resolve_model
-    from qspec_core.snapshot import model_fingerprint, tokenizer_fingerprint, verify_snapshot
+    from qspec_core.registry.sources import resolve_model
+    from qspec_core.store.snapshot import model_fingerprint, tokenizer_fingerprint, verify_snapshot
 
     manifest = verify_snapshot(snapshot)  # every tensor's checksum: a flipped bit is refused
     folder = resolve_model(model, _log)
@@ -665,9 +665,9 @@ def convert(
     """
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-    from qspec_core.convert import convert as run_convert
-    from qspec_core.convert import export_gptq as run_export
-    from qspec_core.models import resolve_model
+    from qspec_core.convert.convert import convert as run_convert
+    from qspec_core.convert.convert import export_gptq as run_export
+    from qspec_core.registry.sources import resolve_model
 
     if draft_from is None and method not in ("rtn", "gptq", "awq"):
         raise QspecError(f"--method {method!r} is not available (have: rtn, gptq, awq)")
@@ -762,7 +762,7 @@ def quality(
 
     Perplexity, mean next-token KL and top-1 agreement on a real text, and KV bytes per token.
     """
-    from qspec_core.quality import measure_kv_quality
+    from qspec_core.bench.quality import measure_kv_quality
 
     check_kv_group_size(group_size)
     _check_run_options(dtype, threads)
@@ -862,8 +862,8 @@ def bench(
     ar is taken pair-wise within each repeat. Ignores stop tokens: every run decodes --gen.
     """
     from qspec_cli.render import bench_tables
-    from qspec_core.bench import MODES as BENCH_MODES
-    from qspec_core.bench import (
+    from qspec_core.bench.runner import MODES as BENCH_MODES
+    from qspec_core.bench.runner import (
         BenchConfig,
         needs_converted_model,
         parse_contexts,

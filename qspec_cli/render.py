@@ -19,7 +19,7 @@ from rich.progress import (
 from rich.table import Table
 from rich.text import Text
 
-from qspec_core.session import ReplyStats
+from qspec_core.engine.session import ReplyStats
 
 PROGRESS_MIN_TOKENS = 1024  # shorter prefills finish before a bar is worth drawing
 

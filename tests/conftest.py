@@ -16,7 +16,7 @@ DATA = REPO / "qspec_core" / "data"
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
     """The real default model, converted once per machine into the user's qspec cache."""
-    from qspec_core.models import resolve_model
+    from qspec_core.registry.sources import resolve_model
 
     return resolve_model(None)
 
@@ -24,7 +24,7 @@ def default_model_dir() -> Path:
 @pytest.fixture(scope="session")
 def real_runtime(default_model_dir):
     """The default model in fp32: the bf16 weights upcast, fast on every CPU, exact vs HF."""
-    from qspec_core.runtime import load_runtime
+    from qspec_core.registry.runtime import load_runtime
 
     return load_runtime(str(default_model_dir), dtype="fp32", log=lambda m: None)
 
@@ -35,8 +35,8 @@ def tiny_model_dir(tmp_path_factory, default_model_dir) -> Path:
     session tests in every mode)."""
     import transformers
 
-    from qspec_core.convert import convert
-    from qspec_core.weights import load_model
+    from qspec_core.convert.convert import convert
+    from qspec_core.model.checkpoint import load_model
 
     folder = tmp_path_factory.mktemp("tiny-llama-hf")
     config = transformers.LlamaConfig(

@@ -11,7 +11,7 @@ Also the float64 attention over dequantized K/V that the references here share.
 
 import torch
 
-from qspec_core.kv_quant import QuantizedGroupTensor, dequantize_keys, dequantize_values
+from kernels.planes import QuantizedGroupTensor, dequantize_keys, dequantize_values
 
 EPS32 = torch.finfo(torch.float32).eps
 

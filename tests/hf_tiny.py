@@ -4,7 +4,7 @@ import torch
 import transformers
 
 from qspec_core.config import ModelConfig
-from qspec_core.weights import build_model
+from qspec_core.model.checkpoint import build_model
 
 
 def tiny_hf(model_type: str, seed: int = 0, **overrides):

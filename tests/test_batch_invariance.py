@@ -7,12 +7,14 @@ import pytest
 import torch
 from hf_tiny import ours_from_hf, tiny_hf
 
-from kernels import cpu_ext, cpu_linear
-from kernels.w8a16 import quantize_int8
-from qspec_core.generate import prefill
-from qspec_core.hier_cache import HierarchicalKVCache
-from qspec_core.int8_linear import Int8Linear
-from qspec_core.model import attach_int8, linear_layers, set_target_weights
+from kernels.cpu import build as cpu_ext
+
+from kernels.cpu import linear as cpu_linear
+from kernels.triton.w8a16 import quantize_int8
+from qspec_core.engine.generate import prefill
+from qspec_core.cache.hierarchical import HierarchicalKVCache
+from qspec_core.quant.int8 import Int8Linear
+from qspec_core.model.transformer import attach_int8, linear_layers, set_target_weights
 
 pytestmark = pytest.mark.skipif(not cpu_ext.available(), reason="no C++ compiler here")
 

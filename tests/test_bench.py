@@ -7,7 +7,7 @@ import statistics
 import pytest
 from test_cli import assert_user_error, run_qspec
 
-from qspec_core.bench import (
+from qspec_core.bench.runner import (
     MODES,
     BenchConfig,
     check_config,
@@ -17,7 +17,7 @@ from qspec_core.bench import (
     summarize_mode,
 )
 from qspec_core.errors import QspecError
-from qspec_core.runtime import load_runtime
+from qspec_core.registry.runtime import load_runtime
 
 MODE_KEYS = {
     "about", "target_weights", "prompt_tokens", "new_tokens", "prefill_tokens_per_s", "ttft_s",
@@ -105,7 +105,7 @@ def test_tiny_bench_interleaves_and_reports_consistent_numbers(tiny_runtime):
 
 
 def test_speedup_pairs_repeat_i_with_repeat_i():
-    from qspec_core.bench import Run
+    from qspec_core.bench.runner import Run
 
     def run(mode, decode_s):
         return Run(mode, 100, 11, 1.0, 1.0, decode_s, {"decode": decode_s}, None, {}, 0, None,

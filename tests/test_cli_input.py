@@ -195,15 +195,15 @@ def test_other_inputs_before_loading(capsys, tmp_path, doc, no_model):
 @pytest.fixture
 def no_prefill(monkeypatch):
     """Fail the test if a command gets as far as building a session or running a bench."""
-    import qspec_core.bench
-    import qspec_core.quality
+    import qspec_core.bench.runner
+    import qspec_core.bench.quality
 
     def refuse(*args, **kwargs):
         raise AssertionError("work started before the bad option was refused")
 
     monkeypatch.setattr(cli, "ChatSession", refuse)
-    monkeypatch.setattr(qspec_core.bench, "run_bench", refuse)
-    monkeypatch.setattr(qspec_core.quality, "measure_kv_quality", refuse)
+    monkeypatch.setattr(qspec_core.bench.runner, "run_bench", refuse)
+    monkeypatch.setattr(qspec_core.bench.quality, "measure_kv_quality", refuse)
 
 
 @pytest.mark.parametrize(

@@ -110,7 +110,7 @@ def test_odd_head_dim_is_refused():
 def test_config_errors_are_user_errors_naming_the_file(tmp_path):
     """weights.load_model turns a damaged config.json into one QspecError naming the file."""
     from qspec_core.errors import QspecError
-    from qspec_core.weights import load_model
+    from qspec_core.model.checkpoint import load_model
 
     config = tmp_path / "config.json"
     for content, match in [

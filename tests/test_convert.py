@@ -7,15 +7,15 @@ import pytest
 import torch
 from hf_tiny import tiny_hf
 
-from kernels.w8a16 import quantize_int8
-from qspec_core.convert import convert, export_gptq, import_draft
+from kernels.triton.w8a16 import quantize_int8
+from qspec_core.convert.convert import convert, export_gptq, import_draft
 from qspec_core.errors import QspecError
-from qspec_core.gptq import HessianCollector, gptq_quantize, gptq_quantize_int8
-from qspec_core.kv_cache import FullPrecisionCache
-from qspec_core.model import linear_layers
-from qspec_core.quant_formats import Int4Weight, read_quantized_checkpoint
-from qspec_core.quant_linear import Int4Linear, dequantize, rtn_quantize
-from qspec_core.weights import load_model
+from qspec_core.quant.gptq import HessianCollector, gptq_quantize, gptq_quantize_int8
+from qspec_core.cache.full import FullPrecisionCache
+from qspec_core.model.transformer import linear_layers
+from qspec_core.convert.formats import Int4Weight, read_quantized_checkpoint
+from qspec_core.quant.int4 import Int4Linear, dequantize, rtn_quantize
+from qspec_core.model.checkpoint import load_model
 
 
 def _g(seed):
@@ -206,7 +206,7 @@ def _write_folded_awq(hf, folder, group=32):
     up/down), then RTN-quantized and packed in the AWQ GEMM layout."""
     from safetensors.torch import save_file
 
-    from qspec_core.quant_formats import pack_awq
+    from qspec_core.convert.formats import pack_awq
 
     sd = {k: v.clone().float() for k, v in hf.state_dict().items()}
     g = _g(11)
@@ -255,13 +255,13 @@ def _write_folded_awq(hf, folder, group=32):
 
 
 def _draft_kl(model, ids):
-    from qspec_core.convert import draft_agreement
+    from qspec_core.convert.convert import draft_agreement
 
     return draft_agreement(model, ids)
 
 
 def test_awq_import_unfolds_activation_scales(tmp_path):
-    from qspec_core.model import attach_draft
+    from qspec_core.model.transformer import attach_draft
 
     hf = tiny_hf("llama", num_key_value_heads=4, vocab_size=128)  # MHA: v->o folding too
     hf.save_pretrained(tmp_path / "target")
@@ -282,7 +282,7 @@ def test_awq_import_unfolds_activation_scales(tmp_path):
     _, kl_rtn = _draft_kl(rtn, ids)
 
     naive = load_model(tmp_path / "target", dtype=torch.float32)
-    from qspec_core.quant_formats import read_quantized_checkpoint as read
+    from qspec_core.convert.formats import read_quantized_checkpoint as read
 
     _, weights, _ = read(tmp_path / "awq")
     attach_draft(naive, {n: Int4Linear.from_int4_weight(w) for n, w in weights.items()})

@@ -1,4 +1,4 @@
-"""The CPU kernel over the hierarchical cache (`kernels/cpu_hier_attention.cpp`) against its
+"""The CPU kernel over the hierarchical cache (`kernels/cpu/hier_attention.cpp`) against its
 PyTorch twin, on the shapes and corner cases the cache produces.
 
 Tolerance: `error_model.py`. Both are compared with a float64 attention over the same
@@ -12,9 +12,9 @@ import pytest
 import torch
 from error_model import assert_within_error_model, attention64, dequantize64
 
-from kernels import cpu_attention
-from kernels.hier_attention import hier_attention_ref
-from qspec_core.kv_quant import quantize_keys, quantize_values
+from kernels.cpu import attention as cpu_attention
+from kernels.triton.hier_attention import hier_attention_ref
+from kernels.planes import quantize_keys, quantize_values
 
 pytestmark = pytest.mark.skipif(
     not cpu_attention.available(), reason="no C++ compiler for the CPU kernel"

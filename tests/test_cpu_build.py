@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from kernels import cpu_ext
+from kernels.cpu import build as cpu_ext
 from qspec_core.errors import QspecError
 
 REPO = Path(__file__).resolve().parent.parent
@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parent.parent
 HOLDER = """
 import sys, time
 from pathlib import Path
-from kernels import cpu_ext
+from kernels.cpu import build as cpu_ext
 with cpu_ext.build_lock(Path(sys.argv[1]), wait_s=0):
     print("held", flush=True)
     time.sleep(600)
@@ -166,7 +166,7 @@ def test_variants_get_their_own_flags_and_build_folders():
 
 def _run_load(env, timeout):
     code = (
-        "from kernels import cpu_ext; print('isa', cpu_ext.isa() if cpu_ext.available() else None)"
+        "from kernels.cpu import build as cpu_ext; print('isa', cpu_ext.isa() if cpu_ext.available() else None)"
     )
     return subprocess.run(
         [sys.executable, "-c", code],
@@ -191,7 +191,7 @@ def test_a_build_killed_while_torch_holds_its_lock_does_not_hang_the_next(tmp_pa
         (folder / "cpu_module.o").unlink()  # so the killed build has one file to compile
     env = {**os.environ, "QSPEC_HOME": str(home)}
     env.pop(cpu_ext.DISABLE_ENV, None)
-    code = "from kernels import cpu_ext; cpu_ext.load()"
+    code = "from kernels.cpu import build as cpu_ext; cpu_ext.load()"
     builder = subprocess.Popen(
         [sys.executable, "-c", code], cwd=REPO, env=env, start_new_session=True
     )

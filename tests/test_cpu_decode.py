@@ -1,16 +1,16 @@
-"""The small C++ decode ops (`kernels/cpu_decode.cpp`) against their eager twins, and a whole
+"""The small C++ decode ops (`kernels/cpu/decode.cpp`) against their eager twins, and a whole
 model on both paths."""
 
 import pytest
 import torch
 from hf_tiny import ours_from_hf, tiny_hf
 
-from kernels import cpu_ext
-from qspec_core.hier_cache import HierarchicalKVCache
-from qspec_core.kv_cache import FullPrecisionCache
-from qspec_core.model import RMSNorm
-from qspec_core.quant_linear import Int4Linear
-from qspec_core.rope import apply_rotary
+from kernels.cpu import build as cpu_ext
+from qspec_core.cache.hierarchical import HierarchicalKVCache
+from qspec_core.cache.full import FullPrecisionCache
+from qspec_core.model.transformer import RMSNorm
+from qspec_core.quant.int4 import Int4Linear
+from qspec_core.model.rope import apply_rotary
 
 pytestmark = pytest.mark.skipif(not cpu_ext.available(), reason="no C++ compiler here")
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from kernels import cpu_ext
+from kernels.cpu import build as cpu_ext
 
 REPO = Path(__file__).resolve().parent.parent
 CPU_TESTS = [
@@ -49,7 +49,7 @@ def test_cpu_kernel_tests_pass_on_every_isa_variant(isa):
         pytest.skip(reason)
     env = {**os.environ, cpu_ext.ISA_ENV: isa, "TRITON_INTERPRET": "1"}
     env.pop(cpu_ext.DISABLE_ENV, None)
-    code = "from kernels import cpu_ext; cpu_ext.load(); print(cpu_ext.isa(), cpu_ext.failure())"
+    code = "from kernels.cpu import build as cpu_ext; cpu_ext.load(); print(cpu_ext.isa(), cpu_ext.failure())"
     built = subprocess.run(
         [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=900
     )

@@ -1,11 +1,13 @@
-"""The few-row CPU linear (`kernels/cpu_linear.cpp`) against its twin, F.linear."""
+"""The few-row CPU linear (`kernels/cpu/linear.cpp`) against its twin, F.linear."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_ext, cpu_linear
-from qspec_core.quant_linear import Int4Linear
+from kernels.cpu import build as cpu_ext
+
+from kernels.cpu import linear as cpu_linear
+from qspec_core.quant.int4 import Int4Linear
 
 pytestmark = pytest.mark.skipif(not cpu_ext.available(), reason="no C++ compiler here")
 

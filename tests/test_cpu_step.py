@@ -1,4 +1,4 @@
-"""The whole-stack C++ decode step (`kernels/cpu_step.cpp`, `qspec_core/cpu_step.py`) against the
+"""The whole-stack C++ decode step (`kernels/cpu/step.cpp`, `qspec_core/cpu_step.py`) against the
 Python layer loop it replaces: the same bits on every path and cache, through rotations and
 late queries, and never a stale weight after the model changes."""
 
@@ -8,13 +8,13 @@ import pytest
 import torch
 from hf_tiny import ours_from_hf, tiny_hf
 
-from kernels import cpu_ext
-from qspec_core import cpu_step
-from qspec_core.hier_cache import HierarchicalKVCache
-from qspec_core.int8_linear import Int8Linear
-from qspec_core.kv_cache import FullPrecisionCache
-from qspec_core.model import attach_draft, attach_int8, linear_layers, set_target_weights
-from qspec_core.quant_linear import Int4Linear
+from kernels.cpu import build as cpu_ext
+from qspec_core.backend import cpu_stack as cpu_step
+from qspec_core.cache.hierarchical import HierarchicalKVCache
+from qspec_core.quant.int8 import Int8Linear
+from qspec_core.cache.full import FullPrecisionCache
+from qspec_core.model.transformer import attach_draft, attach_int8, linear_layers, set_target_weights
+from qspec_core.quant.int4 import Int4Linear
 
 pytestmark = pytest.mark.skipif(not cpu_ext.available(), reason="no C++ compiler here")
 

@@ -9,11 +9,11 @@ from error_model import assert_within_error_model, attention64, dequantize64
 from hf_tiny import ours_from_hf, tiny_hf
 
 from kernels.reference import dense_attention, hierarchical_attention
-from qspec_core import hier_cache
-from qspec_core.generate import prefill, prefill_hierarchical
-from qspec_core.hier_cache import VIEWS, CommitInvariantError, HierarchicalKVCache
-from qspec_core.kv_cache import FullPrecisionCache
-from qspec_core.kv_quant import quantize_keys, quantize_values
+from qspec_core.cache import hierarchical as hier_cache
+from qspec_core.engine.generate import prefill, prefill_hierarchical
+from qspec_core.cache.hierarchical import VIEWS, CommitInvariantError, HierarchicalKVCache
+from qspec_core.cache.full import FullPrecisionCache
+from kernels.planes import quantize_keys, quantize_values
 
 # The fused path's error may be this many times PyTorch's: 2x the worst seen (6.45, a late
 # draft query with QSPEC_CPU_ISA=avx2; the kernel folds the zeros into the scores, q.s c + q.z,
@@ -307,7 +307,7 @@ def test_fused_attention_equals_the_reference_through_rounds_with_late_queries(m
     same state: this fused path (its linears, norms and attention all round differently)
     measured at most 4.2x (native, AVX-512), 6.45x (avx2) and 4.3x (generic) PyTorch's fp32
     error over these 100 forwards, 1.5x at the median."""
-    from kernels import cpu_attention
+    from kernels.cpu import attention as cpu_attention
 
     if not cpu_attention.available():
         pytest.skip("no C++ compiler for the CPU kernel")

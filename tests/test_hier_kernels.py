@@ -16,17 +16,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import hier_attention as hier
-from kernels import kv_pack
-from kernels.hier_attention import _launch, hier_attention, hier_attention_ref
-from kernels.kv_pack import (
+from kernels.triton import hier_attention as hier
+from kernels.triton import kv_pack
+from kernels.triton.hier_attention import _launch, hier_attention, hier_attention_ref
+from kernels.triton.kv_pack import (
     _launch_keys,
     _launch_values,
     quantize_keys_triton,
     quantize_values_triton,
 )
 from kernels.reference import dense_attention
-from qspec_core.kv_quant import LOWER_OFFSET, quantize_keys, quantize_values
+from kernels.planes import LOWER_OFFSET, quantize_keys, quantize_values
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -15,7 +15,7 @@ from qspec_core.config import check_kv_group_size
 from qspec_core.documents import read_document
 from qspec_core.errors import QspecError
 from qspec_core.paths import check_output_file, writable_models_dir
-from qspec_core.sampling import MIN_TEMPERATURE, SamplingParams
+from qspec_core.engine.sampling import MIN_TEMPERATURE, SamplingParams
 
 # ----------------------------------------------------------------------------- documents
 
@@ -87,7 +87,7 @@ def test_temperature_must_be_zero_or_finite_and_not_tiny(t):
 def test_smallest_temperature_samples_finite_probabilities():
     import torch
 
-    from qspec_core.sampling import probabilities
+    from qspec_core.engine.sampling import probabilities
 
     logits = torch.tensor([[30.0, -30.0, 0.0]])
     p = probabilities(logits, SamplingParams(temperature=MIN_TEMPERATURE))

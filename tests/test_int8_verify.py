@@ -6,11 +6,11 @@ import json
 import pytest
 import torch
 
-from qspec_core.convert import DRAFT_META, add_int8_weights
+from qspec_core.convert.convert import DRAFT_META, add_int8_weights
 from qspec_core.errors import QspecError
-from qspec_core.model import has_int8, linear_layers, set_target_weights, target_weights
-from qspec_core.runtime import load_runtime
-from qspec_core.session import ChatSession
+from qspec_core.model.transformer import has_int8, linear_layers, set_target_weights, target_weights
+from qspec_core.registry.runtime import load_runtime
+from qspec_core.engine.session import ChatSession
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +36,7 @@ def test_convert_writes_int8_weights_and_their_metadata(tiny_model_dir):
 def test_int8_target_changes_the_logits(tiny_int8):
     model = tiny_int8.model
     ids = torch.tensor([[5, 17, 300, 42, 7]])
-    from qspec_core.kv_cache import FullPrecisionCache
+    from qspec_core.cache.full import FullPrecisionCache
 
     def logits():
         cache = FullPrecisionCache(model.config, 8, dtype=torch.float32)
@@ -97,10 +97,10 @@ def test_add_int8_weights_upgrades_an_older_folder(tmp_path, tiny_model_dir):
 
 
 def test_snapshot_remembers_the_target_weights(tiny_model_dir):
-    from qspec_core.snapshot import check_compatible
+    from qspec_core.store.snapshot import check_compatible
 
     rt = load_runtime(str(tiny_model_dir), dtype="fp32", log=lambda m: None)
-    from qspec_core.snapshot import model_fingerprint, tokenizer_fingerprint
+    from qspec_core.store.snapshot import model_fingerprint, tokenizer_fingerprint
 
     manifest = {
         "model": "tiny",
@@ -119,9 +119,9 @@ def test_snapshot_remembers_the_target_weights(tiny_model_dir):
 def test_int8_weights_perplexity_cost_is_small(default_model_dir):
     """The issue asks for <= 1%. Round-to-nearest INT8 cost ~1% (+1.09% on these 768 tokens);
     GPTQ's rounding brings it under (docs/PERF.md)."""
-    from qspec_core.corpus import DATA
+    from qspec_core.bench.corpus import DATA
     from qspec_core.documents import read_document
-    from qspec_core.quality import measure_kv_quality
+    from qspec_core.bench.quality import measure_kv_quality
 
     rt = load_runtime(None, dtype="fp32", log=lambda m: None, need_draft=True)
     ids = rt.tokenizer.encode(read_document(DATA / "apache-2.0.txt"))[:768]

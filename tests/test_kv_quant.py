@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qspec_core.kv_quant import (
+from kernels.planes import (
     QuantizedGroupTensor,
     dequantize_keys,
     dequantize_values,

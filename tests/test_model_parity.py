@@ -4,7 +4,7 @@ import pytest
 import torch
 from hf_tiny import ours_from_hf, tiny_hf
 
-from qspec_core.kv_cache import FullPrecisionCache
+from qspec_core.cache.full import FullPrecisionCache
 
 ROPE = {
     "default": None,

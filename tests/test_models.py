@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from qspec_core import models
+from qspec_core.registry import sources as models
 from qspec_core.errors import QspecError
 from qspec_core.paths import qspec_home
 
@@ -374,7 +374,7 @@ def test_cache_home_on_a_file_fails_before_any_download(tmp_path, monkeypatch):
     ],
 )
 def test_damaged_tokenizer_files(tiny_model_dir, tmp_path, name, content, match):
-    from qspec_core.tokenizer import Tokenizer
+    from qspec_core.model.tokenizer import Tokenizer
 
     folder = tmp_path / "model"
     shutil.copytree(tiny_model_dir, folder)
@@ -390,7 +390,7 @@ def test_damaged_tokenizer_files(tiny_model_dir, tmp_path, name, content, match)
 def test_damaged_inline_chat_template(tiny_model_dir, tmp_path, template, match):
     import json
 
-    from qspec_core.tokenizer import Tokenizer
+    from qspec_core.model.tokenizer import Tokenizer
 
     folder = tmp_path / "model"
     shutil.copytree(tiny_model_dir, folder)
@@ -401,7 +401,7 @@ def test_damaged_inline_chat_template(tiny_model_dir, tmp_path, template, match)
 
 
 def test_chat_template_failing_at_render_is_a_user_error(tiny_model_dir, tmp_path):
-    from qspec_core.tokenizer import Tokenizer
+    from qspec_core.model.tokenizer import Tokenizer
 
     folder = tmp_path / "model"
     shutil.copytree(tiny_model_dir, folder)

@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import save_file
 
 from qspec_core.errors import QspecError
-from qspec_core.quant_formats import (
+from qspec_core.convert.formats import (
     AWQ_PACK_ORDER,
     AWQ_UNPACK_ORDER,
     Int4Weight,

@@ -8,9 +8,9 @@ import pytest
 import torch
 from conftest import DATA
 
-from qspec_core.generate import decode, prefill
-from qspec_core.kv_cache import FullPrecisionCache
-from qspec_core.sampling import SamplingParams
+from qspec_core.engine.generate import decode, prefill
+from qspec_core.cache.full import FullPrecisionCache
+from qspec_core.engine.sampling import SamplingParams
 
 pytestmark = pytest.mark.real_model
 
@@ -124,13 +124,13 @@ def test_summarize_json_on_the_real_model(default_model_dir):
 
 @pytest.fixture(scope="module")
 def draft_runtime():
-    from qspec_core.runtime import load_runtime
+    from qspec_core.registry.runtime import load_runtime
 
     return load_runtime(None, dtype="fp32", log=lambda m: None, need_draft=True)
 
 
 def _greedy_answers(runtime, text: str, question: str, new_tokens: int):
-    from qspec_core.session import ChatSession
+    from qspec_core.engine.session import ChatSession
 
     answers, stats = {}, None
     for mode in ("target-ar", "quantspec"):
@@ -146,7 +146,7 @@ def _greedy_answers(runtime, text: str, question: str, new_tokens: int):
 def test_greedy_quantspec_equals_target_ar_on_a_real_document(draft_runtime, weights):
     """128 new tokens after ~3,000 tokens of a real text: token for token identical, with the
     checkpoint's weights and with the INT8 verifier weights."""
-    from qspec_core.model import set_target_weights
+    from qspec_core.model.transformer import set_target_weights
 
     tok = draft_runtime.tokenizer
     text = tok.decode(tok.encode((DATA / "gpl-3.0.txt").read_text())[:3000])
@@ -171,10 +171,10 @@ def test_real_verify_logits_equal_one_token_at_a_time(default_model_dir, dtype):
     target-ar's one-token steps, so near ties break the same way in both modes. bf16 runs
     where the CPU has native bf16 (elsewhere a bf16 prefill takes minutes; the tiny-model
     test in test_batch_invariance.py covers bf16 everywhere)."""
-    from qspec_core.generate import prefill
-    from qspec_core.hier_cache import HierarchicalKVCache
-    from qspec_core.model import set_target_weights
-    from qspec_core.runtime import cpu_has_fast_bf16, load_runtime
+    from qspec_core.engine.generate import prefill
+    from qspec_core.cache.hierarchical import HierarchicalKVCache
+    from qspec_core.model.transformer import set_target_weights
+    from qspec_core.registry.runtime import cpu_has_fast_bf16, load_runtime
 
     if dtype == "bf16" and not cpu_has_fast_bf16():
         pytest.skip("bf16 matmuls are emulated on this CPU (minutes per prefill)")
@@ -216,7 +216,7 @@ def test_our_kernels_package_is_not_taken_for_hf_kernels():
 
 def test_kv_views_quality_on_the_real_model(real_runtime):
     """INT8 (target) KV stays within 1% perplexity of full precision; INT4 (draft) is worse."""
-    from qspec_core.quality import measure_kv_quality
+    from qspec_core.bench.quality import measure_kv_quality
 
     ids = real_runtime.tokenizer.encode((DATA / "gpl-3.0.txt").read_text())[:640]
     q = measure_kv_quality(real_runtime.model, ids)
@@ -254,7 +254,7 @@ def test_convert_cli_on_the_default_model(default_model_dir, tmp_path):
     assert len(meta["modules"]) == 30 * 7 + 1
     report = meta["report"]
     assert 0.3 < report["top1_agreement"] < 0.99 and report["kl"] > 0.01  # differs, not noise
-    from qspec_core.weights import load_model
+    from qspec_core.model.checkpoint import load_model
 
     model = load_model(out, dtype=torch.float32)
     assert model.lm_head.draft is not None and model.layers[5].mlp.down_proj.draft is not None
@@ -262,7 +262,7 @@ def test_convert_cli_on_the_default_model(default_model_dir, tmp_path):
     # real text coherently (measured with RTN g64: "...ede or control is exercised; (ii) the
     # right to cede or" against the target's "...ede control of a particular entity to
     # another entity; (ii) the power")
-    from qspec_core.tokenizer import Tokenizer
+    from qspec_core.model.tokenizer import Tokenizer
 
     ids = Tokenizer(out).encode((DATA / "apache-2.0.txt").read_text()[:800])
     outs = {}

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from qspec_core.sampling import SamplingParams, probabilities, sample
+from qspec_core.engine.sampling import SamplingParams, probabilities, sample
 
 
 def test_greedy_is_argmax():

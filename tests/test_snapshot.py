@@ -20,12 +20,12 @@ import torch
 from conftest import DATA
 
 from qspec_core import atomic_write
-from qspec_core import snapshot as snap
+from qspec_core.store import snapshot as snap
 from qspec_core.config import ModelConfig
 from qspec_core.errors import QspecError
-from qspec_core.hier_cache import HierarchicalKVCache
-from qspec_core.runtime import load_runtime
-from qspec_core.session import ChatSession
+from qspec_core.cache.hierarchical import HierarchicalKVCache
+from qspec_core.registry.runtime import load_runtime
+from qspec_core.engine.session import ChatSession
 
 DOC = "The lighthouse keeper counted 41 ships in March and 17 in April. " * 6
 TESTS = Path(__file__).resolve().parent

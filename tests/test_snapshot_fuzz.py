@@ -30,8 +30,8 @@ from test_snapshot import (
     save_small,
 )
 
-from qspec_core import snapshot as snap
-from qspec_core import snapshot_schema as schema
+from qspec_core.store import snapshot as snap
+from qspec_core.store import schema
 from qspec_core.errors import QspecError
 
 FUZZ = settings(max_examples=100, deadline=None, database=None)  # no .hypothesis/ in the tree

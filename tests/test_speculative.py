@@ -7,14 +7,14 @@ import torch
 from hf_tiny import tiny_hf
 
 from qspec_core.config import ModelConfig
-from qspec_core.generate import decode, prefill_hierarchical
-from qspec_core.hier_cache import HierarchicalKVCache
-from qspec_core.model import attach_draft, linear_layers
-from qspec_core.quant_linear import Int4Linear
-from qspec_core.sampling import SamplingParams, probabilities
-from qspec_core.speculative import SpecStats, speculative_decode
-from qspec_core.verify import residual_distribution, verify_greedy, verify_sampling
-from qspec_core.weights import build_model
+from qspec_core.engine.generate import decode, prefill_hierarchical
+from qspec_core.cache.hierarchical import HierarchicalKVCache
+from qspec_core.model.transformer import attach_draft, linear_layers
+from qspec_core.quant.int4 import Int4Linear
+from qspec_core.engine.sampling import SamplingParams, probabilities
+from qspec_core.engine.speculative import SpecStats, speculative_decode
+from qspec_core.engine.verify import residual_distribution, verify_greedy, verify_sampling
+from qspec_core.model.checkpoint import build_model
 
 
 def _g(seed):

@@ -10,10 +10,14 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from kernels import cpu_ext, cpu_linear, w8a16
-from kernels.w8a16 import _launch, dequantize_int8, quantize_int8, w8a16_matmul, w8a16_ref
-from qspec_core import int8_linear
-from qspec_core.int8_linear import Int8Linear
+from kernels.cpu import build as cpu_ext
+
+from kernels.cpu import linear as cpu_linear
+
+from kernels.triton import w8a16
+from kernels.triton.w8a16 import _launch, dequantize_int8, quantize_int8, w8a16_matmul, w8a16_ref
+from qspec_core.quant import int8 as int8_linear
+from qspec_core.quant.int8 import Int8Linear
 
 BF16_U = 2.0**-9  # unit roundoff of bf16 (8 significant bits, round to nearest)
 

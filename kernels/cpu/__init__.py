@@ -1,0 +1,1 @@
+"""qspec's C++ CPU kernels, built once per instruction set, and their Python wrappers."""

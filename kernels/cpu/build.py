@@ -1,0 +1,292 @@
+"""Builds qspec's C++ CPU kernels once, as one extension module, into qspec's cache.
+
+Sources: `hier_attention.cpp` (attention over the hierarchical cache), `linear.cpp`
+(x W^T for the few rows of a decode or verify step), `decode.cpp` (the small ops around
+them: RMSNorm, RoPE, the int4 linear's casts), `step.cpp` (all decoder layers of a
+decode step in one call) and `module.cpp` (the bindings). The build runs on first use
+with the system C++ compiler (about two minutes), per source, per instruction set and, for
+`native`, per CPU; if it fails, `available()` is False and every caller keeps its PyTorch path.
+
+Instruction set (`QSPEC_CPU_ISA`, read at first use): `native` (default: `-march=native`,
+everything this CPU has, AVX-512 included), `avx2` (`-mavx2 -mfma -mf16c`: the sources' AVX2
+intrinsics paths, other loops auto-vectorized at 256 bits) or `generic` (`-march=x86-64`: the
+portable C++ paths that CPUs without AVX2 take). Each variant has its own build folder, so
+they coexist; `isa()` names the one loaded.
+
+Concurrent and interrupted builds: torch guards a build folder with a `lock` file that a
+killed build leaves behind, after which every later build waits on it forever. So each build
+also holds `qspec-build.lock` with flock (released by the kernel however the holder dies); a
+torch `lock` found while holding it is stale and is removed. A process that finds another one
+building waits at most `QSPEC_CPU_BUILD_WAIT` seconds (default 300), saying so, then runs the
+PyTorch paths.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import os
+import platform
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+
+try:
+    import fcntl
+except ImportError:  # (Windows: no inter-process lock; torch's baton alone guards the build)
+    fcntl = None
+
+HERE = Path(__file__).parent
+SOURCES = tuple(
+    HERE / n
+    for n in (
+        "hier_attention.cpp",
+        "linear.cpp",
+        "decode.cpp",
+        "step.cpp",
+        "module.cpp",
+    )
+)
+HEADERS = (HERE / "kernels.h",)  # hashed with the sources, so an edit rebuilds
+DISABLE_ENV = "QSPEC_CPU_KERNELS"  # "0" turns the C++ kernels off (the PyTorch paths run)
+ISA_ENV = "QSPEC_CPU_ISA"  # native (default) | avx2 | generic
+WAIT_ENV = "QSPEC_CPU_BUILD_WAIT"  # seconds to wait for another process's build
+DEFAULT_WAIT_S = 300.0  # a build takes 1-3 minutes on 2 busy cores; a slower one, longer
+LOCK_NAME = "qspec-build.lock"  # ours: flock, holds the holder's pid
+TORCH_BATON = "lock"  # torch.utils.cpp_extension's FileBaton in the build folder
+
+_X86 = platform.machine().lower() in ("x86_64", "amd64")
+ISA_FLAGS = {
+    "native": ("-march=native",),
+    "avx2": ("-mavx2", "-mfma", "-mf16c"),  # (no AVX-512 whatever the CPU has)
+    # the compiler's baseline: SSE2 on x86-64, so `QSPEC_AVX2` stays undefined
+    "generic": ("-march=x86-64",) if _X86 else (),
+}
+# /proc/cpuinfo flags an ISA's code needs: without them it dies of SIGILL, no message
+ISA_NEEDS = {"avx2": ("avx2", "fma", "f16c")}
+
+_module = None  # the module built for `_isa` (None: not loaded yet, or failed: `_failed`)
+_failed: str | None = None
+_isa: str | None = None
+_variants: dict[str, tuple[object | None, str | None]] = {}  # isa -> (module, failure)
+_load_lock = threading.Lock()
+
+
+class BuildLockTimeout(RuntimeError):
+    """Another process held the build lock for longer than we were willing to wait."""
+
+
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def requested_isa(value: str | None = None) -> str:
+    """The ISA variant `value` (default: QSPEC_CPU_ISA) names; QspecError if none."""
+    value = os.environ.get(ISA_ENV, "") if value is None else value
+    isa = value.strip().lower() or "native"
+    if isa not in ISA_FLAGS:
+        from qspec_core.errors import QspecError
+
+        raise QspecError(f"{ISA_ENV}={value!r}: expected one of {', '.join(ISA_FLAGS)}")
+    return isa
+
+
+def _check_isa_runs_here(isa: str) -> None:
+    if isa == "avx2" and not _X86:
+        from qspec_core.errors import QspecError
+
+        raise QspecError(f"{ISA_ENV}=avx2 needs an x86-64 CPU, not {platform.machine()}")
+    have = cpu_flags()
+    missing = [f for f in ISA_NEEDS.get(isa, ()) if f not in have]
+    if have and missing:  # (no cpuinfo to read: trust the user's choice)
+        from qspec_core.errors import QspecError
+
+        raise QspecError(f"{ISA_ENV}={isa}: this CPU lacks {', '.join(missing)}")
+
+
+def compile_flags(isa: str) -> list[str]:
+    # -fopenmp: at::parallel_for's OpenMP backend lives in headers; without it, serial
+    return ["-O3", *ISA_FLAGS[isa], "-ffast-math", "-fno-finite-math-only", "-fopenmp"]
+
+
+def _tag(isa: str) -> str:
+    """Build per source, per flags and, for `native`, per CPU: -march=native code must not
+    run on another CPU (the other variants run on any CPU that has their ISA)."""
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS))
+    digest.update(" ".join(compile_flags(isa)).encode() + torch.__version__.encode())
+    if isa == "native":
+        digest.update(" ".join(sorted(cpu_flags())).encode() or platform.processor().encode())
+    return digest.hexdigest()[:12]
+
+
+def build_name(isa: str) -> str:
+    return f"qspec_cpu_{isa}_{_tag(isa)}"
+
+
+def build_folder(isa: str | None = None) -> Path:
+    """Where the `isa` variant (default: the requested one) is built."""
+    from qspec_core.paths import qspec_home
+
+    name = build_name(isa or requested_isa())
+    return qspec_home() / "build" / name
+
+
+def _warn(message: str) -> None:
+    warnings.warn(f"qspec: {message}", stacklevel=3)
+
+
+def _try_flock(fd: int) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError as e:
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            return False
+        raise
+
+
+def _holder(fd: int) -> str:
+    """The pid the lock's holder wrote, or '?' (it may not have written it yet)."""
+    text = os.pread(fd, 32, 0).decode(errors="replace").strip()
+    return text if text.isdigit() else "?"
+
+
+@contextlib.contextmanager
+def build_lock(
+    folder: Path, wait_s: float, say: Callable[[str], None] = _warn, poll_s: float = 0.2
+) -> Iterator[None]:
+    """Holds the build folder's inter-process lock; inside, no other qspec process builds
+    there. Waits up to `wait_s` for a holder, telling `say` once, then raises
+    BuildLockTimeout. Removes a torch `lock` left by an interrupted build."""
+    if fcntl is None:
+        yield
+        return
+    fd = os.open(folder / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        if not _try_flock(fd):
+            # Loading a finished build holds the lock for a moment too (torch checks it is
+            # up to date): say nothing for a short wait, then say who is holding it up.
+            start = time.monotonic()
+            deadline, quiet_until, said = start + wait_s, start + min(2.0, wait_s / 2), False
+            while not _try_flock(fd):
+                now = time.monotonic()
+                left = deadline - now
+                if not said and (now >= quiet_until or left <= 0):
+                    said = True
+                    say(
+                        f"waiting for another qspec process to finish building the CPU "
+                        f"kernels (pid {_holder(fd)}; at most {wait_s:g} s, then the PyTorch "
+                        f"paths run)…"
+                    )
+                if left <= 0:
+                    raise BuildLockTimeout(
+                        f"another qspec process (pid {_holder(fd)}) was still building the CPU "
+                        f"kernels after {wait_s:g} s ({folder})"
+                    )
+                time.sleep(min(poll_s, left))
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        # Every qspec build holds our lock while torch's baton exists, so a baton seen now
+        # was left by a build that died: torch would wait on it forever.
+        baton = folder / TORCH_BATON
+        if baton.exists():
+            baton.unlink(missing_ok=True)
+            say(f"removed the lock file of an interrupted CPU kernel build ({baton})")
+        yield
+    finally:
+        os.close(fd)  # releases the flock
+
+
+def _wait_s() -> float:
+    value = os.environ.get(WAIT_ENV, "")
+    if not value.strip():
+        return DEFAULT_WAIT_S
+    try:
+        wait = float(value)
+    except ValueError:
+        wait = -1.0
+    if not wait >= 0:
+        from qspec_core.errors import QspecError
+
+        raise QspecError(f"{WAIT_ENV}={value!r}: expected a number of seconds >= 0")
+    return wait
+
+
+def _build(isa: str) -> tuple[object | None, str | None]:
+    """(module, None), or (None, why) with a warning."""
+    from torch.utils.cpp_extension import load as build
+
+    wait_s = _wait_s()
+    folder = build_folder(isa)
+    name = folder.name
+    failed = None
+    with contextlib.ExitStack() as held:
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            held.enter_context(build_lock(folder, wait_s))
+        except OSError as e:  # QSPEC_HOME is a file, read-only, full, ...
+            failed = f"cannot use the build folder {folder}: {e.strerror or e}"
+        except BuildLockTimeout as e:
+            failed = str(e)
+        else:
+            try:
+                return build(
+                    name=name,
+                    sources=[str(p) for p in SOURCES],
+                    extra_cflags=compile_flags(isa),
+                    extra_ldflags=["-fopenmp"],
+                    build_directory=str(folder),  # (so TORCH_EXTENSIONS_DIR plays no part)
+                    verbose=False,
+                ), None
+            except Exception as e:  # no compiler, no headers: the PyTorch paths still work
+                failed = f"{type(e).__name__}: {e}".splitlines()[0]
+    _warn(f"CPU kernels unavailable ({failed}); using the PyTorch paths")
+    return None, failed
+
+
+def load(isa: str | None = None):
+    """The extension module, or None when it cannot be built here (warned once). Built for
+    `isa`, by default the QSPEC_CPU_ISA of the first call (the variant this process runs);
+    each variant is built and loaded once per process."""
+    global _module, _failed, _isa
+    if isa is None and (_module is not None or _failed is not None):
+        return _module  # (the hot path: callers ask once per layer or linear)
+    with _load_lock:
+        chosen = requested_isa(isa)
+        if chosen not in _variants:
+            _check_isa_runs_here(chosen)
+            _variants[chosen] = _build(chosen)
+        if isa is None:
+            _module, _failed = _variants[chosen]
+            _isa = chosen
+        return _variants[chosen][0]
+
+
+def available() -> bool:
+    if os.environ.get(DISABLE_ENV) == "0":
+        return False
+    return load() is not None
+
+
+def failure() -> str | None:
+    """Why the build failed, if it did."""
+    return _failed
+
+
+def isa() -> str | None:
+    """The ISA variant of the loaded kernels ("native", "avx2", "generic"), None if none is
+    loaded; `compile_flags(isa())` are the flags it was built with."""
+    return _isa if _module is not None else None

@@ -1,0 +1,94 @@
+// The small ops around a decode step's matmuls, one call each instead of five to ten PyTorch
+// ops (a 135M-parameter model runs ~2,000 ops per token; their dispatch cost rivals the
+// arithmetic at decode batch sizes). Each has an eager twin in qspec_core/model.py or
+// qspec_core/quant_linear.py that the tests compare it against.
+//
+//   rms_norm_cpu(x, w, eps)          y = w * (x * rsqrt(mean(x^2) + eps)), rows of x [.., H]
+//   add_rms_norm_cpu(x, h, w, eps)   x += h in place, then rms_norm(x)
+//   rope_cpu(x, cos, sin)            rotate-half RoPE in place on x [B, T, n, D] (stride 1
+//                                    along D), cos/sin [T, D]
+//   int4_linear_cpu(x, pack, sz, G, n)  PyTorch's int4 weight kernel on fp32 x with the bf16
+//                                    casts it needs, in one call
+#include <torch/extension.h>
+
+#include "kernels.h"  // (the declarations these definitions must match)
+#include <ATen/Parallel.h>
+
+#include <cmath>
+
+namespace {
+
+void check_float_rows(const torch::Tensor& x, const char* name) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat && x.is_contiguous(), name,
+              " must be contiguous fp32");
+}
+
+// Sum of squares in double-free fp32, eight lanes (the compiler vectorizes this loop).
+inline void norm_row(const float* __restrict x, const float* __restrict w, float* __restrict y,
+                     int64_t H, float eps) {
+  float ss = 0.f;
+  for (int64_t i = 0; i < H; ++i) ss += x[i] * x[i];
+  const float r = 1.f / std::sqrt(ss / float(H) + eps);
+  for (int64_t i = 0; i < H; ++i) y[i] = w[i] * (x[i] * r);
+}
+
+}  // namespace
+
+torch::Tensor rms_norm_cpu(torch::Tensor x, torch::Tensor w, double eps) {
+  check_float_rows(x, "x");
+  check_float_rows(w, "w");
+  const int64_t H = x.size(-1), M = x.numel() / H;
+  auto y = torch::empty_like(x);
+  const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m) norm_row(xp + m * H, wp, yp + m * H, H, float(eps));
+  return y;
+}
+
+torch::Tensor add_rms_norm_cpu(torch::Tensor x, torch::Tensor h, torch::Tensor w, double eps) {
+  check_float_rows(x, "x");
+  check_float_rows(w, "w");
+  h = h.is_contiguous() ? h : h.contiguous();
+  TORCH_CHECK(h.scalar_type() == torch::kFloat && h.numel() == x.numel(), "h must match x");
+  const int64_t H = x.size(-1), M = x.numel() / H;
+  float* xp = x.data_ptr<float>();
+  const float *hp = h.data_ptr<float>(), *wp = w.data_ptr<float>();
+  auto y = torch::empty_like(x);
+  float* yp = y.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t i = 0; i < H; ++i) xp[m * H + i] += hp[m * H + i];
+    norm_row(xp + m * H, wp, yp + m * H, H, float(eps));
+  }
+  return y;
+}
+
+void rope_cpu(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat && x.dim() == 4 && x.stride(3) == 1,
+              "x must be fp32 [B, T, n, D] with stride 1 along D");
+  check_float_rows(cos, "cos");
+  check_float_rows(sin, "sin");
+  const int64_t B = x.size(0), T = x.size(1), n = x.size(2), D = x.size(3), half = D / 2;
+  float* xp = x.data_ptr<float>();
+  const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t h = 0; h < n; ++h) {
+        float* r = xp + b * x.stride(0) + t * x.stride(1) + h * x.stride(2);
+        const float *c = cp + t * D, *s = sp + t * D;
+        for (int64_t i = 0; i < half; ++i) {  // (x1, x2) -> (x1 c - x2 s, x2 c + x1 s)
+          const float x1 = r[i], x2 = r[half + i];
+          r[i] = x1 * c[i] - x2 * s[i];
+          r[half + i] = x2 * c[half + i] + x1 * s[half + i];
+        }
+      }
+}
+
+torch::Tensor int4_linear_cpu(torch::Tensor x, torch::Tensor pack, torch::Tensor scale_zero,
+                              int64_t group_size, int64_t n_out) {
+  const auto lead = x.sizes().vec();
+  auto x2 = x.reshape({-1, x.size(-1)}).to(torch::kBFloat16);
+  auto y = at::_weight_int4pack_mm_for_cpu(x2, pack, group_size, scale_zero).to(x.scalar_type());
+  auto shape = lead;
+  shape.back() = n_out;
+  return y.view(shape);
+}

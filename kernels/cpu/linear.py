@@ -1,0 +1,117 @@
+"""The few-row linears of a decode or verify step on CPU: `linear.cpp`.
+
+`linear(x, weight, bias)` equals `F.linear` (its twin, which the tests compare it against)
+to rounding; `int8_linear(x, q, scale, bias)` equals dequantize-then-`F.linear`
+(`kernels.triton.w8a16.w8a16_ref`) to rounding. Both serve inputs of at most `MAX_ROWS` rows (a
+draft step's 1, a verify's gamma + 1 <= 17) and are **batch-invariant**: a row's result does
+not depend on how many rows share the call, so a token's target logits inside a verify are
+bit for bit those of the same token decoded alone (what greedy QuantSpec == target-ar rests
+on). Activations of any float dtype are upcast to fp32 exactly; the result is cast back.
+`usable` / `int8_usable` say when they apply, else callers use PyTorch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.cpu import build as cpu_ext
+from kernels.triton.w4a16 import unpack_int4
+
+MAX_ROWS = 17  # gamma + 1 for gamma <= 16 (`kMaxStepRows` in kernels.h)
+INT4_MAX_ROWS = 8  # the draft's W4A8 kernel: draft steps are one token
+FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def rows(x: torch.Tensor) -> int:
+    return x.numel() // x.shape[-1] if x.shape[-1] else 0
+
+
+def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (
+        x.device.type == "cpu"
+        and x.dtype in FLOATS
+        and weight.dtype in FLOATS
+        and weight.device.type == "cpu"
+        and weight.is_contiguous()
+        and 1 <= rows(x) <= MAX_ROWS
+        and cpu_ext.available()
+    )
+
+
+def _module():
+    module = cpu_ext.load()
+    if module is None:
+        raise RuntimeError(f"CPU linear kernel unavailable: {cpu_ext.failure()}")
+    return module
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., K] @ weight[N, K]^T + bias -> [..., N] in x.dtype, at most MAX_ROWS rows."""
+    flat = x.reshape(-1, x.shape[-1]).float()
+    out = _module().linear_rows_cpu(flat, weight, bias)
+    return out.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
+
+
+def int8_weight_ok(weight_int8: torch.Tensor) -> bool:
+    """Whether `int8_linear` takes these weights (CPU, int8 [N, K] contiguous)."""
+    w = weight_int8
+    return w.device.type == "cpu" and w.dtype == torch.int8 and w.is_contiguous()
+
+
+def int8_usable(x: torch.Tensor, weight_int8: torch.Tensor) -> bool:
+    return (
+        x.device.type == "cpu"
+        and x.dtype in FLOATS
+        and int8_weight_ok(weight_int8)
+        and 1 <= rows(x) <= MAX_ROWS
+        and cpu_ext.available()
+    )
+
+
+def int8_linear(x, weight_int8, scale, bias=None) -> torch.Tensor:
+    """x [..., K] through int8 weights [N, K] with an fp32 scale per row (W = q * scale):
+    fp32 accumulation of x q, then scale and bias, in x.dtype, at most MAX_ROWS rows."""
+    flat = x.reshape(-1, x.shape[-1]).float()
+    out = _module().int8_rows_cpu(flat, weight_int8, scale, bias)
+    return out.to(x.dtype).view(*x.shape[:-1], weight_int8.shape[0])
+
+
+# ------------------------------------------------------------------ the draft's 4-bit linear
+CHUNK = 64  # inputs per int8 activation step (and the weight groups' granularity)
+
+
+def int4_usable(x: torch.Tensor, in_features: int, group_size: int) -> bool:
+    return (
+        x.device.type == "cpu"
+        and x.dtype == torch.float32
+        and in_features % CHUNK == 0
+        and group_size % CHUNK == 0
+        and x.numel() <= INT4_MAX_ROWS * in_features
+        and cpu_ext.available()
+    )
+
+
+def int4_linear(x, packed, scale, zero, group_size: int, bias=None) -> torch.Tensor:
+    """x [..., K] (at most INT4_MAX_ROWS rows) through 4-bit weights (packed [N, K/2], scale/zero
+    [N, K/G], w = (q - zero) * scale) with x rounded to int8 per 64 inputs (W4A8)."""
+    flat = x.reshape(-1, x.shape[-1])
+    out = _module().int4_rows_cpu(flat, packed, scale, zero, group_size, bias)
+    return out.view(*x.shape[:-1], packed.shape[0])
+
+
+def quantize_activations(x: torch.Tensor) -> torch.Tensor:
+    """The activations `int4_linear` multiplies: x rounded to int8 per 64 inputs (symmetric,
+    step max|x| / 127, ties to even), returned dequantized, fp32."""
+    chunks = x.float().reshape(*x.shape[:-1], -1, CHUNK)
+    amax = chunks.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    codes = torch.round(chunks * inv)
+    return (codes * (amax / 127.0)).reshape(x.shape)
+
+
+def int4_linear_ref(x, packed, scale, zero, group_size: int, bias=None) -> torch.Tensor:
+    """`int4_linear`'s twin: the same activation rounding, then a dense fp32 matmul."""
+    from qspec_core.quant.int4 import dequantize
+
+    w = dequantize(unpack_int4(packed), scale, zero)
+    return torch.nn.functional.linear(quantize_activations(x), w, bias)

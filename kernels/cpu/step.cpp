@@ -1,0 +1,178 @@
+// A decode-sized forward (at most kMaxStepRows = 17 tokens) through every decoder layer in one C++ call.
+//
+// A 135M-parameter model makes about 25 PyTorch calls per layer in a decode step; from Python
+// each costs 3-15 us on this class of CPU, which adds up to as much as the arithmetic of the
+// step (a draft step at short context spent half its time between kernels). `DecoderStack`
+// holds one path's weights (fp32, or the draft's 4-bit twins) and runs the same kernels in
+// the same order as `Transformer._decode_layers`, so the two give the same bits
+// (`tests/test_cpu_step.py`); the embedding, the final norm and the LM head stay in Python.
+//
+// Shapes: x [B, T, hidden] fp32 contiguous, updated in place (the residual stream); cos/sin
+// [T, D]. Per layer: q/k/v [B, T, n, D] from the projections, RoPE in place, then attention
+// through one of two caches:
+//   run_hier: the hierarchical cache's buffers [L, ...] (see qspec_core/hier_cache.py), the
+//     new K/V written at [lo, lo + T) of the layer's full-precision region, then
+//     hier_attention_cpu over the layer's planes and the region's first n_fp positions;
+//   run_full: a full-precision cache k/v [L, B, n_kv, S, D], the new K/V written at
+//     [start, end), then SDPA over [0, end) with the cache's mask (or is_causal).
+#include <functional>
+#include <vector>
+
+#include "kernels.h"
+
+namespace {
+
+// One linear layer, x [M, K] -> [M, N]: fp32 weight [N, K]; or the W4A8 draft twin (packed
+// [N, K/2], scale/zero [N, K/G]); or the INT8 target twin (int8 [N, K], fp32 scale [N]), run
+// as `Int8Linear` runs a step's rows: `int8_rows_cpu`.
+struct Projection {
+  torch::Tensor weight, packed, scale, zero, int8;
+  c10::optional<torch::Tensor> bias;
+  int64_t group_size = 0;
+
+  torch::Tensor operator()(const torch::Tensor& x) const {
+    if (packed.defined()) return int4_rows_cpu(x, packed, scale, zero, group_size, bias);
+    if (int8.defined()) return int8_rows_cpu(x, int8, scale, bias);
+    return linear_rows_cpu(x, weight, bias);
+  }
+};
+
+struct Layer {
+  torch::Tensor input_norm, post_norm;
+  Projection q, k, v, o, gate, up, down;
+};
+
+// (layer, q [B, H, T, D], k/v [B, n_kv, T, D]) -> attention output [B, H, T, D]
+using Attend = std::function<torch::Tensor(int64_t, const torch::Tensor&, const torch::Tensor&,
+                                           const torch::Tensor&)>;
+
+}  // namespace
+
+class DecoderStack {
+ public:
+  DecoderStack(int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, double eps)
+      : H_(n_heads), n_kv_(n_kv_heads), D_(head_dim), eps_(eps) {}
+
+  // The next projection of the layer being built, in the order q, k, v, o, gate, up, down.
+  void add_linear(torch::Tensor weight, c10::optional<torch::Tensor> bias) {
+    TORCH_CHECK(weight.scalar_type() == torch::kFloat && weight.is_contiguous(),
+                "fp32 contiguous weights only");
+    Projection p;
+    p.weight = weight, p.bias = bias;
+    pending_.push_back(p);
+  }
+
+  void add_int4_linear(torch::Tensor packed, torch::Tensor scale, torch::Tensor zero,
+                       int64_t group_size, c10::optional<torch::Tensor> bias) {
+    Projection p;
+    p.packed = packed, p.scale = scale, p.zero = zero, p.group_size = group_size, p.bias = bias;
+    pending_.push_back(p);
+  }
+
+  void add_int8_linear(torch::Tensor weight_int8, torch::Tensor weight_scale,
+                       c10::optional<torch::Tensor> bias) {
+    TORCH_CHECK(weight_scale.scalar_type() == torch::kFloat, "fp32 INT8 scales only");
+    Projection p;
+    p.int8 = weight_int8, p.scale = weight_scale, p.bias = bias;
+    pending_.push_back(p);
+  }
+
+  // Closes a layer: its two norms and the seven projections added since the last one.
+  void add_layer(torch::Tensor input_norm, torch::Tensor post_norm) {
+    TORCH_CHECK(pending_.size() == 7, "a layer takes 7 projections, got ", pending_.size());
+    layers_.push_back(Layer{input_norm, post_norm, pending_[0], pending_[1], pending_[2],
+                            pending_[3], pending_[4], pending_[5], pending_[6]});
+    pending_.clear();
+  }
+
+  int64_t size() const { return int64_t(layers_.size()); }
+
+  torch::Tensor run_hier(torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
+                         std::vector<torch::Tensor> buffers, int64_t lo, int64_t n_fp,
+                         int64_t n_quant, torch::Tensor n_quant_q, torch::Tensor shift,
+                         torch::Tensor input_pos, bool target, int64_t group_size,
+                         int64_t chunk) {
+    // buffers: k_upper, k_lower, k_scale, k_zero, v_upper, v_lower, v_scale, v_zero, fp_k, fp_v
+    TORCH_CHECK(buffers.size() == 10, "the hierarchical cache's 10 buffers");
+    const auto& fp_k = buffers[8];
+    const auto& fp_v = buffers[9];
+    TORCH_CHECK(fp_k.scalar_type() == torch::kFloat, "fp32 full-precision region only");
+    const int64_t T = x.size(1);
+    return run(x, cos, sin, [&](int64_t l, const torch::Tensor& q, const torch::Tensor& k,
+                                const torch::Tensor& v) {
+      auto fk = fp_k.select(0, l), fv = fp_v.select(0, l);
+      fk.narrow(2, lo, T).copy_(k);
+      fv.narrow(2, lo, T).copy_(v);
+      return hier_attention_cpu(q, buffers[0].select(0, l), buffers[1].select(0, l),
+                                buffers[2].select(0, l), buffers[3].select(0, l),
+                                buffers[4].select(0, l), buffers[5].select(0, l),
+                                buffers[6].select(0, l), buffers[7].select(0, l), n_quant_q,
+                                fk.narrow(2, 0, n_fp), fv.narrow(2, 0, n_fp), n_quant, shift,
+                                input_pos, target, group_size, chunk);
+    });
+  }
+
+  torch::Tensor run_full(torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
+                         torch::Tensor k_cache, torch::Tensor v_cache, int64_t start,
+                         int64_t end, c10::optional<torch::Tensor> mask, bool is_causal) {
+    TORCH_CHECK(k_cache.scalar_type() == torch::kFloat, "fp32 cache only");
+    const bool gqa = H_ != n_kv_;
+    return run(x, cos, sin, [&](int64_t l, const torch::Tensor& q, const torch::Tensor& k,
+                                const torch::Tensor& v) {
+      auto kc = k_cache.select(0, l), vc = v_cache.select(0, l);
+      kc.narrow(2, start, end - start).copy_(k);
+      vc.narrow(2, start, end - start).copy_(v);
+      // the call `kernels.reference.causal_attention` makes
+      return at::scaled_dot_product_attention(q, kc.narrow(2, 0, end), vc.narrow(2, 0, end),
+                                              mask, 0.0, is_causal, c10::nullopt, gqa);
+    });
+  }
+
+ private:
+  torch::Tensor run(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin,
+                    const Attend& attend) {
+    TORCH_CHECK(x.scalar_type() == torch::kFloat && x.is_contiguous() && x.dim() == 3,
+                "x must be contiguous fp32 [B, T, hidden]");
+    TORCH_CHECK(x.size(0) * x.size(1) <= kMaxStepRows, "a decode step: at most ", kMaxStepRows,
+                " tokens");
+    TORCH_CHECK(pending_.empty(), "a layer is half built");
+    const int64_t B = x.size(0), T = x.size(1), M = B * T;
+    auto rows = x.view({M, x.size(2)});  // the residual stream, updated in place
+    for (int64_t l = 0; l < size(); ++l) {
+      const Layer& L = layers_[l];
+      auto h = rms_norm_cpu(rows, L.input_norm, eps_);
+      auto q = L.q(h).view({B, T, H_, D_});
+      auto k = L.k(h).view({B, T, n_kv_, D_});
+      auto v = L.v(h).view({B, T, n_kv_, D_});
+      rope_cpu(q, cos, sin);  // in place, on the projections' fresh outputs
+      rope_cpu(k, cos, sin);
+      auto out = attend(l, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2));
+      h = L.o(out.transpose(1, 2).reshape({M, H_ * D_}));
+      auto y = add_rms_norm_cpu(rows, h, L.post_norm, eps_);  // rows += h
+      auto up = L.up(y);
+      rows.add_(L.down(at::silu(L.gate(y)).mul_(up)));
+    }
+    return x;
+  }
+
+  int64_t H_, n_kv_, D_;
+  double eps_;
+  std::vector<Layer> layers_;
+  std::vector<Projection> pending_;
+};
+
+void bind_decoder_stack(pybind11::module& m) {
+  pybind11::class_<DecoderStack>(m, "DecoderStack",
+                                 "one path's decoder layers, run in one call per forward")
+      .def(pybind11::init<int64_t, int64_t, int64_t, double>())
+      .def("add_linear", &DecoderStack::add_linear)
+      .def("add_int4_linear", &DecoderStack::add_int4_linear)
+      .def("add_int8_linear", &DecoderStack::add_int8_linear)
+      .def("add_layer", &DecoderStack::add_layer)
+      .def("__len__", &DecoderStack::size)
+      // (the forward touches no Python object: other threads may run meanwhile)
+      .def("run_hier", &DecoderStack::run_hier,
+           pybind11::call_guard<pybind11::gil_scoped_release>())
+      .def("run_full", &DecoderStack::run_full,
+           pybind11::call_guard<pybind11::gil_scoped_release>());
+}

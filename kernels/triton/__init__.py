@@ -1,0 +1,1 @@
+"""Triton kernels (GPU, or TRITON_INTERPRET=1 on a CPU)."""

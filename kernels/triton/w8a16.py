@@ -1,0 +1,236 @@
+"""W8A16 matmul: activations in bf16/fp16/fp32 times per-output-channel symmetric INT8 weights.
+
+    y[M, N] = x[M, K] @ W^T + bias,   W[n, k] = q[n, k] * scale[n],  q in -127..127
+
+Layout (what `quantize_int8` returns and `Int8Linear` stores):
+
+- `w_int8` int8 [N, K], row-major, any K and N.
+- `scale` [N] fp32: max |W[n, :]| / 127, so every row uses the full symmetric grid; -128 is
+  never produced, which keeps the grid symmetric around 0 (|q| <= 127 for every entry).
+- `bias` [N] or None.
+
+`w8a16_ref` is the pure-PyTorch twin (dequantize, then matmul in fp32); `w8a16_matmul` is
+the public entry point, which runs the Triton kernel on CUDA tensors (or on CPU under
+`TRITON_INTERPRET=1`) and the twin everywhere else.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.triton.runs import kernel_runs_on
+from kernels.triton.w4a16 import _round_to_bf16_grid
+
+# ---------------------------------------------------------------------------------------------
+# Quantization and the pure-PyTorch twin
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel INT8: weight [N, K] -> (q int8 [N, K], scale fp32 [N]).
+
+    scale[n] = max_k |weight[n, k]| / 127 and q = clamp(round(weight / scale), -127, 127), so
+    |weight - q * scale| <= scale / 2 per row. A row that is all zeros (or whose max is so
+    small that max / 127 underflows) gets scale 1 and q = 0: it dequantizes to exact zeros
+    instead of 0 / 0 = NaN.
+    """
+    if weight.dim() != 2 or not weight.is_floating_point():
+        raise ValueError(f"quantize_int8 wants a float [N, K], got {weight.dtype} {weight.shape}")
+    w = weight.detach().float()  # [N, K]
+    if not bool(torch.isfinite(w).all()):
+        raise ValueError("quantize_int8: weight has inf or NaN entries")
+    scale = w.abs().amax(dim=1) / 127  # [N]
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(w / scale[:, None]).clamp(-127, 127)  # [N, K]
+    return q.to(torch.int8).contiguous(), scale.contiguous()
+
+
+def dequantize_int8(w_int8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """int8 [N, K] and scale [N] -> the fp32 weight [N, K] they represent."""
+    return w_int8.float() * scale.float()[:, None]
+
+
+def _check(x, w_int8, scale, bias) -> tuple[int, int]:
+    """Validate the operands; return (N, K)."""
+    if w_int8.dtype != torch.int8 or w_int8.dim() != 2:
+        raise ValueError(f"w_int8 must be int8 [N, K], got {w_int8.dtype} {tuple(w_int8.shape)}")
+    n, k = w_int8.shape
+    if x.shape[-1] != k:
+        raise ValueError(f"x has K = {x.shape[-1]}, w_int8 holds K = {k}")
+    if tuple(scale.shape) != (n,):
+        raise ValueError(f"scale must be [{n}], got {list(scale.shape)}")
+    if bias is not None and tuple(bias.shape) != (n,):
+        raise ValueError(f"bias must be [{n}], got {list(bias.shape)}")
+    return n, k
+
+
+def w8a16_ref(
+    x: torch.Tensor,
+    w_int8: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Reference W8A16 matmul: x [..., K] -> y [..., N] in x.dtype (dequantize, dot in fp32)."""
+    _check(x, w_int8, scale, bias)
+    y = x.float() @ dequantize_int8(w_int8, scale).T  # [..., N]
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton kernel
+#
+# Design:
+# - Grid (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N)); one program owns a [BLOCK_M, BLOCK_N] tile of y
+#   and walks K in steps of BLOCK_K. tl.dot needs every block dim >= 16, so decode (M = 1) and
+#   verify (M <= 16) run with BLOCK_M = 16 and masked rows: at these M the kernel is bound by
+#   the weight bytes, so the padded rows cost FLOPs, not bandwidth.
+# - The scale is per output channel, so it factors out of the K sum: the loop accumulates
+#   x @ q^T on the raw integers (exact in fp32 up to |q| <= 127) and the program multiplies by
+#   scale[BLOCK_N] once, after the loop (one multiply per output, not per weight).
+# - x and q are both cast to fp32 before tl.dot: bf16 tl.dot is wrong in the interpreter, and
+#   fp32 with input_precision="ieee" keeps the kernel as exact as the fp32 twin on GPUs.
+# - K may be any size: the last K-block is masked (masked x and q load 0 and add nothing);
+#   M and N tails are masked on load and store.
+# - A bf16 result is rounded to nearest-even before the store (`_round_to_bf16_grid`, shared
+#   with the W4A16 kernel): the interpreter's own fp32 -> bf16 cast truncates.
+
+
+@triton.jit
+def _w8a16_kernel(
+    x_ptr,  # [M, K] activations (fp32 / bf16 / fp16)
+    w_ptr,  # [N, K] int8
+    scale_ptr,  # [N]
+    bias_ptr,  # [N]; unused (any valid pointer) when HAS_BIAS is False
+    y_ptr,  # [M, N], x's dtype
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_xk,
+    stride_wn,
+    stride_wk,
+    stride_ym,
+    stride_yn,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    offs_k = tl.arange(0, BLOCK_K)  # [BLOCK_K]
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk  # [BM, BK]
+    w_ptrs = w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :] * stride_wk  # [BN, BK]
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        mask_k = (k0 + offs_k) < K  # [BK]; only the last block has a tail
+        x = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)  # [BM, BK]
+        q = tl.load(w_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0)  # [BN, BK] int8
+        acc = tl.dot(x.to(tl.float32), tl.trans(q.to(tl.float32)), acc, input_precision="ieee")
+        x_ptrs += BLOCK_K * stride_xk
+        w_ptrs += BLOCK_K * stride_wk
+
+    scale = tl.load(scale_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)  # [BN]
+    acc = acc * scale[None, :]  # [BM, BN]
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)  # [BN]
+        acc = acc + bias[None, :]
+    if y_ptr.dtype.element_ty == tl.bfloat16:
+        acc = _round_to_bf16_grid(acc)
+    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn  # [BM, BN]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+# ---------------------------------------------------------------------------------------------
+# Launch config and public wrapper
+
+
+def _launch_config(m: int, n: int, on_cuda: bool) -> dict:
+    """Fixed block sizes per shape class (no autotune: multi-config autotune fails in the
+    interpreter).
+
+    Decode (M = 1) and verify (M <= 16) share BLOCK_M = 16; M <= 32 gets 32 rows, larger M
+    64-row tiles. On CUDA, small M is a GEMV bound by the int8 weight stream, so narrow N
+    tiles (32) and deep K blocks (128 bytes of each weight row per step) give enough programs
+    to fill the SMs; large M is compute-bound and takes 64 x 64 tiles with BLOCK_K = 64 to
+    keep the fp32 operand tiles in registers. The interpreter's cost grows with the number of
+    programs and loop steps, so it gets wide, deep tiles.
+    """
+    block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
+    if not on_cuda:
+        return {"BLOCK_M": block_m, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4}
+    if m <= 32:
+        return {"BLOCK_M": block_m, "BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 4}
+    return {"BLOCK_M": block_m, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4}
+
+
+def _launch(
+    x: torch.Tensor,
+    w_int8: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Run the Triton kernel on x [..., K] -> y [..., N] (no fallback: the caller chose Triton)."""
+    n, k = _check(x, w_int8, scale, bias)
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)  # [M, K]
+    m = x2.shape[0]
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)  # [M, N]
+    if m == 0 or n == 0:
+        return y.reshape(*lead, n)
+    if k == 0:
+        return (y.zero_() if bias is None else y.copy_(bias.expand(m, n))).reshape(*lead, n)
+    config = _launch_config(m, n, x.is_cuda)
+    grid = (triton.cdiv(m, config["BLOCK_M"]), triton.cdiv(n, config["BLOCK_N"]))
+    scale = scale.contiguous()  # [N], read with unit stride
+    bias = None if bias is None else bias.contiguous()
+    _w8a16_kernel[grid](
+        x2,
+        w_int8,
+        scale,
+        scale if bias is None else bias,  # any valid pointer: the kernel skips it
+        y,
+        m,
+        n,
+        k,
+        x2.stride(0),
+        x2.stride(1),
+        w_int8.stride(0),
+        w_int8.stride(1),
+        y.stride(0),
+        y.stride(1),
+        HAS_BIAS=bias is not None,
+        **config,
+    )
+    return y.reshape(*lead, n)
+
+
+def triton_usable(x: torch.Tensor) -> bool:
+    """Whether `w8a16_matmul` runs the Triton kernel for x: on CUDA, or on CPU when the
+    interpreter is on (TRITON_INTERPRET=1 now, and it was on when this module was imported,
+    since triton.jit picks compiled vs interpreted at decoration time)."""
+    return kernel_runs_on(_w8a16_kernel, x)
+
+
+def w8a16_matmul(
+    x: torch.Tensor,
+    w_int8: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """y [..., N] = x [..., K] @ (w_int8 * scale[:, None])^T + bias, in x.dtype.
+
+    Runs the Triton kernel where it can run (`triton_usable`), else the PyTorch twin.
+    """
+    if triton_usable(x):
+        return _launch(x, w_int8, scale, bias)
+    return w8a16_ref(x, w_int8, scale, bias)

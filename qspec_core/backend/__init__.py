@@ -1,0 +1,1 @@
+"""The CPU backend: decode and verify steps in qspec's C++ kernels."""

@@ -1,0 +1,1 @@
+"""Measurements: `qspec bench`, `qspec quality` and their real-text prompts."""

@@ -1,0 +1,436 @@
+"""`qspec bench`: QuantSpec against its baselines and ablations, side by side, in one run.
+
+Every (context, mode) is run `repeats` times, interleaved (A B C A B C ...) so that drift on a
+shared machine hits every mode alike; the report gives medians with min-max, and each mode's
+speedup over `ar` is computed pair-wise within a repeat (same minute, same machine state)
+before taking the median. A context size N means N tokens in the cache at the end: a prompt of
+N - gen tokens (real text, see `corpus.py`) followed by `gen` decoded tokens. Stop tokens are
+ignored so every mode decodes exactly `gen` tokens.
+"""
+
+from __future__ import annotations
+
+import datetime
+import platform
+import resource
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from qspec_core.bench.corpus import bench_prompt
+from qspec_core.errors import QspecError
+from qspec_core.engine.generate import decode, prefill, prefill_hierarchical
+from qspec_core.cache.hierarchical import HierarchicalKVCache
+from qspec_core.cache.full import FullPrecisionCache
+from qspec_core.model.transformer import has_draft, has_int8, set_target_weights, target_weights
+from qspec_core.registry.runtime import Runtime
+from qspec_core.engine.sampling import SamplingParams
+from qspec_core.engine.speculative import SpecStats, speculative_decode
+from qspec_core.timing import StageTimer
+
+
+@dataclass(frozen=True)
+class Mode:
+    """How one bench mode decodes: its cache, and the path(s) its forwards take."""
+
+    name: str
+    cache: str  # "fp" (FullPrecisionCache) or "hier" (HierarchicalKVCache)
+    target_path: str  # the path that decodes (AR) or verifies (speculative)
+    draft_path: str | None  # None: autoregressive
+    about: str
+    weights: str | None = None  # target weights: None follows --target-weights; "int8" forces
+
+    @property
+    def speculative(self) -> bool:
+        return self.draft_path is not None
+
+
+MODES = {
+    m.name: m
+    for m in (
+        Mode("ar", "fp", "fp", None, "autoregressive, full-precision weights and KV (baseline)"),
+        Mode("target-ar", "hier", "target", None, "autoregressive, full weights, INT8 KV"),
+        Mode("quantspec", "hier", "target", "draft", "draft 4-bit weights + INT4 KV; verify INT8"),
+        Mode("draft-w4", "fp", "fp", "draft", "ablation: draft 4-bit weights, full KV"),
+        Mode("draft-kv4", "hier", "target", "draft-kv4", "ablation: draft full weights, INT4 KV"),
+        Mode("ar-w8", "fp", "fp", None, "autoregressive, INT8 weights, full KV", "int8"),
+        Mode(
+            "quantspec-w8verify",
+            "hier",
+            "target",
+            "draft",
+            "quantspec verifying with INT8 weights (Quasar)",
+            "int8",
+        ),
+    )
+}
+DEFAULT_MODES = tuple(MODES)
+SPEC_STAGES = ("draft", "verify", "accept", "rollback", "rotate")
+WARMUP_TOKENS = 8
+
+
+def parse_contexts(text: str) -> list[int]:
+    """'2k,8k,32k' -> [2048, 8192, 32768]; plain numbers are token counts."""
+    sizes = []
+    for part in text.split(","):
+        part = part.strip().lower()
+        if not part:
+            continue
+        scale = 1024 if part.endswith("k") else 1
+        number = part[:-1] if part.endswith("k") else part
+        try:
+            value = float(number) * scale
+        except ValueError:
+            raise QspecError(
+                f"--context: {part!r} is not a size (use numbers with an optional k: 2k,8k)"
+            ) from None
+        if value <= 0 or value != int(value):
+            raise QspecError(f"--context: {part!r} is not a whole positive number of tokens")
+        sizes.append(int(value))
+    if not sizes:
+        raise QspecError("--context needs at least one size, e.g. 2k,8k")
+    return sizes
+
+
+def size_label(context: int) -> str:
+    return f"{context // 1024}k" if context % 1024 == 0 else str(context)
+
+
+def parse_modes(text: str | None) -> tuple[str, ...]:
+    if not text:
+        return DEFAULT_MODES
+    modes = tuple(dict.fromkeys(m.strip() for m in text.split(",") if m.strip()))
+    unknown = [m for m in modes if m not in MODES]
+    if unknown or not modes:
+        raise QspecError(f"--modes: unknown {', '.join(unknown)} (have: {', '.join(MODES)})")
+    return modes
+
+
+@dataclass
+class BenchConfig:
+    contexts: list[int]
+    gen: int = 128
+    modes: tuple[str, ...] = DEFAULT_MODES
+    repeats: int = 3
+    gamma: int | str = 4
+    params: SamplingParams = field(default_factory=SamplingParams)
+    seed: int = 0
+    group_size: int | None = None
+    warmup: bool = True
+    target_weights: str = "full"  # of the modes that do not force theirs
+
+    def weights(self, mode: str) -> str:
+        return MODES[mode].weights or self.target_weights
+
+
+def needs_converted_model(config: BenchConfig) -> bool:
+    """Whether a mode runs the 4-bit draft weights or INT8 weights: only a converted folder
+    has them (a named model's is made once, on first need)."""
+    return any(MODES[m].draft_path == "draft" or config.weights(m) == "int8" for m in config.modes)
+
+
+def check_config(config: BenchConfig, runtime: Runtime) -> None:
+    """Refuse what cannot run, before any work: sizes beyond the model, no draft, no room."""
+    limit = runtime.context_limit
+    too_long = [c for c in config.contexts if c > limit]
+    if too_long:
+        raise QspecError(
+            f"--context {', '.join(map(str, too_long))} is beyond {runtime.name}'s context of "
+            f"{limit} tokens. Use sizes up to {limit} (e.g. --context {limit // 1024}k), or a "
+            "long-context model: --model qwen2.5-coder-0.5b (32k, opt-in download)"
+        )
+    short = [c for c in config.contexts if c - config.gen < 64]
+    if short:
+        raise QspecError(
+            f"--context {short[0]} leaves fewer than 64 prompt tokens before --gen "
+            f"{config.gen} new ones; use a larger context or a smaller --gen"
+        )
+    if config.repeats < 1 or config.gen < 2:
+        raise QspecError("--repeats must be >= 1 and --gen >= 2")
+    needs_int8 = [m for m in config.modes if config.weights(m) == "int8"]
+    if needs_int8 and not has_int8(runtime.model):
+        raise QspecError(
+            f"modes {', '.join(needs_int8)} need INT8 verifier weights and {runtime.name} has "
+            "none: convert it with qspec convert (which writes them), then --model DIR"
+        )
+    needs_draft = [m for m in config.modes if MODES[m].draft_path == "draft"]
+    if needs_draft and not has_draft(runtime.model):
+        raise QspecError(
+            f"modes {', '.join(needs_draft)} need 4-bit draft weights and {runtime.name} has "
+            "none: convert it first (qspec convert MODEL -o DIR, then --model DIR)"
+        )
+
+
+@dataclass
+class Run:
+    """One mode at one context, one repeat."""
+
+    mode: str
+    prompt_tokens: int
+    new_tokens: int
+    prefill_s: float
+    ttft_s: float  # start (cache allocation) to the first token
+    decode_s: float  # first token to the last
+    stages_s: dict[str, float]
+    spec: dict | None
+    kv_bytes_per_token: dict[str, float]
+    kv_cache_bytes: int  # what the cache holds at the end (valid data)
+    peak_memory_bytes: int | None  # CUDA peak for this run; None on CPU (see machine)
+    target_weights: str  # the weights of the target path: its output follows that model
+    tokens: list[int] = field(default_factory=list, repr=False)  # the decoded ids (not in JSON)
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Tokens after the first per second: the steady decoding rate (1 / TPOT)."""
+        return (self.new_tokens - 1) / self.decode_s if self.decode_s > 0 else 0.0
+
+
+def _kv_bytes_per_token(mode: Mode, cache) -> dict[str, float]:
+    """Bytes each path reads per history token, all layers (quantized history / plain KV)."""
+    if isinstance(cache, HierarchicalKVCache):
+        views = {"target": cache.bytes_per_token("target")}
+        if mode.speculative:
+            views["draft"] = cache.bytes_per_token("draft")
+        return views
+    per_token = 2 * cache.k[:, :, :, 0].numel() * cache.k.element_size()
+    return {"target": per_token, "draft": per_token} if mode.speculative else {"ar": per_token}
+
+
+@torch.inference_mode()
+def run_once(
+    runtime: Runtime,
+    mode_name: str,
+    prompt: list[int],
+    gen: int,
+    config: BenchConfig,
+    seed: int,
+) -> Run:
+    """Prefill `prompt` into a fresh cache, then decode exactly `gen` tokens in `mode_name`."""
+    model = runtime.model
+    before = target_weights(model)
+    set_target_weights(model, config.weights(mode_name))
+    try:
+        return _run_once(runtime, mode_name, prompt, gen, config, seed)
+    finally:
+        set_target_weights(model, before)
+
+
+def start_decode(model, mode_name: str, prompt: list[int], gen: int, config, seed, timer):
+    """Prefill `prompt` into a fresh cache of the mode's kind (timed as stage "prefill") and
+    start decoding: returns (cache, the lazy generator of `gen` token ids, the round stats of a
+    speculative mode or None). Nothing is decoded until the generator is iterated."""
+    mode = MODES[mode_name]
+    size = len(prompt) + gen
+    if mode.cache == "fp":
+        cache = FullPrecisionCache(model.config, size, dtype=model.dtype, device=model.device)
+        with timer.stage("prefill"):
+            logits = prefill(model, cache, prompt, 0, "fp")
+    else:
+        cache = HierarchicalKVCache(
+            model.config, size, config.group_size, dtype=model.dtype, device=model.device
+        )
+        with timer.stage("prefill"):
+            logits = prefill_hierarchical(model, cache, prompt)
+    generator = torch.Generator(device=model.device).manual_seed(seed)
+    common = (model, cache, logits, len(prompt), gen, config.params, generator, ())
+    if not mode.speculative:
+        return cache, decode(*common, path=mode.target_path, timer=timer), None
+    stats = SpecStats()
+    tokens = speculative_decode(
+        *common,
+        config.gamma,
+        timer,
+        stats,
+        draft_path=mode.draft_path,
+        target_path=mode.target_path,
+    )
+    return cache, tokens, stats
+
+
+def _run_once(runtime, mode_name, prompt, gen, config, seed) -> Run:
+    mode = MODES[mode_name]
+    model = runtime.model
+    cuda = model.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    timer = StageTimer()
+    start = time.perf_counter()
+    cache, tokens, stats = start_decode(model, mode_name, prompt, gen, config, seed, timer)
+    first = None
+    out = []
+    for token in tokens:
+        if first is None:
+            if cuda:
+                torch.cuda.synchronize()
+            first = time.perf_counter()
+        out.append(int(token))
+    if cuda:
+        torch.cuda.synchronize()
+    end = time.perf_counter()
+    stages = {k: v for k, v in timer.seconds.items() if k != "prefill"}
+    return Run(
+        mode=mode_name,
+        prompt_tokens=len(prompt),
+        new_tokens=len(out),
+        prefill_s=timer.seconds["prefill"],
+        ttft_s=first - start,
+        decode_s=end - first,
+        stages_s=stages,
+        spec=stats.to_dict(config.gamma) if stats is not None else None,
+        kv_bytes_per_token=_kv_bytes_per_token(mode, cache),
+        kv_cache_bytes=sum(cache.nbytes().values()),
+        peak_memory_bytes=torch.cuda.max_memory_allocated() if cuda else None,
+        target_weights=target_weights(model),
+        tokens=out,
+    )
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def summarize_mode(runs: list[Run], ar_runs: list[Run] | None) -> dict:
+    """Medians and ranges over repeats; speedups pair repeat i of this mode with repeat i of ar."""
+    out = {
+        "about": MODES[runs[0].mode].about,
+        "target_weights": runs[0].target_weights,
+        "prompt_tokens": runs[0].prompt_tokens,
+        "new_tokens": runs[0].new_tokens,
+        "prefill_tokens_per_s": spread([r.prefill_tokens_per_s for r in runs]),
+        "ttft_s": spread([r.ttft_s for r in runs]),
+        "decode_tokens_per_s": spread([r.decode_tokens_per_s for r in runs]),
+        "ms_per_token": spread([1000 * r.decode_s / max(1, r.new_tokens - 1) for r in runs]),
+        "kv_bytes_per_token": runs[0].kv_bytes_per_token,
+        "kv_cache_bytes": runs[0].kv_cache_bytes,
+        "peak_memory_bytes": max((r.peak_memory_bytes or 0) for r in runs) or None,
+        "speedup_vs_ar": None,
+    }
+    if ar_runs is not None:
+        out["speedup_vs_ar"] = spread(
+            [
+                r.decode_tokens_per_s / a.decode_tokens_per_s
+                for r, a in zip(runs, ar_runs, strict=True)
+                if a.decode_tokens_per_s > 0
+            ]
+        )
+    stage_names = sorted({k for r in runs for k in r.stages_s}, key=_stage_order)
+    stages = {}
+    for name in stage_names:
+        seconds = [r.stages_s.get(name, 0.0) for r in runs]
+        shares = [r.stages_s.get(name, 0.0) / sum(r.stages_s.values()) for r in runs]
+        stages[name] = {"seconds": statistics.median(seconds), "share": statistics.median(shares)}
+    out["stages"] = stages
+    if runs[0].spec is not None:
+        total = SpecStats()
+        for r in runs:
+            s = r.spec
+            total.add(
+                SpecStats(
+                    s["rounds"], s["drafted"], s["accepted"], s["recovered"], s["bonus"],
+                    s["accepted_hist"] + [0] * (len(total.accepted_hist) - len(s["accepted_hist"])),
+                )
+            )  # fmt: skip
+        out["spec"] = total.to_dict(runs[0].spec["gamma"])
+    out["runs"] = [{k: v for k, v in asdict(r).items() if k != "tokens"} for r in runs]
+    return out
+
+
+def _stage_order(name: str) -> tuple[int, str]:
+    order = ("decode",) + SPEC_STAGES
+    return (order.index(name) if name in order else len(order), name)
+
+
+def machine_info(runtime: Runtime, dtype: str) -> dict:
+    model_name = platform.processor() or platform.machine()
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                model_name = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    device = runtime.model.device
+    return {
+        "cpu": model_name,
+        "threads": torch.get_num_threads(),
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        "device": str(device),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "dtype": dtype,
+        "cpu_bf16_native": _cpu_bf16(),
+    }
+
+
+def _cpu_bf16() -> bool:
+    from qspec_core.registry.runtime import cpu_has_fast_bf16
+
+    return cpu_has_fast_bf16()
+
+
+def run_bench(
+    runtime: Runtime,
+    config: BenchConfig,
+    dtype: str,
+    on_run: Callable[[str], None] | None = None,
+) -> dict:
+    """The whole benchmark; `on_run(label)` is called before each measured run (progress)."""
+    check_config(config, runtime)
+    prompts = {c: bench_prompt(runtime.tokenizer, c - config.gen) for c in config.contexts}
+    if config.warmup:  # first calls pay for lazy setup (kernel packing, allocator growth)
+        small = prompts[min(config.contexts)][: max(64, 2 * (config.group_size or 64))]
+        for mode in config.modes:
+            if on_run:
+                on_run(f"warm-up {mode}")
+            run_once(runtime, mode, small, WARMUP_TOKENS, config, config.seed)
+    contexts = []
+    for context in config.contexts:
+        runs: dict[str, list[Run]] = {m: [] for m in config.modes}
+        for repeat in range(config.repeats):
+            for mode in config.modes:  # interleaved: A B C A B C ...
+                if on_run:
+                    on_run(f"{size_label(context)} {mode} #{repeat + 1}")
+                runs[mode].append(
+                    run_once(runtime, mode, prompts[context], config.gen, config, config.seed)
+                )
+        ar_runs = runs.get("ar")
+        contexts.append(
+            {
+                "context": context,
+                "prompt_tokens": len(prompts[context]),
+                "modes": {m: summarize_mode(runs[m], ar_runs) for m in config.modes},
+            }
+        )
+    import qspec_core
+
+    return {
+        "qspec_version": qspec_core.__version__,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "model": runtime.name,
+        "context_limit": runtime.context_limit,
+        "machine": machine_info(runtime, dtype)
+        | {"peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024},
+        "config": {
+            "contexts": config.contexts,
+            "gen": config.gen,
+            "modes": list(config.modes),
+            "repeats": config.repeats,
+            "gamma": config.gamma,
+            "temperature": config.params.temperature,
+            "top_p": config.params.top_p,
+            "top_k": config.params.top_k,
+            "seed": config.seed,
+            "group_size": config.group_size or runtime.model.config.head_dim,
+            "target_weights": config.target_weights,
+            "interleaved": True,
+        },
+        "contexts": contexts,
+    }

@@ -1,0 +1,507 @@
+"""The hierarchical INT4/INT8 KV cache with a double full-precision buffer (QuantSpec).
+
+One cache serves both paths. Per layer it holds
+  - the quantized history, positions [0, n_quant): packed upper and lower nibble planes with
+    K per-channel metadata (one scale/zero per channel per G tokens) and V per-token metadata
+    (one scale/zero per token per G channels), see `kv_quant.py`;
+  - the full-precision region, positions [n_quant, n_quant + fp_len), capacity 2G: F1 (the
+    oldest G, confirmed, waiting to fill a whole K group) and F2 (recent and unverified).
+The draft path reads the upper plane, the target path both (INT8); both read the same F1/F2.
+
+Rollback is `truncate`, which only shortens the full-precision region. `commit(n)` marks
+positions < n as confirmed by the target; only confirmed KV is ever quantized, and the cache
+enforces it: a write that needs room rotates F1 into the planes (one whole K group, about once
+per G confirmed tokens) and raises `CommitInvariantError` if F1 holds unconfirmed tokens.
+
+A token at position p always sees history quantized up to max(0, (p // G - 1) * G) and the
+rest in full precision, however the tokens were fed (`_boundary`): AR decoding, G-aligned
+chunked prefill and speculative rounds with rejections give identical KV, which is what makes
+greedy QuantSpec token-for-token equal to autoregressive decoding on the target path. F1 is
+rotated into the planes lazily, once the committed length shows that no future query needs
+it in full precision; queries past that point before the rotation (draft steps, the later
+tokens of a verify) see F1 quantized on the fly. The full-precision buffer therefore holds
+2G tokens plus up to G of slack for a round's unverified tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+
+from kernels.triton.kv_pack import quantize_keys_triton, quantize_values_triton
+from kernels.reference import hierarchical_attention
+from qspec_core.config import ModelConfig
+from kernels.planes import (
+    QuantizedGroupTensor,
+    dequantize_keys,
+    dequantize_values,
+    kv_bytes_per_token,
+    quantize_keys,
+    quantize_values,
+)
+
+VIEWS = {"target": "target", "draft": "draft", "draft-kv4": "draft"}  # path -> KV view
+
+
+class CommitInvariantError(RuntimeError):
+    """Quantizing would take in KV that the target path has not confirmed."""
+
+
+@dataclass(frozen=True)
+class CacheCheckpoint:
+    """`HierarchicalKVCache.checkpoint()`: lengths and the full-precision region
+    fp_k/fp_v [L, B, n_kv, fp_len, D] at that point."""
+
+    n_quant: int
+    fp_len: int
+    fp_k: torch.Tensor
+    fp_v: torch.Tensor
+
+
+class HierarchicalKVCache(torch.nn.Module):
+    def __init__(
+        self,
+        config: ModelConfig,
+        max_seq_len: int,
+        group_size: int | None = None,
+        batch_size: int = 1,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        chunk_size: int | None = None,
+    ):
+        super().__init__()
+        D = config.head_dim
+        G = group_size or D
+        if D % 2 or D % G:
+            raise ValueError(f"group size {G} must divide head_dim {D} (an even number)")
+        self.group_size = G
+        self.chunk_size = chunk_size or 8 * G  # flash-decoding chunk of quantized history
+        if self.chunk_size % G:
+            raise ValueError("chunk_size must be a multiple of the group size")
+        self.max_seq_len = max_seq_len
+        L, B, n_kv = config.num_hidden_layers, batch_size, config.num_key_value_heads
+        S = -(-max_seq_len // G) * G  # quantized capacity, whole groups
+        planes = (L, B, n_kv, S, D // 2)  # [L, B, n_kv, S, D/2] uint8, two nibbles per byte
+
+        def buf(name, shape, dt):
+            self.register_buffer(name, torch.zeros(shape, dtype=dt, device=device), False)
+
+        for name in ("k_upper", "k_lower", "v_upper", "v_lower"):
+            buf(name, planes, torch.uint8)
+        buf("k_scale", (L, B, n_kv, S // G, D), torch.float32)  # K: per channel per G tokens
+        buf("k_zero", (L, B, n_kv, S // G, D), torch.float32)
+        buf("v_scale", (L, B, n_kv, S, D // G), torch.float32)  # V: per token per G channels
+        buf("v_zero", (L, B, n_kv, S, D // G), torch.float32)
+        # [F1 | F2] plus G of slack, so that a verify forward crossing a group boundary never
+        # forces a rotation in the middle of its tokens (see `_boundary`).
+        buf("fp_k", (L, B, n_kv, 3 * G, D), dtype)
+        buf("fp_v", (L, B, n_kv, 3 * G, D), dtype)
+        # Per-layer lengths: equal between forwards; a forward interrupted half-way leaves
+        # the early layers ahead, which stays correct (each layer's data is self-consistent).
+        self.n_quant = [0] * L
+        self.fp_len = [0] * L
+        self.committed = 0
+        self.rotate_seconds = 0.0  # time spent quantizing F1 (for the stage breakdown)
+        self._staged = [-1] * L  # per layer: n_quant whose F1 sits quantized in the next slot
+        self.fused = None  # None: the fused kernel when one runs here; False: the reference
+        # Per-forward memo: every layer of a forward gets the same input_pos tensor, so its
+        # host read and the per-query index tensors are made once, not once per layer.
+        self._pos_memo: tuple | None = None
+        self._rows_memo: tuple | None = None
+        self._cpu_kernel = None
+
+    # ------------------------------------------------------------------ lengths and protocol
+    @property
+    def seq_len(self) -> int:
+        return self.n_quant[-1] + self.fp_len[-1]
+
+    @property
+    def quantized_len(self) -> int:
+        return min(self.n_quant)
+
+    def commit(self, length: int) -> None:
+        """Positions < length are confirmed by the target path (may now be quantized)."""
+        if length > self.seq_len:
+            raise ValueError(f"cannot commit {length} positions of a cache of {self.seq_len}")
+        self.committed = max(self.committed, length)
+
+    def truncate(self, length: int) -> None:
+        """Roll back to `length` positions; only the full-precision region can shrink."""
+        if length > self.seq_len:
+            raise ValueError(f"cannot truncate a cache of length {self.seq_len} to {length}")
+        if length < max(self.n_quant):
+            raise ValueError(
+                f"cannot roll back to {length}: positions < {max(self.n_quant)} are quantized"
+            )
+        for layer in range(len(self.fp_len)):
+            self.fp_len[layer] = length - self.n_quant[layer]
+        self.committed = min(self.committed, length)
+
+    def reset(self) -> None:
+        self.n_quant = [0] * len(self.n_quant)
+        self.fp_len = [0] * len(self.fp_len)
+        self.committed = 0
+        self._staged = [-1] * len(self._staged)
+
+    def checkpoint(self) -> CacheCheckpoint:
+        """A way back to this state (layers in step, all committed), e.g. the end of a
+        document that later answers push into the quantized planes. Planes below n_quant are
+        never rewritten, so only the lengths and the full-precision region (at most 3G
+        tokens) are kept."""
+        meta = self.meta()
+        if meta["committed"] != meta["n_quant"] + meta["fp_len"]:
+            raise ValueError("a checkpoint needs every position committed")
+        n_fp = meta["fp_len"]
+        return CacheCheckpoint(
+            meta["n_quant"],
+            n_fp,
+            self.fp_k[:, :, :, :n_fp].clone(),
+            self.fp_v[:, :, :, :n_fp].clone(),
+        )
+
+    def restore(self, point: CacheCheckpoint) -> None:
+        """Return to `point`'s state exactly; whatever came after it is dropped."""
+        n_fp = point.fp_len
+        self.fp_k[:, :, :, :n_fp] = point.fp_k
+        self.fp_v[:, :, :, :n_fp] = point.fp_v
+        self.n_quant = [point.n_quant] * len(self.n_quant)
+        self.fp_len = [n_fp] * len(self.fp_len)
+        self.committed = point.n_quant + n_fp
+        self._staged = [-1] * len(self._staged)  # the next slot holds later data now
+
+    # ------------------------------------------------------------------ writes
+    def _rotate(self, layer: int) -> None:
+        """Quantize F1 (G confirmed tokens, one whole K group) and slide F2 down into F1."""
+        t0 = time.perf_counter()
+        G, nq = self.group_size, self.n_quant[layer]
+        if nq + G > self.committed:
+            raise CommitInvariantError(
+                f"rotation would quantize positions {nq}..{nq + G - 1}, but only positions "
+                f"< {self.committed} are confirmed by the target path"
+            )
+        if self._staged[layer] != nq:  # (a fused attention may have quantized F1 already)
+            self._stage_f1(layer)
+        rest = self.fp_len[layer] - G
+        for fp in (self.fp_k, self.fp_v):
+            fp[layer, :, :, :rest] = fp[layer, :, :, G : G + rest].clone()
+        self.n_quant[layer] = nq + G
+        self.fp_len[layer] = rest
+        self._staged[layer] = -1
+        self.rotate_seconds += time.perf_counter() - t0
+
+    def _boundary(self, positions: torch.Tensor) -> torch.Tensor:
+        """Where quantized history ends for a token at each position: max(0, (p // G - 1) G).
+
+        A function of the position alone, so every way of feeding the same tokens (one by one,
+        G-aligned chunks, draft steps then a verify that crosses a group boundary) gives every
+        token exactly the same KV view. At least G and fewer than 2G recent tokens stay full
+        precision for each query.
+        """
+        G = self.group_size
+        return ((positions // G - 1) * G).clamp(min=0)
+
+    def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int, end: int) -> None:
+        lo, hi = self._claim(layer, start, end)
+        self.fp_k[layer, :, :, lo:hi] = k
+        self.fp_v[layer, :, :, lo:hi] = v
+
+    def _claim(self, layer: int, start: int, end: int) -> tuple[int, int]:
+        """Make room for positions [start, end) in a layer's full-precision region (rotating
+        if due) and count them in; returns where they go in it, [lo, hi)."""
+        G = self.group_size
+        if start < self.n_quant[layer]:
+            raise ValueError(
+                f"cannot write position {start}: positions < {self.n_quant[layer]} are quantized"
+            )
+        if start > self.n_quant[layer] + self.fp_len[layer]:
+            raise ValueError(
+                f"write at {start} leaves a gap after {self.n_quant[layer] + self.fp_len[layer]}"
+            )
+        if end > self.max_seq_len:
+            raise ValueError(f"position {end - 1} is beyond the cache ({self.max_seq_len})")
+        if start < self.n_quant[layer] + G:
+            self._staged[layer] = -1  # F1 is being rewritten: its staged quantization is stale
+        self.fp_len[layer] = start - self.n_quant[layer]  # a write below the end rolls back
+        # Rotate (lazily) once no future query needs F1 in full precision. Queries come from
+        # positions >= the committed length (everything later may still be rewritten), so
+        # the committed length decides, never a draft position: then every query sees at
+        # least as much history quantized as is stored, and `attend` quantizes F1 on the
+        # fly for those that see more. Only committed KV can be rotated, by construction.
+        while max(0, (self.committed // G - 1) * G) >= self.n_quant[layer] + G:  # _boundary
+            self._rotate(layer)
+        lo, hi = start - self.n_quant[layer], end - self.n_quant[layer]
+        if hi > 3 * G:
+            raise ValueError(
+                f"a forward of {end - start} tokens does not fit the "
+                f"full-precision buffer; feed at most G = {G} tokens at a time"
+            )
+        self.fp_len[layer] = hi
+        return lo, hi
+
+    def cpu_step(self, input_pos: torch.Tensor, path: str, n_tokens: int):
+        """For a decode-sized forward on CPU: does every layer's bookkeeping of `attend` now
+        and returns `run(stack, x, cos, sin)`, which runs all layers in one C++ call
+        (`qspec_core/cpu_step.py`); None when this forward must go layer by layer (layers
+        out of step, no fused kernel, a forward longer than G, a bad path: `attend` raises)."""
+        view = VIEWS.get(path)
+        L, G = len(self.n_quant), self.group_size
+        if (
+            view is None
+            or n_tokens > G  # (then a late query could need an F1 this forward rewrites)
+            or self.fp_k.dtype != torch.float32
+            or self.fp_k.device.type != "cpu"
+            or self.n_quant.count(self.n_quant[0]) != L
+            or self.fp_len.count(self.fp_len[0]) != L
+            or self._kernel(self.fp_k) is None
+        ):
+            return None
+        start, end = self._span(input_pos)
+        for layer in range(L):
+            lo, hi = self._claim(layer, start, end)
+        nq = self.n_quant[0]
+        any_late, n_quant_q, shift = self._query_rows(start, end, nq)
+        if any_late:  # late queries read F1 quantized from the planes' next slot
+            for layer in range(L):
+                if self._staged[layer] != nq:
+                    self._stage_f1(layer)
+        buffers = [
+            self.k_upper,
+            self.k_lower,
+            self.k_scale,
+            self.k_zero,
+            self.v_upper,
+            self.v_lower,
+            self.v_scale,
+            self.v_zero,
+            self.fp_k,
+            self.fp_v,
+        ]
+        target, chunk = view == "target", self.chunk_size
+
+        def run(stack, x, cos, sin):
+            return stack.run_hier(
+                x, cos, sin, buffers, lo, hi, nq, n_quant_q, shift, input_pos, target, G, chunk
+            )
+
+        return run
+
+    def attend(self, layer, q, k, v, input_pos, path):
+        """Store k/v [B, n_kv, T, D] at input_pos [T] in F2; attend q in the path's view."""
+        view = VIEWS.get(path)
+        if view is None:
+            raise ValueError(f"the hierarchical cache serves 'target' and 'draft', not {path!r}")
+        start, end = self._span(input_pos)
+        self._write(layer, k, v, start, end)
+        nq, n_fp, G = self.n_quant[layer], self.fp_len[layer], self.group_size
+        fp_k, fp_v = self.fp_k[layer, :, :, :n_fp], self.fp_v[layer, :, :, :n_fp]
+        kernel = self._kernel(q)
+        if kernel is not None:
+            # Late queries read F1 quantized from the planes' next slot, staged there once (the
+            # rotation later writes the very same values), and skip it in the fp region.
+            any_late, n_quant_q, shift = self._query_rows(start, end, nq)
+            if any_late and self._staged[layer] != nq:
+                self._stage_f1(layer)
+            return kernel(
+                q,
+                self.k_upper[layer],
+                self.k_lower[layer],
+                self.k_scale[layer],
+                self.k_zero[layer],
+                self.v_upper[layer],
+                self.v_lower[layer],
+                self.v_scale[layer],
+                self.v_zero[layer],
+                n_quant_q,
+                fp_k,
+                fp_v,
+                nq,
+                shift,
+                input_pos,
+                view,
+                G,
+            )
+        late = self._boundary(input_pos) > nq  # queries that already see F1 as history
+        hidden = extra = None
+        if bool(late.any()):
+            # F1 is confirmed and whole; those queries see it quantized, as they would have
+            # if it had been rotated already (quantization is deterministic).
+            kq = quantize_keys(fp_k[:, :, :G], G)
+            vq = quantize_values(fp_v[:, :, :G], G)
+            extra = (
+                dequantize_keys(kq, G, view),
+                dequantize_values(vq, G, view),
+                late[:, None].expand(-1, G),
+            )
+            hidden = torch.zeros(len(input_pos), n_fp, dtype=torch.bool, device=q.device)
+            hidden[:, :G] = late[:, None]
+        return hierarchical_attention(
+            q,
+            lambda s, e: self.dequantize(layer, s, e, view),
+            nq,
+            fp_k,
+            fp_v,
+            input_pos,
+            self.chunk_size,
+            fp_hidden=hidden,
+            extra=extra,
+        )
+
+    def _span(self, input_pos: torch.Tensor) -> tuple[int, int]:
+        """(first position, last + 1) of input_pos, read from it once per forward."""
+        memo = self._pos_memo
+        if memo is None or memo[0] is not input_pos:
+            first, last = input_pos[[0, -1]].tolist()
+            memo = self._pos_memo = (input_pos, (first, last + 1))  # (holds the tensor alive)
+        return memo[1]
+
+    def _query_rows(self, start: int, end: int, nq: int):
+        """For queries at positions [start, end) over a layer with nq quantized positions:
+        (any late query, n_quant per query [T], shift per query [T]); late queries see F1 as
+        history (`_boundary(p) > nq`), which the kernel reads from the planes' next slot."""
+        key = (start, end, nq)
+        if self._rows_memo is None or self._rows_memo[0] != key:
+            G = self.group_size
+            late = [max(0, (p // G - 1) * G) > nq for p in range(start, end)]  # _boundary
+            shift = torch.tensor([G if x else 0 for x in late], dtype=torch.int64)
+            self._rows_memo = (key, (any(late), nq + shift, shift))
+        return self._rows_memo[1]
+
+    def _kernel(self, q: torch.Tensor):
+        """The fused attention for q's device, or None for the PyTorch reference below."""
+        if self.fused is False:
+            return None
+        if q.device.type == "cpu":
+            if self._cpu_kernel is not None:
+                return self._cpu_kernel
+            from kernels.cpu import attention as cpu_attention
+
+            if cpu_attention.available():
+                self._cpu_kernel = partial(
+                    cpu_attention.hier_attention_cpu, chunk_size=self.chunk_size
+                )
+                return self._cpu_kernel
+        else:
+            from kernels.triton import hier_attention
+
+            if hier_attention.triton_usable(q):
+                return hier_attention.hier_attention
+        return None
+
+    def _stage_f1(self, layer: int) -> None:
+        """Quantize F1 (confirmed, one whole K group) into the planes at [nq, nq + G)."""
+        G, nq = self.group_size, self.n_quant[layer]
+        if nq + G > self.k_upper.shape[3]:
+            raise ValueError(f"the cache holds at most {self.max_seq_len} positions")
+        k = quantize_keys_triton(self.fp_k[layer, :, :, :G], G)  # planes [B, n_kv, G, D/2]
+        v = quantize_values_triton(self.fp_v[layer, :, :, :G], G)  # (torch off CUDA)
+        self.k_upper[layer, :, :, nq : nq + G] = k.upper
+        self.k_lower[layer, :, :, nq : nq + G] = k.lower
+        self.k_scale[layer, :, :, nq // G] = k.scale[:, :, 0]
+        self.k_zero[layer, :, :, nq // G] = k.zero[:, :, 0]
+        self.v_upper[layer, :, :, nq : nq + G] = v.upper
+        self.v_lower[layer, :, :, nq : nq + G] = v.lower
+        self.v_scale[layer, :, :, nq : nq + G] = v.scale
+        self.v_zero[layer, :, :, nq : nq + G] = v.zero
+        self._staged[layer] = nq
+
+    def dequantize(self, layer: int, start: int, end: int, view: str):
+        """History positions [start, end) (multiples of G) of one layer as fp32 (k, v)."""
+        G = self.group_size
+        k = QuantizedGroupTensor(
+            self.k_upper[layer, :, :, start:end],
+            self.k_lower[layer, :, :, start:end],
+            self.k_scale[layer, :, :, start // G : end // G],
+            self.k_zero[layer, :, :, start // G : end // G],
+        )
+        v = QuantizedGroupTensor(
+            self.v_upper[layer, :, :, start:end],
+            self.v_lower[layer, :, :, start:end],
+            self.v_scale[layer, :, :, start:end],
+            self.v_zero[layer, :, :, start:end],
+        )
+        return dequantize_keys(k, G, view), dequantize_values(v, G, view)
+
+    def load_full_precision(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Bulk load after a full-precision prefill: k/v [L, B, n_kv, T, D], all confirmed.
+
+        Quantizes all but the last G..2G tokens (all of them stay full precision if T < 2G).
+        """
+        T, G = k.shape[3], self.group_size
+        if T > self.max_seq_len:
+            raise ValueError(f"{T} positions exceed the cache ({self.max_seq_len})")
+        nq = max(0, (T // G - 1) * G)
+        for layer in range(k.shape[0]):
+            kq = quantize_keys(k[layer, :, :, :nq], G)
+            vq = quantize_values(v[layer, :, :, :nq], G)
+            self.k_upper[layer, :, :, :nq], self.k_lower[layer, :, :, :nq] = kq.upper, kq.lower
+            self.k_scale[layer, :, :, : nq // G], self.k_zero[layer, :, :, : nq // G] = (
+                kq.scale,
+                kq.zero,
+            )
+            self.v_upper[layer, :, :, :nq], self.v_lower[layer, :, :, :nq] = vq.upper, vq.lower
+            self.v_scale[layer, :, :, :nq], self.v_zero[layer, :, :, :nq] = vq.scale, vq.zero
+            self.fp_k[layer, :, :, : T - nq] = k[layer, :, :, nq:]
+            self.fp_v[layer, :, :, : T - nq] = v[layer, :, :, nq:]
+            self.n_quant[layer], self.fp_len[layer] = nq, T - nq
+        self.committed = T
+        self._staged = [-1] * len(self._staged)
+
+    # ------------------------------------------------------------------ accounting, snapshots
+    def nbytes(self) -> dict[str, int]:
+        """Bytes of the valid data: packed planes, scales/zeros, full-precision region."""
+        G, nq, n_fp = self.group_size, self.quantized_len, self.fp_len[-1]
+        per_tok_plane = self.k_upper[:, :, :, 0].numel()  # L * B * n_kv * D/2 bytes
+        payload = 4 * per_tok_plane * nq  # K and V, upper and lower
+        k_meta = 2 * self.k_scale[:, :, :, 0].numel() * 4 * (nq // G)
+        v_meta = 2 * self.v_scale[:, :, :, 0].numel() * 4 * nq
+        fp = 2 * self.fp_k[:, :, :, 0].numel() * self.fp_k.element_size() * n_fp
+        return {"payload": payload, "scales": k_meta + v_meta, "full_precision": fp}
+
+    def bytes_per_token(self, view: str) -> float:
+        """Bytes a `view` reads per quantized-history token over all layers and KV heads."""
+        L, B, n_kv = self.k_upper.shape[:3]
+        D = 2 * self.k_upper.shape[4]
+        per_head = kv_bytes_per_token(D, view, self.group_size, self.group_size).total
+        return per_head * L * B * n_kv
+
+    def meta(self) -> dict:
+        if len(set(self.n_quant)) != 1 or len(set(self.fp_len)) != 1:
+            raise RuntimeError("layers are out of step (an interrupted forward); truncate first")
+        return {
+            "group_size": self.group_size,
+            "n_quant": self.n_quant[0],
+            "fp_len": self.fp_len[0],
+            "committed": self.committed,
+            "max_seq_len": self.max_seq_len,
+            "fp_dtype": str(self.fp_k.dtype).removeprefix("torch."),
+        }
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """The valid part of every buffer (what a snapshot stores)."""
+        meta = self.meta()
+        G, nq, n_fp = self.group_size, meta["n_quant"], meta["fp_len"]
+        out = {
+            name: getattr(self, name)[:, :, :, :nq]
+            for name in ("k_upper", "k_lower", "v_upper", "v_lower", "v_scale", "v_zero")
+        }
+        out["k_scale"] = self.k_scale[:, :, :, : nq // G]
+        out["k_zero"] = self.k_zero[:, :, :, : nq // G]
+        out["fp_k"] = self.fp_k[:, :, :, :n_fp]
+        out["fp_v"] = self.fp_v[:, :, :, :n_fp]
+        return {k: t.contiguous() for k, t in out.items()}
+
+    def load_state(self, state: dict[str, torch.Tensor], meta: dict) -> None:
+        if meta["group_size"] != self.group_size:
+            raise ValueError(f"state has group size {meta['group_size']}, cache {self.group_size}")
+        nq, n_fp = meta["n_quant"], meta["fp_len"]
+        if nq + n_fp > self.max_seq_len:
+            raise ValueError(f"state holds {nq + n_fp} positions, cache {self.max_seq_len}")
+        for name, tensor in state.items():
+            getattr(self, name)[:, :, :, : tensor.shape[3]] = tensor
+        self.n_quant = [nq] * len(self.n_quant)
+        self.fp_len = [n_fp] * len(self.fp_len)
+        self.committed = meta["committed"]
+        self._staged = [-1] * len(self._staged)

@@ -1,0 +1,1 @@
+"""Making and reading converted model folders; GPTQ/AWQ checkpoint import and export."""

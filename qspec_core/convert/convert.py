@@ -1,0 +1,531 @@
+"""`qspec convert`: a model folder with full-precision target weights and 4-bit draft weights.
+
+Output folder (accepted by `--model` everywhere):
+    config.json, tokenizer files          copied from the source
+    model*.safetensors (+ index)          the target weights (hard links when possible)
+    draft.safetensors                     "<linear>.draft.{packed,scale,zero[,bias,perm]}"
+                                          and the INT8 verifier's weights (Quasar),
+                                          "<linear>.int8.{weight_int8,weight_scale[,bias]}"
+    qspec_draft.json                      method, bits, group size, symmetric, modules,
+                                          calibration source, source-weight hashes, report;
+                                          "target_int8": the INT8 weights' scheme and modules
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+import qspec_core
+from qspec_core.quant.awq import ActivationCollector, awq_quantize
+from qspec_core.errors import QspecError
+from qspec_core.engine.generate import forward_logits
+from qspec_core.quant.gptq import HessianCollector, gptq_quantize, gptq_quantize_int8
+from qspec_core.quant.int8 import Int8Linear
+from qspec_core.cache.full import FullPrecisionCache
+from qspec_core.model.transformer import Transformer, attach_draft, attach_int8, linear_layers
+from qspec_core.registry.sources import sha256_file
+from qspec_core.quant.int4 import Int4Linear, rtn_quantize
+from qspec_core.model.checkpoint import checkpoint_files
+
+DRAFT_META = "qspec_draft.json"
+DRAFT_WEIGHTS = "draft.safetensors"
+FORMAT_VERSION = 1
+METHODS = ("rtn", "gptq", "awq")
+COPIED = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "special_tokens_map.json",
+    "qspec_source.json",
+)
+
+
+@dataclass
+class DraftReport:
+    """What the conversion cost: weight error per layer, draft vs target on calibration."""
+
+    rel_weight_error: dict[str, float] = field(default_factory=dict)
+    top1_agreement: float = 0.0  # draft weights vs target weights, full-precision KV
+    kl: float = 0.0  # mean KL(p_target || p_draft) per position, nats
+    tokens: int = 0
+
+
+def default_group_size(model: Transformer) -> int:
+    """128 (the common choice) when every in_features allows it, else 64.
+
+    Never 32 by default: the default model's weights already lie on a 4-bit group-32 grid,
+    where an asymmetric group-32 draft would equal the target exactly.
+    """
+    sizes = [m.in_features for m in linear_layers(model).values()]
+    return 128 if all(k % 128 == 0 for k in sizes) else 64
+
+
+def _forward_logits(model: Transformer, ids: list[int], path: str) -> torch.Tensor:
+    """All-position logits [T, V] with full-precision KV (weights per `path`)."""
+    cache = FullPrecisionCache(model.config, len(ids), dtype=model.dtype, device=model.device)
+    return forward_logits(model, cache, ids, path, 512)
+
+
+def draft_agreement(model: Transformer, ids: list[int]) -> tuple[float, float]:
+    """Top-1 agreement and mean KL of the draft weights vs the target weights (fp KV)."""
+    target = torch.log_softmax(_forward_logits(model, ids, "fp"), -1)
+    draft = torch.log_softmax(_forward_logits(model, ids, "draft"), -1)
+    top1 = float((target.argmax(-1) == draft.argmax(-1)).float().mean())
+    kl = float((target.exp() * (target - draft)).sum(-1).mean())
+    return top1, kl
+
+
+def import_draft(model: Transformer, checkpoint: Path) -> tuple[dict[str, Int4Linear], dict]:
+    """4-bit twins from an existing GPTQ or AWQ checkpoint of the same model."""
+    from qspec_core.convert.formats import read_quantized_checkpoint
+
+    info, weights, other = read_quantized_checkpoint(checkpoint)
+    layers = linear_layers(model)
+    for name, w in weights.items():
+        if name not in layers:
+            raise QspecError(f"{checkpoint}: quantized module {name} is not in the target model")
+        target = layers[name]
+        if w.shape != (target.out_features, target.in_features):
+            raise QspecError(
+                f"{checkpoint}: {name} is {list(w.shape)}, the target's is "
+                f"{[target.out_features, target.in_features]}"
+            )
+    drafts = {}
+    for name, w in weights.items():
+        bias = other.get(f"{name}.bias")
+        try:
+            drafts[name] = Int4Linear.from_int4_weight(w, None if bias is None else bias.float())
+        except ValueError as e:
+            raise QspecError(f"{checkpoint}: {name}: {e}") from None
+    if info.method == "awq":
+        drafts = unfold_awq_scales(model, drafts, other, checkpoint)
+    else:
+        _check_same_norms(model, other, checkpoint)
+    meta = {
+        "method": f"import-{info.method}",
+        "group_size": info.group_size,
+        "sym": info.sym,
+        "desc_act": info.desc_act,
+        "checkpoint_format": info.checkpoint_format,
+        "import_source": str(checkpoint),
+    }
+    return drafts, meta
+
+
+def _norm_pairs(model: Transformer) -> list[tuple[str, list[str]]]:
+    """(norm, linears reading its output) per decoder layer, as AWQ scales them."""
+    pairs = []
+    for i in range(model.config.num_hidden_layers):
+        p = f"layers.{i}."
+        pairs.append(
+            (
+                p + "input_layernorm.weight",
+                [p + "self_attn.q_proj", p + "self_attn.k_proj", p + "self_attn.v_proj"],
+            )
+        )
+        pairs.append(
+            (p + "post_attention_layernorm.weight", [p + "mlp.gate_proj", p + "mlp.up_proj"])
+        )
+    return pairs
+
+
+def _check_same_norms(model: Transformer, other: dict, checkpoint: Path) -> None:
+    params = dict(model.named_parameters())
+    for norm, _ in _norm_pairs(model):
+        if norm in other and not torch.allclose(
+            other[norm].float(), params[norm].float(), rtol=1e-2, atol=1e-3
+        ):
+            raise QspecError(
+                f"{checkpoint}: {norm} differs from the target model's: the "
+                "checkpoint is of another model (or another fine-tune)"
+            )
+
+
+def unfold_awq_scales(model: Transformer, drafts: dict, other: dict, checkpoint: Path) -> dict:
+    """Undo AutoAWQ's scale folding for a draft that shares the target's norms and KV.
+
+    AutoAWQ divides each norm by per-channel scales s and multiplies the columns of the
+    linears after it by s; with the MHA layout it also divides v_proj's rows and multiplies
+    o_proj's columns (and does the same for up_proj/down_proj, which cancels inside the MLP).
+    Norm scales are exact (s = target norm / checkpoint norm): those linears get input scale
+    1/s. The v_proj scales live only in the weights: estimated per row by least squares
+    against the target's v_proj; v_proj then gets output scale s (its V enters the shared
+    cache) and o_proj input scale 1/s.
+    """
+    params = dict(model.named_parameters())
+    layers = linear_layers(model)
+    drafts = dict(drafts)
+    for norm, names in _norm_pairs(model):
+        if norm not in other:
+            continue
+        awq, target = other[norm].float(), params[norm].float()
+        ratio = torch.where(
+            target != 0,
+            awq / target.where(target != 0, torch.ones_like(target)),
+            torch.ones_like(target),
+        )  # = 1/s per channel
+        for name in names:
+            if name in drafts:
+                drafts[name] = drafts[name].with_scales(input_scale=ratio)
+    for i in range(model.config.num_hidden_layers):
+        v, o = f"layers.{i}.self_attn.v_proj", f"layers.{i}.self_attn.o_proj"
+        if v not in drafts or o not in drafts or layers[v].out_features != layers[o].in_features:
+            continue
+        w_t = layers[v].weight.data.float()
+        w_a = drafts[v].effective_weight()
+        s = (w_t * w_t).sum(1) / (w_t * w_a).sum(1).clamp(min=1e-12)  # w_a ~ w_t / s per row
+        if (s - 1).abs().max() > 0.02:  # folded (quantization noise alone stays well below)
+            drafts[v] = drafts[v].with_scales(drafts[v].input_scale, output_scale=s)
+            prev_in = drafts[o].input_scale
+            drafts[o] = drafts[o].with_scales(
+                input_scale=(1 / s) * (1 if prev_in is None else prev_in)
+            )
+    return drafts
+
+
+def export_gptq(model: Transformer, hf_config: dict, out: Path) -> Path:
+    """Write the model's draft weights as a standard GPTQ (v1) checkpoint.
+
+    Quantized modules become qweight/qzeros/scales/g_idx; every other tensor (embeddings,
+    norms, modules the draft left in full precision) is written as is.
+    """
+    from qspec_core.convert.formats import Int4Weight, write_gptq_checkpoint
+
+    weights, other = {}, {}
+    drafted = {n for n, m in linear_layers(model).items() if m.draft is not None}
+    for name, layer in linear_layers(model).items():
+        d = layer.draft
+        if d is None:
+            continue
+        if d.input_scale is not None:
+            raise QspecError(
+                f"cannot export as GPTQ: {name} carries explicit activation scales "
+                "(an AWQ draft), which GPTQ checkpoints cannot hold"
+            )
+        g_idx = None
+        q = d.unpacked()
+        if d.perm is not None:
+            q = torch.empty_like(q).index_copy_(1, d.perm, q)  # back to input order
+            g_idx = (
+                torch.empty_like(d.perm)
+                .index_copy_(0, d.perm, torch.arange(d.in_features) // d.group_size)
+                .int()
+            )
+        weights[name] = Int4Weight(q, d.scale.float(), d.zero.float(), d.group_size, g_idx)
+        if d.bias is not None:
+            other[f"{name}.bias"] = d.bias.half()
+    for name, tensor in model.state_dict().items():
+        module, kind = name.rsplit(".", 1)
+        if ".draft." in name or (module in drafted and kind in ("weight", "bias")):
+            continue  # the 4-bit twin (and its bias) replaces it
+        other[name] = tensor.half() if tensor.is_floating_point() else tensor
+    desc_act = any(w.g_idx is not None for w in weights.values())
+    try:
+        return write_gptq_checkpoint(out, weights, other, hf_config, sym=False, desc_act=desc_act)
+    except ValueError as e:  # e.g. a dimension the GPTQ packing cannot take
+        raise QspecError(f"cannot export as GPTQ: {e}") from None
+
+
+def calibration_hessians(model: Transformer, calib_ids: list[int]) -> dict[str, torch.Tensor]:
+    """H = 2 X^T X of every linear layer's inputs on the calibration text (fp weights and KV)."""
+    collector = HessianCollector(linear_layers(model))
+    try:
+        _forward_logits(model, calib_ids, "fp")  # all positions, so lm_head sees them too
+    finally:
+        collector.close()
+    return collector.hessians
+
+
+def quantize_model(
+    model: Transformer,
+    method: str,
+    group_size: int,
+    calib_ids: list[int],
+    on_layer=None,
+    hessians: dict[str, torch.Tensor] | None = None,
+) -> dict[str, Int4Linear]:
+    """4-bit twins of every linear layer (lm_head included) by RTN, GPTQ or AWQ.
+
+    GPTQ uses `hessians` when given (from `calibration_hessians` on `calib_ids`)."""
+    if method not in METHODS:
+        raise QspecError(f"unknown method {method!r} (have: {', '.join(METHODS)})")
+    layers = linear_layers(model)
+    for name, layer in layers.items():
+        if layer.in_features % group_size:
+            raise QspecError(
+                f"group size {group_size} does not divide {name}'s in_features {layer.in_features}"
+            )
+    if method == "gptq" and hessians is None:
+        hessians = calibration_hessians(model, calib_ids)
+    collector = None
+    if method == "awq":
+        collector = ActivationCollector(layers)
+        try:
+            _forward_logits(model, calib_ids, "fp")
+        finally:
+            collector.close()
+    drafts = {}
+    for name, layer in layers.items():
+        weight = layer.weight.data.float()
+        bias = None if layer.bias is None else layer.bias.data.float()
+        if method == "awq":
+            q, scale, zero, input_scale = awq_quantize(
+                weight, collector.absmean[name], collector.sample[name], group_size
+            )
+            draft = Int4Linear.from_quantized(q, scale, zero, group_size, bias)
+            draft = draft.with_scales(input_scale=input_scale)
+        else:
+            if method == "gptq":
+                q, scale, zero = gptq_quantize(weight, hessians[name], group_size)
+            else:
+                q, scale, zero = rtn_quantize(weight, group_size)
+            draft = Int4Linear.from_quantized(q, scale, zero, group_size, bias)
+        drafts[name] = draft
+        if on_layer:
+            on_layer(name)
+    return drafts
+
+
+def convert(
+    source: Path,
+    out: Path,
+    model: Transformer,
+    method: str = "rtn",
+    group_size: int | None = None,
+    calib_ids: list[int] | None = None,
+    calib_source: str = "",
+    force: bool = False,
+    on_layer=None,
+    draft_from: Path | None = None,
+) -> DraftReport:
+    """Quantize `model` (loaded from `source`), or import its draft from a GPTQ/AWQ
+    checkpoint (`draft_from`), and write the converted folder `out`, with the INT8 verifier's
+    weights. `on_layer(name)` is called after each layer's draft and each layer's INT8."""
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
+        raise QspecError(f"{out} exists and is not empty; pass --force to replace it")
+    if out.resolve() == source.resolve():
+        raise QspecError("the output folder must differ from the source model folder")
+    calib_ids = calib_ids or []
+    t0 = time.perf_counter()
+    extra = {}
+    if draft_from is None:
+        group_size = group_size or default_group_size(model)
+        if method in ("gptq", "awq") and len(calib_ids) < 64:
+            raise QspecError(
+                f"{method.upper()} needs a calibration text of at least 64 tokens (--calib)"
+            )
+    # One calibration pass serves GPTQ's draft and the INT8 verifier's (GPTQ) rounding.
+    hessians = calibration_hessians(model, calib_ids) if len(calib_ids) >= 64 else None
+    if draft_from is not None:
+        drafts, extra = import_draft(model, draft_from)
+        method, group_size = extra.pop("method"), extra.pop("group_size")
+    else:
+        drafts = quantize_model(model, method, group_size, calib_ids, on_layer, hessians)
+    layers = linear_layers(model)
+    report = DraftReport(tokens=len(calib_ids))
+    for name, draft in drafts.items():
+        w = layers[name].weight.data.float()
+        report.rel_weight_error[name] = float((draft.effective_weight() - w).norm() / w.norm())
+    attach_draft(model, drafts)
+    if calib_ids:
+        report.top1_agreement, report.kl = draft_agreement(model, calib_ids[:1024])
+    meta = {
+        "format_version": FORMAT_VERSION,
+        "qspec_version": qspec_core.__version__,
+        "method": method,
+        "bits": 4,
+        "group_size": group_size,
+        "sym": extra.pop("sym", False),
+        "zero_point": "integer",
+        **extra,
+        "modules": sorted(drafts),
+        "calibration": {"source": calib_source, "tokens": len(calib_ids)},
+        "source": {
+            "path": str(source.resolve()),
+            "files": {f.name: sha256_file(f) for f in checkpoint_files(source)},
+        },
+        "seconds": round(time.perf_counter() - t0, 2),
+        "report": {
+            "top1_agreement": report.top1_agreement,
+            "kl": report.kl,
+            "rel_weight_error": report.rel_weight_error,
+        },
+    }
+    tensors = {
+        f"{name}.draft.{key}": t.contiguous()
+        for name, d in drafts.items()
+        for key, t in d.state_dict().items()
+    }
+    int8_tensors, meta["target_int8"] = int8_weights(model, hessians, calib_source, on_layer)
+    _write_folder(source, out, tensors | int8_tensors, meta)
+    return report
+
+
+INT8_SCHEME = "per-output-channel symmetric INT8, scale max|w|/127"
+# The INT8 weights' rounding: "gptq" when the folder was converted with a calibration text,
+# "rtn" (round to nearest) otherwise. A folder whose INT8 weights are older or RTN is
+# upgraded once by `ensure_named_draft` (the default model's cache).
+INT8_METHOD = "gptq"
+
+
+def int8_weights(
+    model: Transformer,
+    hessians: dict[str, torch.Tensor] | None = None,
+    calib_source: str = "",
+    on_layer=None,
+) -> tuple[dict[str, torch.Tensor], dict]:
+    """The INT8 verifier's weights (`--target-weights int8`): every linear layer on the
+    per-output-channel grid, rounded by GPTQ with `hessians` (from `calibration_hessians`) or
+    to nearest without. No activation smoothing (see docs/DESIGN.md). Returns the tensors for
+    draft.safetensors and their metadata."""
+    tensors = {}
+    for name, layer in linear_layers(model).items():
+        if hessians is None:
+            q = Int8Linear.from_linear(layer)
+        else:
+            w_int8, scale = gptq_quantize_int8(layer.weight.data, hessians[name])
+            bias = None if layer.bias is None else layer.bias.data.float()
+            q = Int8Linear.from_quantized(w_int8, scale, bias)
+        for key, t in q.state_dict().items():
+            tensors[f"{name}.int8.{key}"] = t.contiguous()
+        if on_layer:
+            on_layer(name)
+    meta = {
+        "scheme": INT8_SCHEME,
+        "method": "rtn" if hessians is None else "gptq",
+        "calibration": None if hessians is None else calib_source,
+        "smoothing": None,
+        "modules": sorted(linear_layers(model)),
+    }
+    return tensors, meta
+
+
+def add_int8_weights(
+    folder: Path, model: Transformer, calib_ids: list[int] | None = None, calib_source: str = ""
+) -> None:
+    """Give a converted folder (new) INT8 weights, GPTQ-rounded on `calib_ids` when given,
+    replacing any it has (atomically)."""
+    from safetensors.torch import load_file
+
+    meta = json.loads((folder / DRAFT_META).read_text())
+    tensors = {k: v for k, v in load_file(folder / DRAFT_WEIGHTS).items() if ".int8." not in k}
+    hessians = calibration_hessians(model, calib_ids) if calib_ids else None
+    extra, meta["target_int8"] = int8_weights(model, hessians, calib_source)
+    tmp_weights = folder / f".{DRAFT_WEIGHTS}.tmp"
+    tmp_meta = folder / f".{DRAFT_META}.tmp"
+    try:
+        save_file(tensors | extra, tmp_weights, metadata={"format": "qspec-draft"})
+        tmp_meta.write_text(json.dumps(meta, indent=2) + "\n")
+        os.replace(tmp_weights, folder / DRAFT_WEIGHTS)
+        os.replace(tmp_meta, folder / DRAFT_META)
+    finally:
+        tmp_weights.unlink(missing_ok=True)
+        tmp_meta.unlink(missing_ok=True)
+
+
+def _write_folder(source: Path, out: Path, tensors: dict, meta: dict) -> None:
+    """Write everything into a temporary sibling, then rename: no half-written model."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    try:
+        for name in COPIED:
+            if (source / name).exists():
+                shutil.copy2(source / name, tmp / name)
+        weight_files = checkpoint_files(source)
+        index = source / "model.safetensors.index.json"
+        for f in weight_files + ([index] if index.exists() else []):
+            try:
+                os.link(f, tmp / f.name)  # same weights, no copy
+            except OSError:
+                shutil.copy2(f, tmp / f.name)
+        save_file(tensors, tmp / DRAFT_WEIGHTS, metadata={"format": "qspec-draft"})
+        (tmp / DRAFT_META).write_text(json.dumps(meta, indent=2) + "\n")
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def load_draft(folder: Path, model: Transformer) -> dict | None:
+    """Attach the 4-bit draft of a converted folder to `model`; returns its metadata."""
+    meta_path = folder / DRAFT_META
+    if not meta_path.exists():
+        return None
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        meta = json.loads(meta_path.read_text())
+    except json.JSONDecodeError as e:
+        raise QspecError(f"corrupt {meta_path}: {e}") from None
+    if meta.get("format_version") != FORMAT_VERSION or meta.get("bits") != 4:
+        raise QspecError(
+            f"{meta_path}: unsupported draft format (version "
+            f"{meta.get('format_version')}, {meta.get('bits')} bits)"
+        )
+    layers = linear_layers(model)
+    drafts = {}
+    try:
+        with safe_open(folder / DRAFT_WEIGHTS, framework="pt") as f:
+            names = set(f.keys())
+            for module in meta["modules"]:
+                if module not in layers:
+                    raise QspecError(f"draft module {module} does not exist in the target model")
+                target = layers[module]
+                prefix = f"{module}.draft."
+                state = {n[len(prefix) :]: f.get_tensor(n) for n in names if n.startswith(prefix)}
+                draft = Int4Linear(
+                    target.in_features,
+                    target.out_features,
+                    meta["group_size"],
+                    bias="bias" in state,
+                    permuted="perm" in state,
+                    scaled="input_scale" in state,
+                )
+                if state.keys() != draft.state_dict().keys():
+                    raise QspecError(f"draft weights of {module} are incomplete")
+                for key, t in state.items():
+                    if t.shape != draft.state_dict()[key].shape:
+                        raise QspecError(
+                            f"draft {module}.{key} has shape {list(t.shape)}, "
+                            f"expected {list(draft.state_dict()[key].shape)}"
+                        )
+                draft.load_state_dict(state)
+                drafts[module] = draft.to(model.device)
+            int8 = _load_int8(f, names, meta.get("target_int8"), layers, model.device)
+    except (SafetensorError, OSError) as e:
+        raise QspecError(f"corrupt draft weights in {folder}: {e}") from None
+    attach_draft(model, drafts)
+    attach_int8(model, int8)
+    return meta
+
+
+def _load_int8(f, names: set[str], meta: dict | None, layers: dict, device) -> dict:
+    if not meta:
+        return {}
+    out = {}
+    for module in meta["modules"]:
+        if module not in layers:
+            raise QspecError(f"INT8 module {module} does not exist in the target model")
+        target = layers[module]
+        prefix = f"{module}.int8."
+        state = {n[len(prefix) :]: f.get_tensor(n) for n in names if n.startswith(prefix)}
+        layer = Int8Linear(target.in_features, target.out_features, bias="bias" in state)
+        if state.keys() != layer.state_dict().keys() or any(
+            t.shape != layer.state_dict()[k].shape for k, t in state.items()
+        ):
+            raise QspecError(f"INT8 weights of {module} are incomplete or misshapen")
+        layer.load_state_dict(state)
+        out[module] = layer.to(device)
+    return out

@@ -1,0 +1,1 @@
+"""Decoding: prefill, autoregressive and speculative decode, the verifier, sessions."""

@@ -1,0 +1,112 @@
+"""Autoregressive generation over a preallocated cache: chunked prefill, then token by token."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import torch
+
+from qspec_core.cache.hierarchical import HierarchicalKVCache
+from qspec_core.cache.full import FullPrecisionCache, KVCache
+from qspec_core.model.transformer import Transformer
+from qspec_core.engine.sampling import SamplingParams, sample
+from qspec_core.timing import StageTimer
+
+PREFILL_CHUNK = 512
+
+
+@torch.inference_mode()
+def prefill(
+    model: Transformer,
+    cache: KVCache,
+    tokens: list[int],
+    start_pos: int,
+    path: str = "fp",
+    chunk_size: int = PREFILL_CHUNK,
+    on_progress: Callable[[int], None] | None = None,
+) -> torch.Tensor:
+    """Feed `tokens` at positions start_pos.. in chunks; return the last position's logits [V].
+
+    Chunking bounds the attention workspace ([H, chunk, context]) on long documents.
+    """
+    if not tokens:
+        raise ValueError("prefill needs at least one token")
+    ids = torch.tensor(tokens, dtype=torch.long, device=model.device)[None]  # [1, T]
+    logits = None
+    for begin in range(0, len(tokens), chunk_size):
+        chunk = ids[:, begin : begin + chunk_size]
+        pos = torch.arange(start_pos + begin, start_pos + begin + chunk.shape[1], device=ids.device)
+        logits = model(chunk, pos, cache, path, last_only=True)
+        cache.commit(cache.seq_len)  # prompt tokens are given, hence confirmed
+        if on_progress is not None:
+            on_progress(chunk.shape[1])
+    return logits[0, -1]
+
+
+@torch.inference_mode()
+def forward_logits(
+    model: Transformer, cache: KVCache, tokens: list[int], path: str, chunk_size: int
+) -> torch.Tensor:
+    """Teacher-forced logits [T, V] (fp32) of every position, fed in chunks, committing each."""
+    out = []
+    for start in range(0, len(tokens), chunk_size):
+        piece = tokens[start : start + chunk_size]
+        pos = torch.arange(start, start + len(piece), device=model.device)
+        out.append(model(torch.tensor([piece], device=model.device), pos, cache, path)[0].float())
+        cache.commit(start + len(piece))
+    return torch.cat(out)
+
+
+@torch.inference_mode()
+def prefill_hierarchical(
+    model: Transformer,
+    cache: HierarchicalKVCache,
+    tokens: list[int],
+    chunk_size: int = PREFILL_CHUNK,
+    on_progress: Callable[[int], None] | None = None,
+) -> torch.Tensor:
+    """QuantSpec's prefill: full-precision attention over the prompt, then one bulk quantization.
+
+    Returns the last position's logits [V] (from the full-precision prefill, as in the paper).
+    The temporary full-precision KV is as large as a plain cache of the prompt.
+    """
+    fp = FullPrecisionCache(model.config, len(tokens), dtype=cache.fp_k.dtype, device=model.device)
+    logits = prefill(model, fp, tokens, 0, "fp", chunk_size, on_progress)
+    cache.reset()
+    cache.load_full_precision(fp.k, fp.v)
+    return logits
+
+
+@torch.inference_mode()
+def decode(
+    model: Transformer,
+    cache: KVCache,
+    first_logits: torch.Tensor,
+    start_pos: int,
+    max_new_tokens: int,
+    params: SamplingParams,
+    generator: torch.Generator | None,
+    stop_ids: tuple[int, ...] = (),
+    path: str = "fp",
+    timer: StageTimer | None = None,
+) -> Iterator[int]:
+    """Yield up to `max_new_tokens` ids; stop after yielding a stop id.
+
+    `first_logits` [V] are the prefill's last logits; the token sampled from them sits at
+    `start_pos`. Each token is yielded before it is fed back, so whenever the caller stops
+    (stop token, limit, Ctrl-C) `cache.seq_len` counts exactly the positions whose KV is in.
+    """
+    timer = timer or StageTimer()
+    logits = first_logits
+    pos = start_pos
+    for i in range(max_new_tokens):
+        with timer.stage("decode"):
+            token = int(sample(logits[None], params, generator)[0])
+        yield token
+        if token in stop_ids or i == max_new_tokens - 1:
+            return
+        with timer.stage("decode"):
+            tok = torch.tensor([[token]], device=model.device)
+            logits = model(tok, torch.tensor([pos], device=model.device), cache, path)[0, -1]
+            cache.commit(pos + 1)  # autoregressive: every fed token is final
+        pos += 1

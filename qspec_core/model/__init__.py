@@ -1,0 +1,1 @@
+"""The decoder in plain PyTorch, its checkpoint files, rotary embeddings and tokenizer."""

@@ -1,0 +1,227 @@
+"""W4A16 linear layers for the draft path: packed int4 weights with group scales and zeros.
+
+    w[n, k] = (q[n, k] - zero[n, k // G]) * scale[n, k // G],  q in 0..15
+
+Storage (the converted model's `draft.safetensors`): `packed` uint8 [N, K/2] (two nibbles
+per byte along K, even k in the low nibble), `scale` and `zero` fp32 [N, K/G]. The matmul
+never builds the dense weight on the fast paths: on CUDA the Triton kernel
+(`kernels/w4a16.py`) dequantizes in registers; on CPU PyTorch's int4 weight kernel runs with
+bf16 activations (its blocked weight layout is ISA-specific, so it is built at load time and
+never stored). Shapes those kernels cannot take use `w4a16_ref`, which is exact but slow.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kernels.cpu import build as cpu_ext
+
+from kernels.cpu import linear as cpu_linear
+from kernels.triton.w4a16 import pack_int4, unpack_int4, w4a16_matmul, w4a16_ref
+
+CPU_INT4_GROUPS = (32, 64, 128, 256)
+
+
+def rtn_quantize(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, ...]:
+    """Asymmetric round-to-nearest 4-bit: weight [N, K] -> q uint8, scale, zero fp32 [N, K/G].
+
+    Integer zero points (0..15), as GPTQ/AWQ checkpoints store them, so any RTN draft can be
+    exported as a standard GPTQ checkpoint.
+    """
+    N, K = weight.shape
+    if K % group_size:
+        raise ValueError(f"in_features {K} is not a multiple of the group size {group_size}")
+    w = weight.float().reshape(N, K // group_size, group_size)
+    lo = w.amin(-1).clamp(max=0.0)  # the grid must contain 0 so that zero is representable
+    hi = w.amax(-1).clamp(min=0.0)
+    scale = ((hi - lo) / 15).clamp(min=1e-10)
+    zero = torch.round(-lo / scale).clamp(0, 15)
+    q = torch.clamp(torch.round(w / scale[..., None]) + zero[..., None], 0, 15)
+    return q.reshape(N, K).to(torch.uint8), scale, zero
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """q uint8 [N, K], scale/zero [N, K/G] -> fp32 [N, K]."""
+    N, K = q.shape
+    G = K // scale.shape[1]
+    w = (q.float().reshape(N, -1, G) - zero[..., None]) * scale[..., None]
+    return w.reshape(N, K)
+
+
+class Int4Linear(nn.Module):
+    """A linear layer whose weight is 4-bit (W4A16). Buffers: packed, scale, zero (+ bias)."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        group_size: int,
+        bias: bool = False,
+        permuted: bool = False,
+        scaled: bool = False,
+    ):
+        super().__init__()
+        if in_features % group_size or in_features % 2:
+            raise ValueError(f"in_features {in_features} must be a multiple of {group_size}")
+        self.in_features, self.out_features, self.group_size = in_features, out_features, group_size
+        n_groups = in_features // group_size
+        self.register_buffer(
+            "packed", torch.zeros(out_features, in_features // 2, dtype=torch.uint8)
+        )
+        self.register_buffer("scale", torch.zeros(out_features, n_groups))
+        self.register_buffer("zero", torch.zeros(out_features, n_groups))
+        self.register_buffer("bias", torch.zeros(out_features) if bias else None)
+        # Act-order (desc_act) GPTQ: input channels are stored sorted by group, so groups stay
+        # contiguous; the forward gathers x in the same order (x[..., perm]).
+        self.register_buffer("perm", torch.arange(in_features) if permuted else None)
+        # Activation-aware (AWQ) scaling kept explicit, since the draft shares its norms with
+        # the target: y = (W' (x * input_scale)) * output_scale.
+        self.register_buffer("input_scale", torch.ones(in_features) if scaled else None)
+        self.register_buffer("output_scale", torch.ones(out_features) if scaled else None)
+        self._cpu_kernel = None  # (int4pack, scale_and_zero) for the CPU int4 kernel, built lazily
+        self._w4a8 = None  # `_w4a8_args()`, built lazily
+
+    @classmethod
+    def from_quantized(cls, q, scale, zero, group_size, bias=None) -> Int4Linear:
+        """From unpacked q uint8 [N, K] and fp32 scale/zero [N, K/G]."""
+        N, K = q.shape
+        layer = cls(K, N, group_size, bias is not None)
+        layer.packed.copy_(pack_int4(q))
+        layer.scale.copy_(scale)
+        layer.zero.copy_(zero)
+        if bias is not None:
+            layer.bias.copy_(bias)
+        return layer
+
+    @classmethod
+    def from_int4_weight(cls, w, bias=None) -> Int4Linear:
+        """From a checkpoint's `Int4Weight` (GPTQ/AWQ import), act-order included."""
+        N, K = w.q.shape
+        G = w.group_size
+        if w.g_idx is None or bool((w.g_idx == torch.arange(K) // G).all()):
+            return cls.from_quantized(w.q, w.scale, w.zero, G, bias)
+        perm = torch.argsort(w.g_idx.long(), stable=True)  # channels grouped by group index
+        counts = torch.bincount(w.g_idx.long(), minlength=K // G)
+        if counts.numel() != K // G or not bool((counts == G).all()):
+            raise ValueError("g_idx does not assign exactly group_size channels to each group")
+        layer = cls(K, N, G, bias is not None, permuted=True)
+        layer.packed.copy_(pack_int4(w.q[:, perm]))
+        layer.scale.copy_(w.scale)
+        layer.zero.copy_(w.zero)
+        layer.perm.copy_(perm)
+        if bias is not None:
+            layer.bias.copy_(bias)
+        return layer
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group_size: int) -> Int4Linear:
+        """Round-to-nearest quantization of an existing linear layer."""
+        q, scale, zero = rtn_quantize(linear.weight.data, group_size)
+        bias = None if linear.bias is None else linear.bias.data.float()
+        return cls.from_quantized(q, scale, zero, group_size, bias)
+
+    def unpacked(self) -> torch.Tensor:
+        return unpack_int4(self.packed)
+
+    def dequantized(self) -> torch.Tensor:
+        """The dense fp32 weight [N, K] this layer represents (for reports and tests)."""
+        w = dequantize(self.unpacked(), self.scale, self.zero)
+        if self.perm is None:
+            return w
+        return torch.empty_like(w).index_copy_(1, self.perm, w)  # back to input order
+
+    def cpu_kernel_ok(self) -> bool:
+        return self.group_size in CPU_INT4_GROUPS and self.out_features % 16 == 0
+
+    def _cpu_int4(self):
+        if self._cpu_kernel is None:
+            q = self.unpacked().to(torch.int32)  # [N, K] in 0..15
+            int4pack = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)
+            # The kernel computes (q - 8) * s + z_f: with an integer zero point z that is
+            # (q - z) * s when z_f = (8 - z) * s.
+            scale_and_zero = torch.stack(
+                [self.scale.t(), ((8 - self.zero) * self.scale).t()], dim=-1
+            ).to(torch.bfloat16)  # [K/G, N, 2]
+            self._cpu_kernel = (int4pack, scale_and_zero.contiguous())
+        return self._cpu_kernel
+
+    def effective_weight(self) -> torch.Tensor:
+        """The dense fp32 weight [N, K] the layer applies, scales included."""
+        w = self.dequantized()
+        if self.input_scale is not None:
+            w = w * self.input_scale[None, :] * self.output_scale[:, None]
+        return w
+
+    def with_scales(self, input_scale=None, output_scale=None) -> Int4Linear:
+        """A copy carrying explicit input/output channel scales (AWQ)."""
+        layer = Int4Linear(
+            self.in_features,
+            self.out_features,
+            self.group_size,
+            self.bias is not None,
+            self.perm is not None,
+            scaled=True,
+        )
+        state = dict(self.state_dict())
+        state["input_scale"] = (
+            torch.ones(self.in_features) if input_scale is None else input_scale.float()
+        )
+        state["output_scale"] = (
+            torch.ones(self.out_features) if output_scale is None else output_scale.float()
+        )
+        layer.load_state_dict(state)
+        return layer
+
+    def _w4a8_args(self):
+        """(packed, scale, zero, group size) for the W4A8 kernel of a draft step, or False
+        when this layer's form needs the general path (AWQ scales, act-order, groups that are
+        not multiples of 64). Built once; `_apply` and state loads reset it."""
+        plain = self.input_scale is None and self.perm is None and self.output_scale is None
+        if not plain or self.in_features % 64 or self.group_size % 64:
+            return False
+        return (self.packed, self.scale, self.zero, self.group_size)
+
+    def _apply(self, fn, *args, **kwargs):
+        self._w4a8 = None  # buffers are replaced (.to, .float): drop what points at the old ones
+        self._cpu_kernel = None
+        return super()._apply(fn, *args, **kwargs)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w4a8 = self._w4a8
+        if w4a8 is None:
+            w4a8 = self._w4a8 = self._w4a8_args()
+        if w4a8 and cpu_linear.int4_usable(x, self.in_features, self.group_size):
+            # a draft step: our W4A8 kernel (kernels/cpu/linear.cpp)
+            return cpu_linear.int4_linear(x, *w4a8, bias=self._buffers["bias"])
+        if self.input_scale is not None:
+            x = x * self.input_scale.to(x.dtype)
+        if self.perm is not None:
+            x = x.index_select(-1, self.perm)
+        if x.is_cuda:
+            y = w4a16_matmul(
+                x, self.packed, self.scale.to(x.dtype), self.zero.to(x.dtype), self.group_size
+            )
+        elif self.cpu_kernel_ok() and x.dtype == torch.float32 and cpu_ext.available():
+            # the same kernel call as below, with its casts, in one C++ call (kernels/cpu/decode.cpp)
+            int4pack, scale_and_zero = self._cpu_int4()
+            y = cpu_ext.load().int4_linear_cpu(
+                x, int4pack, scale_and_zero, self.group_size, self.out_features
+            )
+        elif self.cpu_kernel_ok():
+            int4pack, scale_and_zero = self._cpu_int4()
+            x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)  # fast only with bf16 input
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                x2, int4pack, self.group_size, scale_and_zero
+            )
+            y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        else:
+            y = w4a16_ref(x, self.packed, self.scale, self.zero, self.group_size)
+        if self.output_scale is not None:
+            y = y * self.output_scale.to(y.dtype)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        self._cpu_kernel = None  # weights changed: rebuild the kernel layout on next use
+        self._w4a8 = None
+        return super()._load_from_state_dict(*args, **kwargs)

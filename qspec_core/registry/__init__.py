@@ -1,0 +1,1 @@
+"""Where models come from (registry packages, GGUF, local folders) and loading them."""

@@ -1,0 +1,1 @@
+"""KV snapshots on disk."""
