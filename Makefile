@@ -18,6 +18,7 @@ $(STAMP): pyproject.toml
 lint: setup
 	$(VENV)/bin/ruff check qspec_core qspec_cli kernels tests benchmarks
 	$(VENV)/bin/ruff format --check qspec_core qspec_cli kernels tests benchmarks
+	$(VENV)/bin/lint-imports  # the layer contracts in pyproject.toml
 
 test: lint
 	TRITON_INTERPRET=1 $(PY) -m pytest -q

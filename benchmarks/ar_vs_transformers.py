@@ -18,10 +18,10 @@ from pathlib import Path
 
 import torch
 
-from qspec_core.engine.generate import decode, prefill
 from qspec_core.cache.full import FullPrecisionCache
-from qspec_core.registry.runtime import load_runtime
+from qspec_core.engine.generate import decode, prefill
 from qspec_core.engine.sampling import SamplingParams
+from qspec_core.registry.runtime import load_runtime
 
 DATA = Path(__file__).resolve().parent.parent / "qspec_core" / "data"
 

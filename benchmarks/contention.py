@@ -54,7 +54,7 @@ def run_bench(args, policy: str, hogged: bool) -> dict:
     cmd = [
         sys.executable,
         "-m",
-        "qspec_cli.main",
+        "qspec_cli.app",
         "bench",
         "--context",
         args.context,

@@ -1,6 +1,6 @@
-"""One layer's decode attention on CPU, side by side: the fused hierarchical kernel (draft and
-target views) against SDPA over a full-precision cache (fp32 and bf16) and the PyTorch
-reference (dequantize, then attend).
+"""One layer's decode attention on CPU, side by side: the fused hierarchical kernel (INT4 and
+INT8 KV views) against SDPA over a full-precision cache (fp32 and bf16) and the PyTorch
+reference `kernels.reference.hier_attention_ref` (dequantize, then attend).
 
     python benchmarks/cpu_attention.py --context 2048,8192 [--heads 9 --kv-heads 3 --dim 64]
 
@@ -19,8 +19,14 @@ import torch
 import torch.nn.functional as F
 
 from kernels.cpu import attention as cpu_attention
-from kernels.triton.hier_attention import hier_attention_ref
-from kernels.planes import quantize_keys, quantize_values
+from kernels.planes import (
+    HierLayerView,
+    QueryRows,
+    kv_bytes_per_token,
+    quantize_keys,
+    quantize_values,
+)
+from kernels.reference import hier_attention_ref
 
 
 def _time(fn, inner: int) -> float:
@@ -38,26 +44,26 @@ def bench(context: int, H: int, n_kv: int, D: int, G: int, T: int, repeats: int)
     kq, vq = quantize_keys(k[:, :, :nq], G), quantize_values(v[:, :, :nq], G)
     q = torch.randn(1, H, T, D, generator=g)
     pos = torch.arange(context - T, context)
-    args = (
-        q, kq.upper, kq.lower, kq.scale, kq.zero, vq.upper, vq.lower, vq.scale, vq.zero,
-        torch.full((T,), nq), k[:, :, nq:], v[:, :, nq:], nq, torch.zeros(T, dtype=torch.long),
-        pos,
+    view = HierLayerView(
+        kq.upper, kq.lower, kq.scale, kq.zero, vq.upper, vq.lower, vq.scale, vq.zero,
+        fp_k=k[:, :, nq:], fp_v=v[:, :, nq:], fp_pos0=nq, group_size=G,
     )  # fmt: skip
+    rows = QueryRows(torch.full((T,), nq), torch.zeros(T, dtype=torch.long), pos)
     k32, v32 = k.contiguous(), v.contiguous()
     k16, v16, q16 = k.bfloat16(), v.bfloat16(), q.bfloat16()
     mask = None
     if T > 1:
         mask = torch.arange(context)[None, :] <= pos[:, None]
     variants = {
-        "fused draft": lambda: cpu_attention.hier_attention_cpu(*args, "draft", G),
-        "fused target": lambda: cpu_attention.hier_attention_cpu(*args, "target", G),
+        "fused int4": lambda: cpu_attention.hier_attention_cpu(q, view, rows, "int4"),
+        "fused int8": lambda: cpu_attention.hier_attention_cpu(q, view, rows, "int8"),
         "sdpa fp32": lambda: F.scaled_dot_product_attention(
             q, k32, v32, attn_mask=mask, enable_gqa=True
         ),
         "sdpa bf16": lambda: F.scaled_dot_product_attention(
             q16, k16, v16, attn_mask=mask, enable_gqa=True
         ),
-        "reference draft": lambda: hier_attention_ref(*args, "draft", G),
+        "reference int4": lambda: hier_attention_ref(q, view, rows, "int4"),
     }
     for fn in variants.values():  # warm up (and build the extension)
         fn()
@@ -67,9 +73,9 @@ def bench(context: int, H: int, n_kv: int, D: int, G: int, T: int, repeats: int)
         for name, fn in variants.items():
             times[name].append(_time(fn, inner))
     med = {name: statistics.median(t) for name, t in times.items()}
-    hist_bytes = {
-        "fused draft": nq * n_kv * (D // 2 * 2 + 4 * 2 * D // G) + 2 * nq // G * n_kv * D * 4,
-        "fused target": nq * n_kv * (D // 2 * 4 + 4 * 2 * D // G) + 2 * nq // G * n_kv * D * 4,
+    hist_bytes = {  # the quantized history (planes and metadata; fp region not counted)
+        "fused int4": nq * n_kv * kv_bytes_per_token(D, "int4", G, G).total,
+        "fused int8": nq * n_kv * kv_bytes_per_token(D, "int8", G, G).total,
         "sdpa fp32": 2 * context * n_kv * D * 4,
         "sdpa bf16": 2 * context * n_kv * D * 2,
     }

@@ -25,10 +25,11 @@ import torch
 
 from kernels.cpu import linear as cpu_linear
 from qspec_core.backend import cpu_stack as cpu_step
-from qspec_core.engine.generate import prefill
-from qspec_core.cache.hierarchical import HierarchicalKVCache
 from qspec_core.cache.full import FullPrecisionCache
-from qspec_core.registry.runtime import load_runtime
+from qspec_core.cache.hierarchical import HierarchicalKVCache
+from qspec_core.engine.generate import prefill
+from qspec_core.precision import DRAFT, FP, TARGET
+from qspec_core.registry.runtime import prepare_and_load
 
 # --compare name -> the gates that, answering False (None), switch the C++ path off
 STACK = (cpu_step, "stack_for")
@@ -67,11 +68,11 @@ def main() -> None:
     ap.add_argument("--tokens-per-round", type=float, default=None, help="for the estimate")
     ap.add_argument("--json")
     a = ap.parse_args()
-    rt = load_runtime(a.model, dtype="fp32", need_draft=True, log=lambda *_: None)
+    rt = prepare_and_load(a.model, dtype="fp32", need_draft=True, log=lambda *_: None)
     model, ctx = rt.model, a.context
     ids = list(range(1000, 1000 + ctx))  # token ids only set the KV; any ids will do
     fp = FullPrecisionCache(model.config, ctx + a.gamma + 2, dtype=torch.float32)
-    prefill(model, fp, ids, 0, "fp")
+    prefill(model, fp, ids, 0, FP)
     hc = HierarchicalKVCache(model.config, ctx + a.gamma + 2, dtype=torch.float32)
     hc.load_full_precision(fp.k[:, :, :, :ctx], fp.v[:, :, :, :ctx])
     one, pos1 = torch.tensor([[42]]), torch.tensor([ctx])
@@ -85,9 +86,9 @@ def main() -> None:
         return run
 
     steps = {
-        "ar": step(one, pos1, fp, "fp"),
-        "draft": step(one, pos1, hc, "draft"),
-        "verify": step(many, pos_many, hc, "target"),
+        "ar": step(one, pos1, fp, FP),
+        "draft": step(one, pos1, hc, DRAFT),
+        "verify": step(many, pos_many, hc, TARGET),
     }
     for name in filter(None, a.compare.split(",")):
         if name not in SWITCHES:

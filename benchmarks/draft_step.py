@@ -16,9 +16,10 @@ from pathlib import Path
 
 import torch
 
-from qspec_core.engine.generate import prefill
 from qspec_core.cache.full import FullPrecisionCache
-from qspec_core.model.checkpoint import load_model
+from qspec_core.convert.folder import load_converted
+from qspec_core.engine.generate import prefill
+from qspec_core.precision import DRAFT_W4, FP
 
 
 @torch.inference_mode()
@@ -43,13 +44,13 @@ def main():
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     models = {
-        "fp32": load_model(args.model, torch.float32),
-        "bf16": load_model(args.model, torch.bfloat16),
+        "fp32": load_converted(args.model, torch.float32),
+        "bf16": load_converted(args.model, torch.bfloat16),
     }
     variants = {
-        "target-fp32": ("fp32", "fp"),
-        "target-bf16": ("bf16", "fp"),
-        "draft-w4a16": ("fp32", "draft"),
+        "target-fp32": ("fp32", FP),
+        "target-bf16": ("bf16", FP),
+        "draft-w4a16": ("fp32", DRAFT_W4),  # 4-bit weights, full-precision KV like the others
     }
     samples = {name: [] for name in variants}
     for _ in range(args.repeats):

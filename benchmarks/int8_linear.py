@@ -19,8 +19,8 @@ import time
 import torch
 from torch import nn
 
-from qspec_core.quant.int8 import Int8Linear
 from qspec_core.quant.int4 import Int4Linear
+from qspec_core.quant.int8 import Int8Linear
 
 SHAPES = [(576, 1536), (1536, 576), (576, 576), (4096, 4096)]  # (in_features, out_features)
 GROUP_SIZE = 64  # the default draft's group for the default model (576 % 128 != 0)

@@ -16,9 +16,9 @@ from pathlib import Path
 import torch
 
 from qspec_core.documents import read_document
-from qspec_core.registry.runtime import load_runtime
 from qspec_core.engine.sampling import SamplingParams
 from qspec_core.engine.session import SUMMARY_REQUEST, ChatSession
+from qspec_core.registry.runtime import prepare_and_load
 
 
 def main():
@@ -29,7 +29,7 @@ def main():
     ap.add_argument("--gamma", default="4")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
-    rt = load_runtime(None, dtype="auto", need_draft=True)
+    rt = prepare_and_load(None, dtype="auto", need_draft=True)
     document = read_document(args.doc)
     gamma = args.gamma if args.gamma == "auto" else int(args.gamma)
     configs = [(mode, t) for t in (0.0, 0.7) for mode in ("ar", "target-ar", "quantspec")]

@@ -17,8 +17,8 @@ import time
 from pathlib import Path
 
 from qspec_core.documents import read_document
-from qspec_core.registry.runtime import load_runtime
 from qspec_core.engine.session import ChatSession
+from qspec_core.registry.runtime import prepare_and_load
 from qspec_core.store.snapshot import load_snapshot, save_snapshot
 
 QUESTION = "Who may copy this document?"
@@ -36,7 +36,7 @@ def main():
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
-    rt = load_runtime(None, need_draft=True)
+    rt = prepare_and_load(None, need_draft=True)
     text = read_document(args.doc)
     kw = {"mode": "quantspec", "max_new_tokens": 8}
     with tempfile.TemporaryDirectory() as tmp:

@@ -23,9 +23,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from kernels.cpu import build as cpu_ext
-from qspec_core.bench.runner import BenchConfig, parse_contexts, start_decode
 from qspec_core.bench.corpus import bench_prompt
-from qspec_core.registry.runtime import load_runtime
+from qspec_core.bench.runner import BenchConfig, parse_contexts, start_decode
+from qspec_core.registry.runtime import prepare_and_load
 from qspec_core.timing import StageTimer
 
 
@@ -93,7 +93,7 @@ def main():
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
-    rt = load_runtime(args.model, dtype="fp32", need_draft=True)
+    rt = prepare_and_load(args.model, dtype="fp32", need_draft=True)
     out = []
     for context in parse_contexts(args.context):
         prompt = bench_prompt(rt.tokenizer, context - args.gen)

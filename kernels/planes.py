@@ -1,4 +1,6 @@
-"""Hierarchical INT4/INT8 quantization of the KV cache (QuantSpec, design section 2).
+"""The hierarchical INT4/INT8 KV plane format (QuantSpec, design section 2): its PyTorch
+reference (quantize, dequantize, byte accounting) and the named per-layer view of the cache
+that the attention kernels read (`HierLayerView`, `QueryRows`).
 
 One cache, two views. For each group x with mn = min(x), mx = max(x):
 
@@ -6,8 +8,8 @@ One cache, two views. For each group x with mn = min(x), mx = max(x):
     U = clamp(round((x - mn) / s), 0, 15)       # upper plane
     r = x - (U * s + mn)                        # residual, in [-s/2, s/2]
     L = clamp(round(r / (s / 16)), -8, 7)       # lower plane (symmetric)
-    draft  : U * s + mn
-    target : (16 * U + L) * (s / 16) + mn       # INT8 code 16U + L, no extra metadata
+    "int4" : U * s + mn                         # the upper plane only (the draft's view)
+    "int8" : (16 * U + L) * (s / 16) + mn       # INT8 code 16U + L, no extra metadata
 
 Grouping follows KIVI/QuantSpec: keys per channel (one (scale, zero) per channel per group of
 G consecutive tokens), values per token (one (scale, zero) per token per group of G channels).
@@ -15,7 +17,7 @@ Both planes are packed two nibbles per byte along head_dim, so a kernel reading 
 vector reads D/2 contiguous bytes per plane.
 
 Known limit of the paper's formula: L has 16 levels (-8..7) but r / (s/16) spans [-8, 8]. A
-residual in (15s/32, s/2] rounds to +8 and clamps to 7, so the target error there reaches
+residual in (15s/32, s/2] rounds to +8 and clamps to 7, so the INT8 error there reaches
 s/16 instead of s/32 (about 1/32 of elements on smooth data). We keep the formula as written
 (C_INT8 = 2^4 C_U + C_L, lower plane symmetric) rather than invent a different lower scale.
 
@@ -28,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-VIEWS = ("draft", "target")
+VIEWS = ("int8", "int4")  # the KV views: both planes, or the upper plane only
 LOWER_OFFSET = 8  # lower plane L in -8..7 is stored as L + 8 in 0..15
 
 
@@ -38,7 +40,7 @@ class QuantizedGroupTensor:
 
     Keys:   upper/lower [B, n_kv, T, D//2] uint8, scale/zero [B, n_kv, T//G, D] fp32.
     Values: upper/lower [B, n_kv, T, D//2] uint8, scale/zero [B, n_kv, T, D//G] fp32.
-    Scales and zeros are fp32, not fp16: the target view resolves s/16 steps on top of
+    Scales and zeros are fp32, not fp16: the INT8 view resolves s/16 steps on top of
     `zero`, and fp16 metadata would add error of that order for large-magnitude groups.
     Their bytes are counted in `nbytes` and `kv_bytes_per_token`.
     """
@@ -50,7 +52,7 @@ class QuantizedGroupTensor:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by both planes and the metadata (what the target view reads)."""
+        """Bytes held by both planes and the metadata (what the INT8 view reads)."""
         return sum(
             t.numel() * t.element_size() for t in (self.upper, self.lower, self.scale, self.zero)
         )
@@ -118,16 +120,17 @@ def _dequantize_groups(
     scale: torch.Tensor,
     zero: torch.Tensor,
 ) -> torch.Tensor:
-    """Draft view when `lower` is None, else the INT8 target view; all math in fp32."""
+    """The INT4 view when `lower` is None, else the INT8 view; all math in fp32."""
     upper = upper.float()
     if lower is None:
         return upper * scale + zero
     return (16 * upper + lower.float()) * (scale / 16) + zero
 
 
-def _check_view(view: str) -> None:
+def check_view(view: str) -> None:
+    """ValueError unless `view` names a KV view ("int8" or "int4")."""
     if view not in VIEWS:
-        raise ValueError(f"view must be one of {VIEWS}, got {view!r}")
+        raise ValueError(f"the KV view must be one of {VIEWS}, got {view!r}")
 
 
 def _check_kv(x: torch.Tensor, name: str) -> None:
@@ -163,8 +166,8 @@ def quantize_keys(k: torch.Tensor, group_size: int) -> QuantizedGroupTensor:
 
 
 def dequantize_keys(q: QuantizedGroupTensor, group_size: int, view: str) -> torch.Tensor:
-    """Keys in the `view` ("draft" or "target") as fp32 [B, n_kv, T, D]."""
-    _check_view(view)
+    """Keys in the `view` ("int8" or "int4") as fp32 [B, n_kv, T, D]."""
+    check_view(view)
     B, n_kv, T, half_d = q.upper.shape
     D = 2 * half_d
     if group_size < 1 or q.scale.shape != (B, n_kv, T // group_size, D) or T % group_size:
@@ -172,7 +175,7 @@ def dequantize_keys(q: QuantizedGroupTensor, group_size: int, view: str) -> torc
     grouped = (B, n_kv, T // group_size, group_size, D)
     upper = unpack_nibbles(q.upper).reshape(grouped)
     lower = None
-    if view == "target":
+    if view == "int8":
         lower = unpack_nibbles(q.lower).reshape(grouped).to(torch.int8) - LOWER_OFFSET
     out = _dequantize_groups(upper, lower, q.scale.unsqueeze(3), q.zero.unsqueeze(3))
     return out.reshape(B, n_kv, T, D)
@@ -200,10 +203,10 @@ def quantize_values(v: torch.Tensor, group_size: int | None = None) -> Quantized
 
 
 def dequantize_values(
-    q: QuantizedGroupTensor, group_size: int | None = None, view: str = "target"
+    q: QuantizedGroupTensor, group_size: int | None = None, view: str = "int8"
 ) -> torch.Tensor:
-    """Values in the `view` ("draft" or "target") as fp32 [B, n_kv, T, D]."""
-    _check_view(view)
+    """Values in the `view` ("int8" or "int4") as fp32 [B, n_kv, T, D]."""
+    check_view(view)
     B, n_kv, T, half_d = q.upper.shape
     D = 2 * half_d
     G = D if group_size is None else group_size
@@ -212,7 +215,7 @@ def dequantize_values(
     grouped = (B, n_kv, T, D // G, G)
     upper = unpack_nibbles(q.upper).reshape(grouped)
     lower = None
-    if view == "target":
+    if view == "int8":
         lower = unpack_nibbles(q.lower).reshape(grouped).to(torch.int8) - LOWER_OFFSET
     out = _dequantize_groups(upper, lower, q.scale.unsqueeze(4), q.zero.unsqueeze(4))
     return out.reshape(B, n_kv, T, D)
@@ -242,16 +245,98 @@ def kv_bytes_per_token(
 ) -> KVBytes:
     """Bytes per token per KV head of the quantized history in `view` (K + V).
 
-    Draft reads the upper plane (D/2 bytes per tensor); target reads both (D bytes). Both
+    "int4" reads the upper plane (D/2 bytes per tensor); "int8" reads both (D bytes). Both
     read the metadata: keys hold 2 fp32 per channel per G_k tokens (8*D/G_k bytes per
     token), values 2 fp32 per G_v channels of each token (8*D/G_v). No padding: D is even,
     key groups are whole, G_v divides D. Group sizes default to head_dim (the paper's G).
     Covers the quantized history only, not the full-precision recent buffer.
     """
-    _check_view(view)
+    check_view(view)
     g_k = head_dim if key_group_size is None else key_group_size
     g_v = head_dim if value_group_size is None else value_group_size
-    planes = 1 if view == "draft" else 2
+    planes = 1 if view == "int4" else 2
     payload = 2 * planes * head_dim / 2  # (K and V) x planes x D nibbles
     metadata = 2 * 4 * head_dim / g_k + 2 * 4 * head_dim / g_v  # (scale, zero) fp32
     return KVBytes(payload=payload, metadata=metadata)
+
+
+# ---------------------------------------------------------------------------------------------
+# What the attention kernels read: one layer of the cache, and the per-query visibility
+
+
+@dataclass(frozen=True)
+class HierLayerView:
+    """One layer of the hierarchical cache, as stored (slices of the cache's buffers, no copy).
+
+    Planes k_upper/k_lower/v_upper/v_lower [B, n_kv, S, D/2] uint8 (S: the planes' capacity;
+    only the history a query sees is read); k_scale/k_zero [B, n_kv, S/G, D] fp32 (keys per
+    channel per G tokens); v_scale/v_zero [B, n_kv, S, D/G] fp32 (values per token per G
+    channels); fp_k/fp_v [B, n_kv, F, D] (fp32 or bf16) the full-precision region, positions
+    fp_pos0 .. fp_pos0 + F - 1, where fp_pos0 is the layer's quantized length n_quant.
+    """
+
+    k_upper: torch.Tensor
+    k_lower: torch.Tensor
+    k_scale: torch.Tensor
+    k_zero: torch.Tensor
+    v_upper: torch.Tensor
+    v_lower: torch.Tensor
+    v_scale: torch.Tensor
+    v_zero: torch.Tensor
+    fp_k: torch.Tensor
+    fp_v: torch.Tensor
+    fp_pos0: int
+    group_size: int
+
+    def check(self, q: torch.Tensor, kv: str) -> None:
+        """ValueError unless q [B, H, T, D] and the KV view `kv` fit this layer's shapes."""
+        check_view(kv)
+        B, H, T, D = q.shape
+        G, n_kv = self.group_size, self.k_upper.shape[1]
+        if H % n_kv:
+            raise ValueError(f"{H} query heads are not a multiple of {n_kv} KV heads")
+        if self.k_upper.shape[:2] != (B, n_kv) or self.k_upper.shape[3] * 2 != D:
+            raise ValueError(f"planes {tuple(self.k_upper.shape)} do not match q {tuple(q.shape)}")
+        if D % G or G % 2:
+            raise ValueError(f"group size {G} must be even and divide head_dim {D}")
+        S = self.k_upper.shape[2]
+        if self.k_scale.shape != (B, n_kv, S // G, D):
+            raise ValueError(f"k_scale {tuple(self.k_scale.shape)} does not match G = {G}")
+        if self.v_scale.shape != (B, n_kv, S, D // G):
+            raise ValueError(f"v_scale {tuple(self.v_scale.shape)} does not match G = {G}")
+        fp_k, fp_v = self.fp_k, self.fp_v
+        if fp_k.shape[:2] != (B, n_kv) or fp_k.shape[3] != D or fp_v.shape != fp_k.shape:
+            raise ValueError(f"fp_k/fp_v {tuple(fp_k.shape)} do not match q {tuple(q.shape)}")
+
+
+@dataclass(frozen=True)
+class QueryRows:
+    """Which keys each of T queries sees (tensors or sequences of T ints; on the CPU, a kernel
+    reads them without a device sync). Query t at position input_pos[t] sees
+
+    - history key j (position j) iff j < n_quant_q[t] (a multiple of G);
+    - full-precision key j (position fp_pos0 + j) iff fp_lo[t] <= j and fp_pos0 + j <=
+      input_pos[t].
+
+    Per-query n_quant_q / fp_lo serve the cache's "late" queries, which see the oldest G
+    full-precision tokens (F1) as quantized history instead, staged in the planes' next slot
+    (n_quant_q = n_quant + G, fp_lo = G); every other query has n_quant_q = n_quant, fp_lo = 0.
+    """
+
+    n_quant_q: torch.Tensor
+    fp_lo: torch.Tensor
+    input_pos: torch.Tensor
+
+    def index(self, T: int) -> torch.Tensor:
+        """The three vectors as one int64 CPU tensor [3, T] (rows: n_quant_q, input_pos,
+        fp_lo): one host copy serves a grid size and one upload."""
+        rows = [
+            torch.as_tensor(x).reshape(-1).to("cpu", torch.int64)
+            for x in (self.n_quant_q, self.input_pos, self.fp_lo)
+        ]
+        for name, row in zip(("n_quant_q", "input_pos", "fp_lo"), rows, strict=True):
+            if row.numel() != T:
+                raise ValueError(
+                    f"{name} must have one entry per query (T = {T}), got {row.numel()}"
+                )
+        return torch.stack(rows)

@@ -1,9 +1,22 @@
-"""Pure-PyTorch reference ops. Fused kernels elsewhere in `kernels/` must match these."""
+"""Pure-PyTorch reference attention. Fused kernels elsewhere in `kernels/` must match these.
+
+`causal_attention` (with `causal_mask`) over a full-precision cache; `hier_attention_ref`
+over one layer of the hierarchical INT4/INT8 cache (`kernels.planes`), the twin of the
+Triton and C++ kernels that `kernels.attention.hier_attention` dispatches to.
+"""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from kernels.planes import (
+    HierLayerView,
+    QuantizedGroupTensor,
+    QueryRows,
+    dequantize_keys,
+    dequantize_values,
+)
 
 
 def causal_mask(input_pos: torch.Tensor, n_keys: int) -> torch.Tensor | None:
@@ -43,87 +56,57 @@ def causal_attention(
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
-def _partial_attention(q, k, v, mask, scale):
-    """One flash-decoding chunk: unnormalized output and its softmax statistics.
-
-    q [B, n_kv, R, T, D] (R query heads per KV head), k/v [B, n_kv, S, D], mask [T, S] or None.
-    Returns acc [B, n_kv, R, T, D] (sum of exp(s - m) v), m and l [B, n_kv, R, T, 1] (row max,
-    sum of exp(s - m)). Fully masked rows get m = -inf, l = 0, acc = 0.
-    """
-    scores = torch.einsum("bhrtd,bhsd->bhrts", q, k) * scale  # [B, n_kv, R, T, S]
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    m = scores.amax(-1, keepdim=True)
-    safe_m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    p = torch.exp(scores - safe_m)
-    return torch.einsum("bhrts,bhsd->bhrtd", p, v), m, p.sum(-1, keepdim=True)
+def _history(upper, lower, scale, zero, n_hist: int, G: int, kv: str, keys: bool):
+    """Dequantized history positions [0, n_hist) as fp32 [B, n_kv, n_hist, D]."""
+    meta = slice(0, n_hist // G) if keys else slice(0, n_hist)
+    packed = QuantizedGroupTensor(
+        upper[:, :, :n_hist], lower[:, :, :n_hist], scale[:, :, meta], zero[:, :, meta]
+    )
+    if keys:
+        return dequantize_keys(packed, G, kv)
+    return dequantize_values(packed, G, kv)
 
 
-def merge_partials(parts):
-    """Log-sum-exp merge of `_partial_attention` results -> normalized output."""
-    m = torch.stack([pm for _, pm, _ in parts]).amax(0)
-    safe_m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    acc = torch.zeros_like(parts[0][0])
-    denom = torch.zeros_like(parts[0][2])
-    for part_acc, part_m, part_l in parts:
-        w = torch.exp(torch.where(torch.isfinite(part_m), part_m - safe_m, part_m))  # 0 if -inf
-        acc = acc + part_acc * w
-        denom = denom + part_l * w
-    return acc / denom
+def _visibility(index: torch.Tensor, n_hist: int, n_fp: int, fp_pos0: int, device) -> torch.Tensor:
+    """Which keys each query sees: bool [T, n_hist + F] (history first, then the fp region)."""
+    n_quant_q, input_pos, fp_lo = (row.to(device) for row in index)
+    hist = torch.arange(n_hist, device=device)[None, :] < n_quant_q[:, None]  # [T, n_hist]
+    j = torch.arange(n_fp, device=device)[None, :]
+    fp = (j >= fp_lo[:, None]) & (fp_pos0 + j <= input_pos[:, None])  # [T, F]
+    return torch.cat((hist, fp), dim=1)
 
 
-def hierarchical_attention(
+def hier_attention_ref(
     q: torch.Tensor,
-    dequant_chunk,
-    n_quant: int,
-    fp_k: torch.Tensor,
-    fp_v: torch.Tensor,
-    input_pos: torch.Tensor,
-    chunk_size: int,
-    fp_hidden: torch.Tensor | None = None,
-    extra: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    view: HierLayerView,
+    rows: QueryRows,
+    kv: str,
+    chunk_size: int | None = None,
 ) -> torch.Tensor:
-    """Attention over quantized history [0, n_quant) plus a full-precision region, in chunks.
+    """Attention over one layer of the hierarchical cache, written plainly: dequantize the
+    visible history in the KV view `kv` ("int8": both planes, "int4": the upper plane), append
+    the full-precision region, one masked fp32 softmax. q [B, H, T, D] (H a multiple of
+    n_kv); visibility per query from `rows` (`QueryRows`). Returns [B, H, T, D] in q's dtype;
+    a query that sees no key gets zeros.
 
-    The structure the fused kernel has: the quantized history is split into chunks of
-    `chunk_size` tokens, each dequantized (`dequant_chunk(start, end) -> (k, v)` fp32
-    [B, n_kv, end - start, D], in the path's view) and reduced to partial softmax statistics;
-    the full-precision region fp_k/fp_v [B, n_kv, F, D] (positions n_quant..n_quant + F - 1)
-    is one more chunk with the causal mask; partials merge by log-sum-exp.
-    `fp_hidden` [T, F] (bool) hides full-precision keys from some queries, which see those
-    positions instead through `extra` = (k, v, visible [T, E]): the oldest full-precision group
-    in its quantized view, for queries past the point where it counts as history.
-    q [B, H, T, D] at positions input_pos [T] (all >= n_quant). Returns [B, H, T, D] in q's dtype.
+    The twin of the Triton kernel (`kernels/triton/hier_attention.py`) and the C++ one
+    (`kernels/cpu/hier_attention.cpp`), which take the same arguments. `chunk_size` (their
+    history tokens per program) does not apply to one softmax and is ignored.
     """
+    view.check(q, kv)
     B, H, T, D = q.shape
-    n_kv = fp_k.shape[1]
+    n_kv, G = view.k_upper.shape[1], view.group_size
+    index = rows.index(T)
+    n_hist = int(index[0].max()) if T else 0
+    keys = _history(view.k_upper, view.k_lower, view.k_scale, view.k_zero, n_hist, G, kv, True)
+    values = _history(view.v_upper, view.v_lower, view.v_scale, view.v_zero, n_hist, G, kv, False)
+    keys = torch.cat((keys, view.fp_k.float()), dim=2)  # [B, n_kv, n_hist + F, D]
+    values = torch.cat((values, view.fp_v.float()), dim=2)
+    visible = _visibility(index, n_hist, view.fp_k.shape[2], int(view.fp_pos0), q.device)
+
     qg = q.float().view(B, n_kv, H // n_kv, T, D)  # query heads grouped by their KV head
-    scale = D**-0.5
-    parts = []
-    for start in range(0, n_quant, chunk_size):
-        k, v = dequant_chunk(start, min(start + chunk_size, n_quant))
-        parts.append(_partial_attention(qg, k, v, None, scale))  # history precedes all queries
-    if extra is not None:
-        parts.append(_partial_attention(qg, extra[0], extra[1], extra[2], scale))
-    key_pos = n_quant + torch.arange(fp_k.shape[2], device=q.device)
-    mask = key_pos[None, :] <= input_pos[:, None]  # [T, F]
-    if fp_hidden is not None:
-        mask = mask & ~fp_hidden
-    parts.append(_partial_attention(qg, fp_k.float(), fp_v.float(), mask, scale))
-    return merge_partials(parts).view(B, H, T, D).to(q.dtype)
-
-
-def dense_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, input_pos: torch.Tensor
-) -> torch.Tensor:
-    """Plain fp32 softmax attention (GQA, causal by position): the check for the chunked one.
-
-    q [B, H, T, D], k/v [B, n_kv, S, D] for positions 0..S-1, input_pos [T].
-    """
-    B, H, T, D = q.shape
-    n_kv = k.shape[1]
-    qg = q.float().view(B, n_kv, H // n_kv, T, D)
-    scores = torch.einsum("bhrtd,bhsd->bhrts", qg, k.float()) * D**-0.5
-    mask = torch.arange(k.shape[2], device=q.device)[None, :] <= input_pos[:, None]
-    probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
-    return torch.einsum("bhrts,bhsd->bhrtd", probs, v.float()).reshape(B, H, T, D)
+    scores = torch.einsum("bhrtd,bhsd->bhrts", qg, keys) * D**-0.5
+    probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+    probs = torch.where(visible.any(-1, keepdim=True), probs, 0.0)  # fully masked: 0, not NaN
+    out = torch.einsum("bhrts,bhsd->bhrtd", probs, values)
+    return out.reshape(B, H, T, D).to(q.dtype)

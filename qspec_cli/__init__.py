@@ -1,4 +1,4 @@
-"""qspec's command line (`qspec_cli.main`)."""
+"""qspec's command line (`qspec_cli.app`; one module per command)."""
 
 import os
 

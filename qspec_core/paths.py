@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 
 from qspec_core.errors import QspecError
+
+BUNDLED_TEXTS = Path(__file__).resolve().parent / "data"  # license texts: prompts, calibration
 
 
 def qspec_home(env: dict[str, str] | None = None) -> Path:
@@ -58,3 +61,11 @@ def check_output_file(path: Path, option: str) -> None:
         raise QspecError(f"{option} {path}: folder {parent} does not exist")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise QspecError(f"{option} {path}: folder {parent} is not writable")
+
+
+def sha256_file(path: Path, chunk: int = 8 << 20) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()

@@ -4,6 +4,8 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import shutil  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
@@ -11,6 +13,17 @@ import torch  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 DATA = REPO / "qspec_core" / "data"
+# The shape every tiny test model shares (hf_tiny, tiny_model_dir, test_config); each adds its
+# vocabulary, context and KV heads.
+TINY_SHAPE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4)
+
+
+def run_qspec(*args, cwd=None, env=None, input=None, timeout=600):
+    """`qspec ARGS` in a fresh process (`python -m qspec_cli.app`), output captured as text."""
+    cmd = [sys.executable, "-m", "qspec_cli.app", *map(str, args)]
+    return subprocess.run(
+        cmd, input=input, capture_output=True, text=True, cwd=cwd, env=env, timeout=timeout
+    )
 
 
 @pytest.fixture(scope="session")
@@ -19,6 +32,16 @@ def default_model_dir() -> Path:
     from qspec_core.registry.sources import resolve_model
 
     return resolve_model(None)
+
+
+@pytest.fixture(scope="session")
+def default_converted(default_model_dir) -> Path:
+    """The default model's converted folder (4-bit draft, INT8 weights), made once per machine
+    by the explicit step every CLI command takes first (loading never converts)."""
+    from qspec_core.registry.prepare import prepare_named
+    from qspec_core.registry.sources import DEFAULT_MODEL
+
+    return prepare_named(DEFAULT_MODEL, log=lambda m: None)
 
 
 @pytest.fixture(scope="session")
@@ -40,12 +63,9 @@ def tiny_model_dir(tmp_path_factory, default_model_dir) -> Path:
 
     folder = tmp_path_factory.mktemp("tiny-llama-hf")
     config = transformers.LlamaConfig(
-        vocab_size=49152,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
+        **TINY_SHAPE | dict(intermediate_size=128),  # a wider MLP than hf_tiny's
         num_key_value_heads=2,
+        vocab_size=49152,
         max_position_embeddings=512,
         tie_word_embeddings=True,
         eos_token_id=2,

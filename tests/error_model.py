@@ -6,12 +6,19 @@ almost exactly). A bound that scales with the rounding actually present, so it n
 on a CPU whose vector width changes the summation order nor lets a real error through where
 the outputs are small.
 
-Also the float64 attention over dequantized K/V that the references here share.
+Also the float64 attention over dequantized K/V that the references here share, and over one
+layer of the hierarchical cache (`hier_attention64`, the arguments of `kernels.attention`).
 """
 
 import torch
 
-from kernels.planes import QuantizedGroupTensor, dequantize_keys, dequantize_values
+from kernels.planes import (
+    HierLayerView,
+    QuantizedGroupTensor,
+    QueryRows,
+    dequantize_keys,
+    dequantize_values,
+)
 
 EPS32 = torch.finfo(torch.float32).eps
 
@@ -42,13 +49,14 @@ def assert_within_error_model(got, ref32, ref64, factor: float, ulps: float = 2.
     return err, torch_err
 
 
-def dequantize64(upper, lower, scale, zero, group_size: int, view: str, keys: bool):
-    """Packed planes -> K or V in float64: the codes are exact, so this is the data the
-    quantized cache holds, without the fp32 rounding of `kv_quant`'s dequantization."""
+def dequantize64(upper, lower, scale, zero, group_size: int, kv: str, keys: bool):
+    """Packed planes -> K or V in float64 in the KV view `kv` ("int8" or "int4"): the codes
+    are exact, so this is the data the quantized cache holds, without the fp32 rounding of
+    `kernels.planes`' dequantization."""
     packed = QuantizedGroupTensor(upper, lower, scale.double(), zero.double())
     if keys:
-        return dequantize_keys(packed, group_size, view).double()
-    return dequantize_values(packed, group_size, view).double()
+        return dequantize_keys(packed, group_size, kv).double()
+    return dequantize_values(packed, group_size, kv).double()
 
 
 def attention64(q, k, v, visible):
@@ -61,3 +69,30 @@ def attention64(q, k, v, visible):
     probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
     probs = torch.where(visible.any(-1, keepdim=True), probs, 0.0)
     return torch.einsum("bhrts,bhsd->bhrtd", probs, v.double()).reshape(B, H, T, D)
+
+
+def hier_attention64(q, view: HierLayerView, rows: QueryRows, kv: str):
+    """The attention `kernels.attention.hier_attention` computes, in float64: the same planes
+    dequantized exactly, the same full-precision region and the same per-query visibility
+    (history j < n_quant_q[t]; fp key j with fp_lo[t] <= j and fp_pos0 + j <= input_pos[t])."""
+    G = view.group_size
+    n_quant_q, fp_lo, pos = (torch.as_tensor(x).cpu() for x in (rows.n_quant_q, rows.fp_lo,
+                                                                 rows.input_pos))  # fmt: skip
+    n = int(n_quant_q.max())
+    keys = dequantize64(view.k_upper[:, :, :n], view.k_lower[:, :, :n],
+                        view.k_scale[:, :, : n // G], view.k_zero[:, :, : n // G], G, kv,
+                        keys=True)  # fmt: skip
+    values = dequantize64(view.v_upper[:, :, :n], view.v_lower[:, :, :n],
+                          view.v_scale[:, :, :n], view.v_zero[:, :, :n], G, kv,
+                          keys=False)  # fmt: skip
+    j = torch.arange(view.fp_k.shape[2])
+    visible = torch.cat(
+        (
+            torch.arange(n)[None, :] < n_quant_q[:, None],
+            (j[None, :] >= fp_lo[:, None]) & (view.fp_pos0 + j[None, :] <= pos[:, None]),
+        ),
+        dim=1,
+    )
+    keys = torch.cat((keys, view.fp_k.double()), 2)
+    values = torch.cat((values, view.fp_v.double()), 2)
+    return attention64(q, keys, values, visible)

@@ -2,22 +2,15 @@
 
 import torch
 import transformers
+from conftest import TINY_SHAPE
 
 from qspec_core.config import ModelConfig
 from qspec_core.model.checkpoint import build_model
 
 
 def tiny_hf(model_type: str, seed: int = 0, **overrides):
-    kwargs = dict(
-        vocab_size=101,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )
+    kwargs = dict(TINY_SHAPE, vocab_size=101, num_key_value_heads=2, max_position_embeddings=64)
+    kwargs["tie_word_embeddings"] = False
     kwargs.update(overrides)
     config = transformers.AutoConfig.for_model(model_type, **kwargs)
     torch.manual_seed(seed)

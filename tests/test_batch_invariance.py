@@ -8,13 +8,13 @@ import torch
 from hf_tiny import ours_from_hf, tiny_hf
 
 from kernels.cpu import build as cpu_ext
-
 from kernels.cpu import linear as cpu_linear
-from kernels.triton.w8a16 import quantize_int8
-from qspec_core.engine.generate import prefill
+from kernels.formats import quantize_int8
 from qspec_core.cache.hierarchical import HierarchicalKVCache
+from qspec_core.engine.generate import prefill
+from qspec_core.model.transformer import attach_int8, linear_layers
+from qspec_core.precision import TARGET
 from qspec_core.quant.int8 import Int8Linear
-from qspec_core.model.transformer import attach_int8, linear_layers, set_target_weights
 
 pytestmark = pytest.mark.skipif(not cpu_ext.available(), reason="no C++ compiler here")
 
@@ -88,7 +88,6 @@ def _tiny_model(dtype: torch.dtype, weights: str):
         attach_int8(
             model, {n: Int8Linear.from_linear(layer) for n, layer in linear_layers(model).items()}
         )
-        set_target_weights(model, "int8")
     return model.to(dtype)
 
 
@@ -99,6 +98,7 @@ def test_verify_logits_equal_one_token_at_a_time(dtype, weights):
     for bit, for every dtype and target weights qspec offers; M up to gamma + 1 = 17."""
     torch.manual_seed(0)
     model = _tiny_model(DTYPES[dtype], weights)
+    path = TARGET.with_weights(weights)
     G = model.config.head_dim
 
     # 157 = 64 quantized + 93 in the full-precision region: its last block of keys is ragged
@@ -109,7 +109,7 @@ def test_verify_logits_equal_one_token_at_a_time(dtype, weights):
     def fresh():
         cache = HierarchicalKVCache(model.config, 256, dtype=model.dtype)
         with torch.no_grad():
-            prefill(model, cache, prompt, 0, "target", chunk_size=G)
+            prefill(model, cache, prompt, 0, path, chunk_size=G)
         cache.commit(n)
         return cache
 
@@ -119,10 +119,10 @@ def test_verify_logits_equal_one_token_at_a_time(dtype, weights):
         assert batched.quantized_len == 64
         with torch.no_grad():
             pos = torch.arange(n, n + M)
-            together = model(torch.tensor([tokens[:M]]), pos, batched, "target")[0]
+            together = model(torch.tensor([tokens[:M]]), pos, batched, path)[0]
             alone = torch.cat(
                 [
-                    model(torch.tensor([[t]]), torch.tensor([n + i]), single, "target")[0]
+                    model(torch.tensor([[t]]), torch.tensor([n + i]), single, path)[0]
                     for i, t in enumerate(tokens[:M])
                 ]
             )

@@ -4,8 +4,8 @@ import pytest
 import torch
 from hf_tiny import ours_from_hf, tiny_hf
 
-from qspec_core.engine.generate import prefill
 from qspec_core.cache.full import FullPrecisionCache
+from qspec_core.engine.generate import prefill
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen2"])

@@ -12,7 +12,7 @@ from conftest import DATA
 
 def run_qspec(*args, cwd=None, env=None, input=None, timeout=600):
     return subprocess.run(
-        [sys.executable, "-m", "qspec_cli.main", *map(str, args)],
+        [sys.executable, "-m", "qspec_cli.app", *map(str, args)],
         input=input,
         capture_output=True,
         text=True,
@@ -116,7 +116,7 @@ def test_chat_commands(tiny_model_dir, workdir):
         [
             sys.executable,
             "-m",
-            "qspec_cli.main",
+            "qspec_cli.app",
             "chat",
             "--document",
             str(doc),

@@ -1,8 +1,8 @@
 """The CLI's error contract on odd input: exactly one `error:` line on stderr, exit code 2,
 nothing written, no traceback; options checked before the model loads wherever they can be.
 
-Most cases run `qspec_cli.main.main` in this process (fast); reading standard input and FIFOs
-goes through a real `python -m qspec_cli.main` process.
+Most cases run `qspec_cli.app.main` in this process (fast); reading standard input and FIFOs
+goes through a real `python -m qspec_cli.app` process.
 """
 
 import json
@@ -14,7 +14,8 @@ from dataclasses import dataclass
 import pytest
 from test_cli import run_qspec
 
-from qspec_cli import main as cli
+from qspec_cli import app, common
+from qspec_cli import prefill as prefill_command
 
 
 @dataclass
@@ -26,7 +27,7 @@ class Result:
 
 def qspec(capsys, *args) -> Result:
     with pytest.raises(SystemExit) as exit_:
-        cli.main([str(a) for a in args])
+        app.main([str(a) for a in args])
     captured = capsys.readouterr()
     return Result(exit_.value.code, captured.out, captured.err)
 
@@ -53,7 +54,7 @@ def no_model(monkeypatch):
     def load(*args, **kwargs):
         raise AssertionError("the model was loaded before the bad input was refused")
 
-    monkeypatch.setattr(cli, "_load", load)
+    monkeypatch.setattr(common, "load", load)
 
 
 # ----------------------------------------------------------------------------- click's errors
@@ -97,9 +98,20 @@ def test_ctrl_c_exits_130(capsys, doc, monkeypatch):
     def load(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(cli, "_load", load)
+    monkeypatch.setattr(common, "load", load)
     result = qspec(capsys, "summarize", doc)
     assert result.code == 130 and result.err.strip() == "interrupted"
+
+
+def test_kernel_setting_errors_are_one_line(capsys, doc, monkeypatch):
+    """The kernels' own user errors (a bad QSPEC_CPU_* setting) follow the same contract."""
+    from kernels.cpu.build import BuildSettingError
+
+    def load(*args, **kwargs):
+        raise BuildSettingError("QSPEC_CPU_ISA='avx9': expected one of native, avx2")
+
+    monkeypatch.setattr(common, "load", load)
+    assert_one_error(qspec(capsys, "summarize", doc), "QSPEC_CPU_ISA='avx9'")
 
 
 # ----------------------------------------------------------------------------- before the model
@@ -195,13 +207,14 @@ def test_other_inputs_before_loading(capsys, tmp_path, doc, no_model):
 @pytest.fixture
 def no_prefill(monkeypatch):
     """Fail the test if a command gets as far as building a session or running a bench."""
-    import qspec_core.bench.runner
     import qspec_core.bench.quality
+    import qspec_core.bench.runner
 
     def refuse(*args, **kwargs):
         raise AssertionError("work started before the bad option was refused")
 
-    monkeypatch.setattr(cli, "ChatSession", refuse)
+    monkeypatch.setattr(common, "ChatSession", refuse)  # summarize, chat
+    monkeypatch.setattr(prefill_command, "ChatSession", refuse)
     monkeypatch.setattr(qspec_core.bench.runner, "run_bench", refuse)
     monkeypatch.setattr(qspec_core.bench.quality, "measure_kv_quality", refuse)
 
@@ -272,7 +285,7 @@ def test_markup_like_paths_in_a_whole_run(capsys, tiny_model_dir, doc, tmp_path,
     """Snapshot, model folder and document named like rich markup: written, read and shown."""
     import shutil
 
-    monkeypatch.setattr(cli.out, "width", 400)  # long paths stay on one line
+    monkeypatch.setattr(common.out, "width", 400)  # long paths stay on one line
 
     model = tmp_path / "tiny[/x]"
     shutil.copytree(tiny_model_dir, model)
@@ -298,7 +311,7 @@ def test_stats_counts_a_stopped_answer(capsys, tiny_model_dir, doc, monkeypatch)
 
     monkeypatch.setattr(sys, "stdin", io.StringIO("First?\nSecond?\n/stats\n/exit\n"))
     pieces = 0
-    write = cli.out.out
+    write = common.out.out
 
     def out(*args, **kwargs):
         nonlocal pieces
@@ -307,7 +320,7 @@ def test_stats_counts_a_stopped_answer(capsys, tiny_model_dir, doc, monkeypatch)
             raise KeyboardInterrupt
         write(*args, **kwargs)
 
-    monkeypatch.setattr(cli.out, "out", out)
+    monkeypatch.setattr(common.out, "out", out)
     args = ["chat", "--document", doc, "--model", tiny_model_dir, "--mode", "target-ar"]
     result = qspec(capsys, *args, "--max-new-tokens", "4")
     assert result.code == 0, result.err

@@ -1,16 +1,10 @@
 import pytest
+from conftest import TINY_SHAPE
 
 from qspec_core.config import ConfigError, ModelConfig
 from qspec_core.errors import UnsupportedModelError
 
-BASE = dict(
-    vocab_size=10,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    max_position_embeddings=4096,
-)
+BASE = dict(TINY_SHAPE, vocab_size=10, max_position_embeddings=4096)  # KV heads derived
 
 
 def test_derives_head_dim_and_kv_heads_and_ignores_unknown_keys():

@@ -7,15 +7,17 @@ import pytest
 import torch
 from hf_tiny import tiny_hf
 
-from kernels.triton.w8a16 import quantize_int8
-from qspec_core.convert.convert import convert, export_gptq, import_draft
-from qspec_core.errors import QspecError
-from qspec_core.quant.gptq import HessianCollector, gptq_quantize, gptq_quantize_int8
+from kernels.formats import quantize_int8
 from qspec_core.cache.full import FullPrecisionCache
-from qspec_core.model.transformer import linear_layers
+from qspec_core.convert.convert import convert, export_gptq, import_draft
+from qspec_core.convert.folder import load_converted
 from qspec_core.convert.formats import Int4Weight, read_quantized_checkpoint
-from qspec_core.quant.int4 import Int4Linear, dequantize, rtn_quantize
+from qspec_core.errors import QspecError
 from qspec_core.model.checkpoint import load_model
+from qspec_core.model.transformer import linear_layers
+from qspec_core.precision import DRAFT_W4, FP
+from qspec_core.quant.gptq import HessianCollector, gptq_quantize, gptq_quantize_int8
+from qspec_core.quant.int4 import Int4Linear, dequantize, rtn_quantize
 
 
 def _g(seed):
@@ -114,16 +116,16 @@ def test_convert_load_generate(tiny_folder, tmp_path, method):
     assert "lm_head" in meta["modules"] and len(meta["modules"]) == 2 * 7 + 1
     assert set(meta["source"]["files"]) == {"model.safetensors"}
     assert 0 < max(report.rel_weight_error.values()) < 0.2 and 0 < report.kl
-    loaded = load_model(out, dtype=torch.float32)
+    loaded = load_converted(out, dtype=torch.float32)
     assert all(m.draft is not None for m in linear_layers(loaded).values())
     ids = torch.tensor([calib[:20]])
     cache = FullPrecisionCache(loaded.config, 20, dtype=torch.float32)
     with torch.no_grad():
-        draft = loaded(ids, torch.arange(20), cache, "draft")
+        draft = loaded(ids, torch.arange(20), cache, DRAFT_W4)
         cache.truncate(0)
-        target = loaded(ids, torch.arange(20), cache, "fp")
+        target = loaded(ids, torch.arange(20), cache, FP)
         original = model(
-            ids, torch.arange(20), FullPrecisionCache(model.config, 20, dtype=torch.float32), "fp"
+            ids, torch.arange(20), FullPrecisionCache(model.config, 20, dtype=torch.float32), FP
         )
     torch.testing.assert_close(target, original)  # target weights untouched
     assert not torch.allclose(draft, target, atol=1e-3)  # the draft really differs
@@ -299,7 +301,7 @@ def test_awq_method_is_no_worse_than_rtn(tiny_folder, tmp_path):
     model = load_model(tiny_folder, dtype=torch.float32)
     awq = convert(tiny_folder, tmp_path / "awq", model, "awq", 32, calib, "random")
     assert awq.kl <= rtn.kl * 1.05
-    loaded = load_model(tmp_path / "awq", dtype=torch.float32)
+    loaded = load_converted(tmp_path / "awq", dtype=torch.float32)
     assert loaded.layers[0].self_attn.q_proj.draft.input_scale is not None
     with pytest.raises(QspecError, match="activation scales"):
         export_gptq(loaded, json.loads((tiny_folder / "config.json").read_text()), tmp_path / "g")

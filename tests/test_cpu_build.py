@@ -1,4 +1,4 @@
-"""Building the CPU kernels (`kernels/cpu_ext.py`): never a silent hang, never a crash.
+"""Building the CPU kernels (`kernels/cpu/build.py`): never a silent hang, never a crash.
 
 The lock logic runs against real processes (a holder in a child process, killed with
 SIGKILL); one end-to-end test kills a real build while torch's `lock` file exists and checks
@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from kernels.cpu import build as cpu_ext
-from qspec_core.errors import QspecError
+from qspec_core.errors import user_errors
+from qspec_core.paths import qspec_home
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -140,18 +141,41 @@ def test_load_falls_back_when_the_build_folder_cannot_be_made(tmp_path, fresh, k
 
 def test_bad_settings_are_user_errors(fresh):
     fresh.setenv(cpu_ext.ISA_ENV, "avx512")
-    with pytest.raises(QspecError, match="QSPEC_CPU_ISA='avx512': expected one of native"):
+    with pytest.raises(
+        cpu_ext.BuildSettingError, match="QSPEC_CPU_ISA='avx512': expected one of native"
+    ):
         cpu_ext.load()
     fresh.setenv(cpu_ext.ISA_ENV, "generic")
     fresh.setenv(cpu_ext.WAIT_ENV, "soon")
-    with pytest.raises(QspecError, match="QSPEC_CPU_BUILD_WAIT='soon'"):
+    with pytest.raises(cpu_ext.BuildSettingError, match="QSPEC_CPU_BUILD_WAIT='soon'"):
         cpu_ext.load()
+
+
+def test_build_settings_errors_are_reported_as_user_errors():
+    """The CLI prints `user_errors()` as one line; the kernels raise their own class."""
+    assert cpu_ext.BuildSettingError in user_errors()
+
+
+@pytest.mark.parametrize(
+    "env",
+    [
+        {"QSPEC_HOME": "/q/home"},
+        {"QSPEC_HOME": "~/qh", "XDG_CACHE_HOME": "/xdg"},
+        {"XDG_CACHE_HOME": "/xdg"},
+        {"QSPEC_HOME": "", "XDG_CACHE_HOME": "~/x"},
+        {},
+    ],
+)
+def test_build_root_follows_qspec_home(env):
+    """The kernels read the home folder themselves (they import nothing from qspec_core): the
+    same rule as `qspec_core.paths.qspec_home`, or builds land where the CLI does not look."""
+    assert cpu_ext.build_root(env) == qspec_home(env) / "build"
 
 
 def test_avx2_on_a_cpu_without_it_is_a_user_error(fresh):
     fresh.setattr(cpu_ext, "cpu_flags", lambda: {"sse2", "avx"})
     fresh.setenv(cpu_ext.ISA_ENV, "avx2")
-    with pytest.raises(QspecError, match="lacks avx2, fma, f16c"):
+    with pytest.raises(cpu_ext.BuildSettingError, match="lacks avx2, fma, f16c"):
         cpu_ext.load()
 
 
@@ -166,7 +190,8 @@ def test_variants_get_their_own_flags_and_build_folders():
 
 def _run_load(env, timeout):
     code = (
-        "from kernels.cpu import build as cpu_ext; print('isa', cpu_ext.isa() if cpu_ext.available() else None)"
+        "from kernels.cpu import build as cpu_ext; "
+        "print('isa', cpu_ext.isa() if cpu_ext.available() else None)"
     )
     return subprocess.run(
         [sys.executable, "-c", code],
@@ -188,7 +213,7 @@ def test_a_build_killed_while_torch_holds_its_lock_does_not_hang_the_next(tmp_pa
     folder = home / "build" / cpu_ext.build_folder().name  # where the children build
     if built.name == folder.name:  # (else the sources changed since: a whole build)
         shutil.copytree(built, folder)  # (copy2 keeps the times: ninja sees it up to date)
-        (folder / "cpu_module.o").unlink()  # so the killed build has one file to compile
+        (folder / "module.o").unlink()  # so the killed build has one file to compile
     env = {**os.environ, "QSPEC_HOME": str(home)}
     env.pop(cpu_ext.DISABLE_ENV, None)
     code = "from kernels.cpu import build as cpu_ext; cpu_ext.load()"

@@ -6,11 +6,11 @@ import torch
 from hf_tiny import ours_from_hf, tiny_hf
 
 from kernels.cpu import build as cpu_ext
-from qspec_core.cache.hierarchical import HierarchicalKVCache
 from qspec_core.cache.full import FullPrecisionCache
-from qspec_core.model.transformer import RMSNorm
-from qspec_core.quant.int4 import Int4Linear
+from qspec_core.cache.hierarchical import HierarchicalKVCache
 from qspec_core.model.rope import apply_rotary
+from qspec_core.model.transformer import RMSNorm
+from qspec_core.precision import FP, TARGET
 
 pytestmark = pytest.mark.skipif(not cpu_ext.available(), reason="no C++ compiler here")
 
@@ -63,19 +63,6 @@ def test_rope_in_place_equals_rotate_half(T, n, D):
     torch.testing.assert_close(x.transpose(1, 2), want, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("rows", [9, 20])  # (up to 8 rows take the W4A8 kernel instead)
-def test_int4_linear_call_equals_the_eager_casts(rows, eager):
-    g = _gen(rows)
-    layer = Int4Linear.from_linear(torch.nn.Linear(576, 192, bias=True), 64)
-    layer.bias.copy_(torch.randn(192, generator=g))
-    x = torch.randn(1, rows, 576, generator=g)
-    with torch.no_grad():
-        with eager:
-            want = layer(x)
-        got = layer(x)
-    assert torch.equal(got, want)  # the same kernel and casts, fewer calls
-
-
 @pytest.mark.parametrize("cache_kind", ["full", "hierarchical"])
 def test_model_steps_equal_the_eager_model(cache_kind, eager):
     """Prefill, then decode and verify-sized steps: logits with the C++ ops (norms, RoPE,
@@ -92,7 +79,7 @@ def test_model_steps_equal_the_eager_model(cache_kind, eager):
         with torch.no_grad():
             for start, stop in ((0, 16), (16, 32), (32, 33), (33, 38), (38, 39)):
                 pos = torch.arange(start, stop)
-                path = "fp" if cache_kind == "full" else "target"
+                path = FP if cache_kind == "full" else TARGET
                 out.append(model(ids[:, start:stop], pos, cache, path))
                 if cache_kind == "hierarchical":
                     cache.commit(stop)

@@ -49,7 +49,7 @@ def test_cpu_kernel_tests_pass_on_every_isa_variant(isa):
         pytest.skip(reason)
     env = {**os.environ, cpu_ext.ISA_ENV: isa, "TRITON_INTERPRET": "1"}
     env.pop(cpu_ext.DISABLE_ENV, None)
-    code = "from kernels.cpu import build as cpu_ext; cpu_ext.load(); print(cpu_ext.isa(), cpu_ext.failure())"
+    code = "from kernels.cpu import build; build.load(); print(build.isa(), build.failure())"
     built = subprocess.run(
         [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=900
     )

@@ -5,8 +5,10 @@ import torch
 import torch.nn.functional as F
 
 from kernels.cpu import build as cpu_ext
-
 from kernels.cpu import linear as cpu_linear
+from qspec_core.backend.cpu import CPU_BACKEND
+from qspec_core.model.transformer import Linear
+from qspec_core.precision import DRAFT
 from qspec_core.quant.int4 import Int4Linear
 
 pytestmark = pytest.mark.skipif(not cpu_ext.available(), reason="no C++ compiler here")
@@ -70,10 +72,15 @@ def test_int4_activation_rounding_is_small_and_has_teeth():
 
 
 def test_int4_layer_uses_the_kernel_for_a_draft_step_only():
-    layer = Int4Linear.from_linear(torch.nn.Linear(128, 32, bias=False), 64)
+    """The CPU backend (`qspec_core/backend/cpu.py`, which picks every linear's kernel) runs a
+    draft step's row on the W4A8 kernel and a prefill on the twin's own bf16 int4 kernel."""
+    outer = Linear(128, 32, bias=False)
+    outer.draft = layer = Int4Linear.from_linear(torch.nn.Linear(128, 32, bias=False), 64)
     step, prefill = torch.randn(1, 1, 128), torch.randn(1, 20, 128)
     with torch.no_grad():
         want = cpu_linear.int4_linear_ref(step, layer.packed, layer.scale, layer.zero, 64)
-        torch.testing.assert_close(layer(step), want, rtol=1e-5, atol=1e-5)
+        got = CPU_BACKEND.linear(outer, step, DRAFT)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         exact = torch.nn.functional.linear(prefill, layer.dequantized())
-        torch.testing.assert_close(layer(prefill), exact, rtol=2e-2, atol=2e-2)  # bf16 kernel
+        got = CPU_BACKEND.linear(outer, prefill, DRAFT)
+        torch.testing.assert_close(got, exact, rtol=2e-2, atol=2e-2)  # bf16 kernel

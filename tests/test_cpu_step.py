@@ -1,6 +1,6 @@
-"""The whole-stack C++ decode step (`kernels/cpu/step.cpp`, `qspec_core/cpu_step.py`) against the
-Python layer loop it replaces: the same bits on every path and cache, through rotations and
-late queries, and never a stale weight after the model changes."""
+"""The whole-stack C++ decode step (`kernels/cpu/step.cpp`, `qspec_core/backend/cpu_stack.py`)
+against the CPU backend's Python layer loop it replaces: the same bits on every path and
+cache, through rotations and late queries, and never a stale weight after the model changes."""
 
 import copy
 
@@ -9,12 +9,13 @@ import torch
 from hf_tiny import ours_from_hf, tiny_hf
 
 from kernels.cpu import build as cpu_ext
-from qspec_core.backend import cpu_stack as cpu_step
-from qspec_core.cache.hierarchical import HierarchicalKVCache
-from qspec_core.quant.int8 import Int8Linear
+from qspec_core.backend import cpu_stack
 from qspec_core.cache.full import FullPrecisionCache
-from qspec_core.model.transformer import attach_draft, attach_int8, linear_layers, set_target_weights
+from qspec_core.cache.hierarchical import HierarchicalKVCache
+from qspec_core.model.transformer import attach_draft, attach_int8, linear_layers
+from qspec_core.precision import DRAFT, DRAFT_KV4, DRAFT_W4, FP, TARGET, W8, W8_TARGET
 from qspec_core.quant.int4 import Int4Linear
+from qspec_core.quant.int8 import Int8Linear
 
 pytestmark = pytest.mark.skipif(not cpu_ext.available(), reason="no C++ compiler here")
 
@@ -35,7 +36,7 @@ def python_loop(monkeypatch):
 
     class Loop:
         def __enter__(self):
-            monkeypatch.setattr(cpu_step, "stack_for", lambda model, path: None)
+            monkeypatch.setattr(cpu_stack, "stack_for", lambda model, weights: None)
 
         def __exit__(self, *exc):
             monkeypatch.undo()
@@ -44,7 +45,7 @@ def python_loop(monkeypatch):
 
 
 def _used(model, path) -> bool:
-    return cpu_step.stack_for(model, path) is not None
+    return cpu_stack.stack_for(model, path.weights) is not None
 
 
 def _rounds(model, cache, path, ids, steps, commit=True):
@@ -73,23 +74,22 @@ STEPS += [(130, 135), (135, 136), (136, 141), (141, 149), (149, 150)]
 
 
 @pytest.mark.parametrize(
-    "cache_kind, path, weights",
+    "cache_kind, path",
     [
-        ("full", "fp", "full"),
-        ("full", "draft", "full"),
-        ("hier", "target", "full"),
-        ("hier", "draft", "full"),
-        ("hier", "draft-kv4", "full"),
-        ("full", "fp", "int8"),
-        ("hier", "target", "int8"),
+        ("full", FP),
+        ("full", DRAFT_W4),
+        ("hier", TARGET),
+        ("hier", DRAFT),
+        ("hier", DRAFT_KV4),
+        ("full", W8),
+        ("hier", W8_TARGET),
     ],
 )
-def test_stack_gives_the_python_loops_bits(cache_kind, path, weights, python_loop):
+def test_stack_gives_the_python_loops_bits(cache_kind, path, python_loop):
     model = _model()
-    if weights == "int8":
+    if path.weights == "int8":
         layers = linear_layers(model)
         attach_int8(model, {n: Int8Linear.from_linear(m) for n, m in layers.items()})
-        set_target_weights(model, "int8")
     ids = torch.randint(0, 101, (1, 150), generator=torch.Generator().manual_seed(1))
     make = _full if cache_kind == "full" else _hier
     with python_loop:
@@ -107,13 +107,13 @@ def test_speculative_rounds_with_rollbacks_and_late_queries(python_loop):
 
     def rounds():
         cache = _hier(model)
-        out = [_rounds(model, cache, "target", ids, [(0, 64), (64, 126)])]
+        out = [_rounds(model, cache, TARGET, ids, [(0, 64), (64, 126)])]
         with torch.no_grad():
             for n in range(126, 270, 3):  # 4 drafts, a verify of 5, keep 3 of them
                 for p in range(n, n + 4):
-                    out.append(model(ids[:, p : p + 1], torch.tensor([p]), cache, "draft"))
+                    out.append(model(ids[:, p : p + 1], torch.tensor([p]), cache, DRAFT))
                 pos = torch.arange(n, n + 5)
-                out.append(model(ids[:, n : n + 5], pos, cache, "target"))
+                out.append(model(ids[:, n : n + 5], pos, cache, TARGET))
                 cache.truncate(n + 3)
                 cache.commit(n + 3)
         return torch.cat(out, 1), cache.state(), cache.meta()
@@ -138,65 +138,63 @@ def test_a_changed_model_never_runs_stale_weights(python_loop):
         got = _rounds(model, _hier(model), path, ids, steps)
         return got, want
 
-    got, want = both("target")
+    got, want = both(TARGET)
     assert torch.equal(got, want)
     # in place, by load_state_dict, by a new Parameter, a new twin: each must show
     with torch.no_grad():
         model.layers[0].mlp.down_proj.weight.mul_(1.5)
-    got2, want2 = both("target")
+    got2, want2 = both(TARGET)
     assert torch.equal(got2, want2) and not torch.equal(got2, got)
     state = {k: v * 0.9 if "q_proj.weight" in k else v for k, v in model.state_dict().items()}
     model.load_state_dict(state, assign=True)
-    got3, want3 = both("target")
+    got3, want3 = both(TARGET)
     assert torch.equal(got3, want3) and not torch.equal(got3, got2)
     layer = model.layers[1].self_attn.o_proj
     layer.weight = torch.nn.Parameter(layer.weight * 0.5, requires_grad=False)
-    got4, want4 = both("target")
+    got4, want4 = both(TARGET)
     assert torch.equal(got4, want4) and not torch.equal(got4, got3)
-    d1, _ = both("draft")
+    d1, _ = both(DRAFT)
     up = model.layers[0].mlp.up_proj
     up.draft = Int4Linear.from_linear(torch.nn.Linear(128, 192, bias=False), 64)
-    d2, want_d2 = both("draft")
+    d2, want_d2 = both(DRAFT)
     assert torch.equal(d2, want_d2) and not torch.equal(d2, d1)
 
 
 def test_paths_the_stack_does_not_run_fall_back(python_loop):
     """AWQ-scaled twins, INT8 twins the int8 kernel cannot take and hooks take the Python loop
-    (and still work); switching target weights rebuilds the stack."""
+    (and still work); each weight set has its own stack."""
     model = _model(seed=6)
-    assert _used(model, "target") and _used(model, "draft")
+    assert _used(model, TARGET) and _used(model, DRAFT)
     attach_int8(model, {n: Int8Linear.from_linear(m) for n, m in linear_layers(model).items()})
-    full = cpu_step.stack_for(model, "target")
-    set_target_weights(model, "int8")
-    assert _used(model, "target") and cpu_step.stack_for(model, "target") is not full
+    full = cpu_stack.stack_for(model, "full")
+    assert _used(model, W8_TARGET) and cpu_stack.stack_for(model, "int8") is not full
     twin = Int8Linear.from_linear(torch.nn.Linear(128, 128))
     twin.weight_int8 = twin.weight_int8.t().contiguous().t()  # a layout the kernel refuses
     model.layers[0].self_attn.q_proj.int8 = twin
-    assert not _used(model, "target")
-    set_target_weights(model, "full")
-    assert _used(model, "target")
+    assert not _used(model, W8_TARGET)
+    assert _used(model, TARGET) and cpu_stack.stack_for(model, "full") is full
     proj = model.layers[1].self_attn.k_proj
     proj.draft = proj.draft.with_scales(torch.rand(128) + 0.5)
-    assert not _used(model, "draft") and _used(model, "target")
+    assert not _used(model, DRAFT) and _used(model, TARGET)
     seen = []
     handle = model.layers[0].mlp.gate_proj.register_forward_hook(lambda m, i, o: seen.append(1))
-    assert not _used(model, "target")
+    assert not _used(model, TARGET)
     ids = torch.randint(0, 101, (1, 3))
     with torch.no_grad():
-        model(ids, torch.arange(3), _full(model), "fp")
+        model(ids, torch.arange(3), _full(model), FP)
     assert seen == [1]
     handle.remove()
-    assert _used(model, "target")
+    assert _used(model, TARGET)
 
 
 def test_dtype_change_drops_the_stacks():
     model = _model(seed=7)
-    assert _used(model, "fp")
+    assert _used(model, FP)
     copy.deepcopy(model)  # (the C++ stack lives beside the model, not on it)
     model.to(torch.bfloat16)
-    assert model not in cpu_step._STACKS
+    assert model not in cpu_stack._STACKS
     model.float()
     ids = torch.randint(0, 101, (1, 4))
     with torch.no_grad():
-        out = model(ids, torch.arange(4), _full(model), "fp")
-    assert out.dtype == torch.float32 and _used(model, "fp")
+        out = model(ids, torch.arange(4), _full(model), FP)
+    assert out.dtype == torch.float32 and _used(model, FP)

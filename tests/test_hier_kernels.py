@@ -1,34 +1,45 @@
 """Triton kernels over the hierarchical KV cache, under the interpreter, against their twins.
 
-conftest.py sets TRITON_INTERPRET=1 before any import, so `_launch` really runs Triton here.
-- `hier_attention` (flash-decoding over packed planes) vs `hier_attention_ref`, and the twin
-  itself vs `dense_attention` on K/V dequantized here element by element;
-- `quantize_keys_triton` / `quantize_values_triton` vs `kv_quant`, bit for bit;
+conftest.py sets TRITON_INTERPRET=1 before any import, so the Triton kernels really run here.
+- `hier_attention_triton` (flash-decoding over packed planes) vs `kernels.reference.
+  hier_attention_ref`, and the twin itself vs float64 attention over K/V dequantized here
+  element by element; the dispatcher `kernels.attention.hier_attention`;
+- `quantize_keys_triton` / `quantize_values_triton` vs `kernels.planes`, bit for bit;
 - `benchmarks/device_check.py --dry-run` end to end.
 """
 
 import importlib.util
 import json
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
 import torch
+from error_model import attention64
 
+from kernels import attention as dispatch
+from kernels.attention import hier_attention
+from kernels.planes import (
+    LOWER_OFFSET,
+    HierLayerView,
+    QueryRows,
+    quantize_keys,
+    quantize_values,
+)
+from kernels.reference import causal_attention, hier_attention_ref
 from kernels.triton import hier_attention as hier
 from kernels.triton import kv_pack
-from kernels.triton.hier_attention import _launch, hier_attention, hier_attention_ref
+from kernels.triton.hier_attention import hier_attention_triton
 from kernels.triton.kv_pack import (
     _launch_keys,
     _launch_values,
     quantize_keys_triton,
     quantize_values_triton,
 )
-from kernels.reference import dense_attention
-from kernels.planes import LOWER_OFFSET, quantize_keys, quantize_values
 
 REPO = Path(__file__).resolve().parent.parent
+KV_VIEWS = ["int4", "int8"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -66,8 +77,8 @@ def keys_like(gen, B, n_kv, S, D):
     return torch.randn(B, n_kv, S, D, generator=gen) * spread + offset
 
 
-def build(case: Case) -> dict:
-    """hier_attention's arguments for `case`, as keywords (all but `view`)."""
+def build(case: Case) -> tuple[torch.Tensor, HierLayerView, QueryRows]:
+    """The attention's arguments for `case` but the KV view: (q, view, rows)."""
     gen = torch.Generator().manual_seed(case.seed)
     B, n_kv, S, D, G = case.B, case.n_kv, case.S, case.D, case.G
     kq = quantize_keys(keys_like(gen, B, n_kv, S, D), G)  # [B, n_kv, S, D/2] planes
@@ -87,14 +98,15 @@ def build(case: Case) -> dict:
     fp = fp.to(case.fp_dtype)
     pos = case.n_quant + case.F - case.T + torch.arange(case.T)  # [T]
     late = (pos // G - 1) * G > case.n_quant if case.late else torch.zeros(case.T, dtype=bool)
-    return dict(
-        q=torch.randn(B, n_kv * case.R, case.T, D, generator=gen).to(case.q_dtype),
+    q = torch.randn(B, n_kv * case.R, case.T, D, generator=gen).to(case.q_dtype)
+    view = HierLayerView(
         k_upper=kq.upper, k_lower=kq.lower, k_scale=kq.scale, k_zero=kq.zero,
         v_upper=vq.upper, v_lower=vq.lower, v_scale=vq.scale, v_zero=vq.zero,
-        n_quant_q=case.n_quant + G * late.long(),
         fp_k=fp[0, :, :, : case.F], fp_v=fp[1, :, :, : case.F], fp_pos0=case.n_quant,
-        fp_lo=G * late.long(), input_pos=pos, group_size=G,
+        group_size=G,
     )  # fmt: skip
+    rows = QueryRows(n_quant_q=case.n_quant + G * late.long(), fp_lo=G * late.long(), input_pos=pos)
+    return q, view, rows
 
 
 CASES = {
@@ -113,18 +125,18 @@ CASES = {
 
 def test_late_case_mixes_late_and_early_queries():
     """The late case must really give different n_quant_q / fp_lo within one call."""
-    args = build(CASES["late-queries"])
-    assert args["n_quant_q"].tolist() == [64, 64, 64, 96, 96]
-    assert args["fp_lo"].tolist() == [0, 0, 0, 32, 32]
+    _, _, rows = build(CASES["late-queries"])
+    assert rows.n_quant_q.tolist() == [64, 64, 64, 96, 96]
+    assert rows.fp_lo.tolist() == [0, 0, 0, 32, 32]
 
 
 # ---------------------------------------------------------------------------------------------
 # The twin against plain attention on explicitly dequantized K/V
 
 
-def explicit_dequant(upper, lower, scale, zero, G, view, keys):
-    """Element-wise from the layout spec, independent of kv_quant: channel d lives in byte
-    d // 2, nibble d % 2 (low first); keys take metadata [s // G, d], values [s, d // G]."""
+def explicit_dequant(upper, lower, scale, zero, G, kv, keys):
+    """Element-wise from the layout spec, independent of kernels.planes: channel d lives in
+    byte d // 2, nibble d % 2 (low first); keys take metadata [s // G, d], values [s, d // G]."""
     D = 2 * upper.shape[-1]
     d = torch.arange(D)
     shift = (4 * (d % 2)).to(torch.uint8)
@@ -134,61 +146,63 @@ def explicit_dequant(upper, lower, scale, zero, G, view, keys):
         scale, zero = scale[:, :, s_idx], zero[:, :, s_idx]  # [B, n_kv, S, D]
     else:
         scale, zero = scale[..., d // G], zero[..., d // G]
-    if view == "draft":
+    if kv == "int4":
         return u * scale + zero
     low = ((lower[..., d // 2] >> shift) & 0xF).float() - LOWER_OFFSET
     return (16 * u + low) * (scale / 16) + zero
 
 
-@pytest.mark.parametrize("view", ["draft", "target"])
+@pytest.mark.parametrize("kv", KV_VIEWS)
 @pytest.mark.parametrize("name", ["mha-t5-d128-g64-b2", "late-queries", "fp-only"])
-def test_twin_matches_dense_attention(name, view):
+def test_twin_matches_dense_attention(name, kv):
     """Query t sees history [0, n_quant_q[t]) then fp keys fp_lo[t]..: contiguous positions
-    0, 1, .. in both cases, so dense causal attention over that key list must agree."""
-    a = build(CASES[name])
-    out = hier_attention_ref(**a, view=view)
-    G = a["group_size"]
-    k_all = explicit_dequant(a["k_upper"], a["k_lower"], a["k_scale"], a["k_zero"], G, view, True)
-    v_all = explicit_dequant(a["v_upper"], a["v_lower"], a["v_scale"], a["v_zero"], G, view, False)
-    for t in range(a["q"].shape[2]):
-        n_hist, lo = int(a["n_quant_q"][t]), int(a["fp_lo"][t])
-        keys = torch.cat((k_all[:, :, :n_hist], a["fp_k"][:, :, lo:].float()), dim=2)
-        values = torch.cat((v_all[:, :, :n_hist], a["fp_v"][:, :, lo:].float()), dim=2)
-        want = dense_attention(a["q"][:, :, t : t + 1], keys, values, a["input_pos"][t : t + 1])
-        torch.testing.assert_close(out[:, :, t : t + 1].float(), want, rtol=1e-5, atol=1e-5)
+    0, 1, .. in both cases, so float64 causal attention over that key list must agree."""
+    q, v, rows = build(CASES[name])
+    out = hier_attention_ref(q, v, rows, kv)
+    G = v.group_size
+    k_all = explicit_dequant(v.k_upper, v.k_lower, v.k_scale, v.k_zero, G, kv, True)
+    v_all = explicit_dequant(v.v_upper, v.v_lower, v.v_scale, v.v_zero, G, kv, False)
+    for t in range(q.shape[2]):
+        n_hist, lo = int(rows.n_quant_q[t]), int(rows.fp_lo[t])
+        keys = torch.cat((k_all[:, :, :n_hist], v.fp_k[:, :, lo:].float()), dim=2)
+        values = torch.cat((v_all[:, :, :n_hist], v.fp_v[:, :, lo:].float()), dim=2)
+        causal = torch.arange(keys.shape[2])[None, :] <= rows.input_pos[t]  # [1, S]
+        want = attention64(q[:, :, t : t + 1], keys, values, causal)
+        torch.testing.assert_close(
+            out[:, :, t : t + 1].double(), want, rtol=1e-5, atol=1e-5, check_dtype=False
+        )
 
 
-def test_twin_views_differ_and_target_is_closer():
-    """Sanity of the views: draft and target outputs differ, and the INT8 view is closer to
+def test_twin_views_differ_and_int8_is_closer():
+    """Sanity of the views: INT4 and INT8 outputs differ, and the INT8 view is closer to
     attention over the unquantized keys and values."""
     case = Case(R=2, T=1, D=64, G=32, n_quant=128, F=33)
     gen = torch.Generator().manual_seed(3)
     k = keys_like(gen, 1, 1, case.S, 64)
     v = torch.randn(1, 1, case.S, 64, generator=gen)
     kq, vq = quantize_keys(k, 32), quantize_values(v, 32)
-    fp_k, fp_v = k[:, :, 128:161], v[:, :, 128:161]
     q = torch.randn(1, 2, 1, 64, generator=gen)
     pos = torch.tensor([160])
-    exact = dense_attention(q, k[:, :, :161], v[:, :, :161], pos)
-    errors = {}
-    for view in ("draft", "target"):
-        out = hier_attention_ref(
-            q, kq.upper, kq.lower, kq.scale, kq.zero, vq.upper, vq.lower, vq.scale, vq.zero,
-            torch.tensor([128]), fp_k, fp_v, 128, torch.tensor([0]), pos, view, 32,
-        )  # fmt: skip
-        errors[view] = (out - exact).abs().max().item()
-    assert 0 < errors["target"] < errors["draft"] / 4, errors
+    exact = causal_attention(q, k[:, :, :161], v[:, :, :161], pos)
+    view = HierLayerView(
+        kq.upper, kq.lower, kq.scale, kq.zero, vq.upper, vq.lower, vq.scale, vq.zero,
+        fp_k=k[:, :, 128:161], fp_v=v[:, :, 128:161], fp_pos0=128, group_size=32,
+    )  # fmt: skip
+    rows = QueryRows(n_quant_q=torch.tensor([128]), fp_lo=torch.tensor([0]), input_pos=pos)
+    errors = {kv: (hier_attention_ref(q, view, rows, kv) - exact).abs().max().item()
+              for kv in KV_VIEWS}  # fmt: skip
+    assert 0 < errors["int8"] < errors["int4"] / 4, errors
 
 
 # ---------------------------------------------------------------------------------------------
 # The Triton kernel (interpreter) against the twin
 
 
-def assert_matches_twin(out, a, view):
+def assert_matches_twin(out, q, view, rows, kv):
     """fp32 output: fp32 rounding of a different summation order. bf16 output: within one
     bf16 rounding of the fp32 twin (the kernel rounds once, at the end)."""
-    want = hier_attention_ref(**{**a, "q": a["q"].float()}, view=view)
-    assert out.dtype == a["q"].dtype and out.shape == a["q"].shape
+    want = hier_attention_ref(q.float(), view, rows, kv)
+    assert out.dtype == q.dtype and out.shape == q.shape
     assert torch.isfinite(out).all()
     if out.dtype == torch.float32:
         torch.testing.assert_close(out, want, rtol=2e-5, atol=2e-5)
@@ -196,62 +210,81 @@ def assert_matches_twin(out, a, view):
         tol = want.abs() * 2.0**-8 + 1e-6
         assert ((out.float() - want).abs() <= tol).all()
         # and the twin in bf16 itself stays within the same bound
-        twin = hier_attention_ref(**a, view=view)
+        twin = hier_attention_ref(q, view, rows, kv)
         assert ((twin.float() - want).abs() <= tol).all()
 
 
-@pytest.mark.parametrize("view", ["draft", "target"])
+@pytest.mark.parametrize("kv", KV_VIEWS)
 @pytest.mark.parametrize("name", list(CASES))
-def test_kernel_matches_twin(name, view):
-    a = build(CASES[name])
-    out = _launch(**a, view=view, chunk_size=CASES[name].chunk)
-    assert_matches_twin(out, a, view)
+def test_kernel_matches_twin(name, kv):
+    q, view, rows = build(CASES[name])
+    out = hier_attention_triton(q, view, rows, kv, chunk_size=CASES[name].chunk)
+    assert_matches_twin(out, q, view, rows, kv)
 
 
 def test_kernel_fully_masked_rows_are_zero():
     """A query before the fp region with no history sees nothing: zeros, not NaN, in both."""
-    a = build(Case(R=2, T=2, n_quant=0, F=20))
-    a["input_pos"] = torch.tensor([-1, 5])
-    a["n_quant_q"] = torch.tensor([0, 0])
-    for fn in (hier_attention_ref, _launch):
-        out = fn(**a, view="target")
+    q, view, rows = build(Case(R=2, T=2, n_quant=0, F=20))
+    rows = replace(rows, input_pos=torch.tensor([-1, 5]), n_quant_q=torch.tensor([0, 0]))
+    for fn in (hier_attention_ref, hier_attention_triton):
+        out = fn(q, view, rows, "int8")
         assert torch.isfinite(out).all()
         assert (out[:, :, 0] == 0).all() and (out[:, :, 1] != 0).any()
 
 
 def test_kernel_chunk_not_multiple_of_tile_and_int32_indices():
     """chunk_size 40 rounds up to the 32-token tile (here G = 32); int32 index tensors."""
-    a = build(Case(R=2, T=3, D=64, G=32, n_quant=160, F=40))
-    for key in ("n_quant_q", "fp_lo", "input_pos"):
-        a[key] = a[key].int()
-    out = _launch(**a, view="draft", chunk_size=40)
-    assert_matches_twin(out, a, "draft")
+    q, view, rows = build(Case(R=2, T=3, D=64, G=32, n_quant=160, F=40))
+    rows = QueryRows(rows.n_quant_q.int(), rows.fp_lo.int(), rows.input_pos.int())
+    out = hier_attention_triton(q, view, rows, "int4", chunk_size=40)
+    assert_matches_twin(out, q, view, rows, "int4")
 
 
-def test_wrapper_dispatch(monkeypatch):
-    a = build(Case(R=1, T=1, n_quant=32, F=10))
+def _spy(monkeypatch, module, name, calls):
+    real = getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a, **k: calls.append(name) or real(*a, **k))
+
+
+def test_dispatch(monkeypatch):
+    """`kernels.attention.hier_attention`: the C++ kernel for CPU tensors when built (before
+    the interpreter), Triton where it runs, else the twin; fused=False: always the twin."""
+    q, view, rows = build(Case(R=1, T=1, n_quant=32, F=10))
     calls = []
-    monkeypatch.setattr(hier, "_launch", lambda *x, **k: calls.append(1) or _launch(*x, **k))
-    hier_attention(**a, view="draft")
-    assert calls == [1]
+    _spy(monkeypatch, dispatch.cpu_attention, "hier_attention_cpu", calls)
+    _spy(monkeypatch, dispatch.triton_attention, "hier_attention_triton", calls)
+    _spy(monkeypatch, dispatch, "hier_attention_ref", calls)
+    if dispatch.cpu_attention.available():
+        hier_attention(q, view, rows, "int4")
+        assert calls == ["hier_attention_cpu"]
+        calls.clear()
+    monkeypatch.setattr(dispatch.cpu_attention, "available", lambda: False)
+    hier_attention(q, view, rows, "int4", chunk_size=64)
+    assert calls == ["hier_attention_triton"]
+    calls.clear()
+    want = hier_attention_ref(q, view, rows, "int4")
+    assert torch.equal(hier_attention(q, view, rows, "int4", fused=False), want)
+    assert calls == ["hier_attention_ref"]
+    calls.clear()
+    assert hier.triton_usable(q) and not hier.triton_usable(q[..., :24])  # (Triton: D = 2**k)
     monkeypatch.delenv("TRITON_INTERPRET")
-    monkeypatch.setattr(hier, "_launch", lambda *x, **k: pytest.fail("Triton ran on CPU"))
-    assert not hier.triton_usable(a["q"])
-    assert torch.equal(hier_attention(**a, view="draft"), hier_attention_ref(**a, view="draft"))
+    assert not hier.triton_usable(q)
+    assert torch.equal(hier_attention(q, view, rows, "int4"), want)
+    assert calls == ["hier_attention_ref"]
 
 
 def test_bad_arguments():
-    a = build(Case(R=1, T=2, n_quant=32, F=10))
-    with pytest.raises(ValueError, match="view"):
-        hier_attention_ref(**a, view="int8")
-    with pytest.raises(ValueError, match="fp_lo"):
-        hier_attention_ref(**{**a, "fp_lo": torch.zeros(3)}, view="draft")
+    q, view, rows = build(Case(R=1, T=2, n_quant=32, F=10))
+    for fn in (hier_attention_ref, hier_attention_triton):
+        with pytest.raises(ValueError, match="view"):
+            fn(q, view, rows, "target")  # (views are named by their bits)
+        with pytest.raises(ValueError, match="fp_lo"):
+            fn(q, view, replace(rows, fp_lo=torch.zeros(3)), "int4")
     with pytest.raises(ValueError, match="group size"):
-        _launch(**{**a, "group_size": 48}, view="draft")
+        hier_attention_triton(q, replace(view, group_size=48), rows, "int4")
 
 
 # ---------------------------------------------------------------------------------------------
-# kv_pack: bit for bit against kv_quant
+# kv_pack: bit for bit against kernels.planes
 
 
 def assert_same_quantization(got, want):
@@ -271,7 +304,7 @@ PACK_SHAPES = [  # (B, n_kv, T, D, G)
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("B,n_kv,T,D,G", PACK_SHAPES)
-def test_pack_matches_kv_quant(B, n_kv, T, D, G, dtype):
+def test_pack_matches_the_planes_twin(B, n_kv, T, D, G, dtype):
     gen = torch.Generator().manual_seed(T + D + G)
     k = keys_like(gen, B, n_kv, T, D).to(dtype)
     v = (torch.randn(B, n_kv, T, D, generator=gen) * 2).to(dtype)

@@ -13,9 +13,9 @@ import pytest
 from qspec_core import documents
 from qspec_core.config import check_kv_group_size
 from qspec_core.documents import read_document
+from qspec_core.engine.sampling import MIN_TEMPERATURE, SamplingParams
 from qspec_core.errors import QspecError
 from qspec_core.paths import check_output_file, writable_models_dir
-from qspec_core.engine.sampling import MIN_TEMPERATURE, SamplingParams
 
 # ----------------------------------------------------------------------------- documents
 

@@ -114,8 +114,8 @@ def test_reconstruction_bounds(shape, layout, outliers):
     s = per_element(layout, q.scale, group)
     zero = per_element(layout, q.zero, group)
     eps = fp32_eps(x, zero, s)
-    draft = dequantize(layout, q, group, "draft")
-    target = dequantize(layout, q, group, "target")
+    draft = dequantize(layout, q, group, "int4")
+    target = dequantize(layout, q, group, "int8")
     assert draft.dtype == target.dtype == torch.float32
     err_draft, err_target = (x - draft).abs(), (x - target).abs()
 
@@ -134,7 +134,7 @@ def test_target_error_at_top_of_residual_range():
     """Documents the clamp: with s = 1, x = 0.49 has r = 0.49 -> L = round(7.84) = 8 -> 7."""
     v = torch.tensor([0.0, 0.49, 15.0, 3.0]).reshape(1, 1, 1, 4)
     q = quantize_values(v, 4)
-    target = dequantize_values(q, 4, "target")
+    target = dequantize_values(q, 4, "int8")
     assert target[0, 0, 0, 1].item() == pytest.approx(7 / 16)
     assert abs(0.49 - target[0, 0, 0, 1].item()) <= 1 / 16
 
@@ -161,8 +161,8 @@ def test_grid_values_are_exact(layout):
     group = 16
     x = grid_kv(layout, 2, 2, 32, 64, group)
     q = quantize(layout, x, group)
-    assert torch.equal(dequantize(layout, q, group, "draft"), x)
-    assert torch.equal(dequantize(layout, q, group, "target"), x)
+    assert torch.equal(dequantize(layout, q, group, "int4"), x)
+    assert torch.equal(dequantize(layout, q, group, "int8"), x)
     assert torch.equal(unpack_nibbles(q.lower), torch.full_like(x, 8, dtype=torch.uint8))
 
 
@@ -193,7 +193,7 @@ def test_constant_groups_are_exact(layout):
         x = torch.full((1, 2, 32, 32), value)
         q = quantize(layout, x, group)
         assert (q.scale == 0).all()
-        for view in ("draft", "target"):
+        for view in ("int4", "int8"):
             assert torch.equal(dequantize(layout, q, group, view), x)
 
 
@@ -205,11 +205,11 @@ def test_huge_magnitudes_stay_finite(layout):
     q = quantize(layout, x, group)
     s = per_element(layout, q.scale, group)
     eps = fp32_eps(x, per_element(layout, q.zero, group), s)
-    for view, bound in (("draft", s / 2), ("target", s / 16)):
+    for view, bound in (("int4", s / 2), ("int8", s / 16)):
         out = dequantize(layout, q, group, view)
         assert torch.isfinite(out).all()
         assert ((x - out).abs() <= bound + eps).all()
-    assert (dequantize(layout, q, group, "target")[0, 0, :16, :16] == 5e29).all()
+    assert (dequantize(layout, q, group, "int8")[0, 0, :16, :16] == 5e29).all()
 
 
 def test_range_overflow_raises():
@@ -238,15 +238,15 @@ def test_invalid_groups_and_views():
     with pytest.raises(ValueError, match="view"):
         dequantize_keys(q, 16, "fp")
     with pytest.raises(ValueError, match="does not match"):
-        dequantize_keys(q, 8, "draft")
+        dequantize_keys(q, 8, "int4")
     with pytest.raises(ValueError, match="view"):
-        kv_bytes_per_token(64, "int8")
+        kv_bytes_per_token(64, "target")  # (the views are named by their bits, not the path)
 
 
 def test_empty_key_history():
     q = quantize_keys(torch.randn(2, 2, 0, 64), 16)
     assert q.upper.shape == (2, 2, 0, 32) and q.scale.shape == (2, 2, 0, 64)
-    assert dequantize_keys(q, 16, "target").shape == (2, 2, 0, 64)
+    assert dequantize_keys(q, 16, "int8").shape == (2, 2, 0, 64)
 
 
 # --- dtypes ------------------------------------------------------------------------------------
@@ -263,10 +263,10 @@ def test_half_precision_inputs(layout, dtype):
     assert torch.equal(q.upper, ref.upper) and torch.equal(q.lower, ref.lower)
     s = per_element(layout, q.scale, group)
     eps = fp32_eps(x, per_element(layout, q.zero, group), s)
-    draft = dequantize(layout, q, group, "draft")
+    draft = dequantize(layout, q, group, "int4")
     assert draft.dtype == torch.float32
     assert ((x.float() - draft).abs() <= s / 2 + eps).all()
-    target = dequantize(layout, q, group, "target")
+    target = dequantize(layout, q, group, "int8")
     assert ((x.float() - target).abs() <= s / 16 + eps).all()
 
 
@@ -279,9 +279,9 @@ def test_bytes_per_token_match_tensors(D, g_k, g_v):
     x = torch.randn(B, n_kv, T, D)
     qk, qv = quantize_keys(x, g_k), quantize_values(x, g_v)
     per_token = B * n_kv * T
-    target = kv_bytes_per_token(D, "target", g_k, g_v)
+    target = kv_bytes_per_token(D, "int8", g_k, g_v)
     assert target.total == (qk.nbytes + qv.nbytes) / per_token
-    draft = kv_bytes_per_token(D, "draft", g_k, g_v)
+    draft = kv_bytes_per_token(D, "int4", g_k, g_v)
     draft_bytes = sum(q.nbytes - q.lower.nbytes for q in (qk, qv))
     assert draft.total == draft_bytes / per_token
     assert draft.metadata == target.metadata and target.payload == 2 * draft.payload
@@ -290,5 +290,5 @@ def test_bytes_per_token_match_tensors(D, g_k, g_v):
 def test_bytes_per_token_paper_setting():
     # D = G = 128: payload D/2 bytes per tensor per plane; (scale, zero) fp32 = 8 bytes per
     # 128 elements per tensor. fp16 K+V would be 512 bytes.
-    assert kv_bytes_per_token(128, "draft").total == 2 * 64 + 2 * 8
-    assert kv_bytes_per_token(128, "target").total == 2 * 128 + 2 * 8
+    assert kv_bytes_per_token(128, "int4").total == 2 * 64 + 2 * 8
+    assert kv_bytes_per_token(128, "int8").total == 2 * 128 + 2 * 8

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from qspec_core.registry import sources as models
 from qspec_core.errors import QspecError
 from qspec_core.paths import qspec_home
+from qspec_core.registry import sources as models
 
 
 def test_cache_location_precedence(tmp_path):

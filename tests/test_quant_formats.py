@@ -6,7 +6,6 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from qspec_core.errors import QspecError
 from qspec_core.convert.formats import (
     AWQ_PACK_ORDER,
     AWQ_UNPACK_ORDER,
@@ -19,6 +18,7 @@ from qspec_core.convert.formats import (
     unpack_gptq,
     write_gptq_checkpoint,
 )
+from qspec_core.errors import QspecError
 
 
 def i32(word: int) -> int:

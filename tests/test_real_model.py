@@ -1,16 +1,16 @@
 """End-to-end checks on the real default model (SmolLM2-135M-Instruct, converted once)."""
 
+import dataclasses
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
-from conftest import DATA
+from conftest import DATA, run_qspec
 
-from qspec_core.engine.generate import decode, prefill
 from qspec_core.cache.full import FullPrecisionCache
+from qspec_core.engine.generate import decode, prefill
 from qspec_core.engine.sampling import SamplingParams
+from qspec_core.precision import DRAFT_W4, FP
 
 pytestmark = pytest.mark.real_model
 
@@ -74,23 +74,9 @@ def test_chat_template_and_tokens_match_transformers(real_runtime, default_model
 
 def test_summarize_json_on_the_real_model(default_model_dir):
     """Default mode quantspec (the default model's GPTQ draft is made once per machine)."""
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "qspec_cli.main",
-            "summarize",
-            str(DATA / "apache-2.0.txt"),
-            "--max-new-tokens",
-            "24",
-            "--json",
-            "--dtype",
-            "fp32",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    apache = DATA / "apache-2.0.txt"
+    args = ("summarize", apache, "--max-new-tokens", "24", "--json", "--dtype", "fp32")
+    proc = run_qspec(*args, timeout=900)
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)
     for key in (
@@ -123,7 +109,7 @@ def test_summarize_json_on_the_real_model(default_model_dir):
 
 
 @pytest.fixture(scope="module")
-def draft_runtime():
+def draft_runtime(default_converted):
     from qspec_core.registry.runtime import load_runtime
 
     return load_runtime(None, dtype="fp32", log=lambda m: None, need_draft=True)
@@ -146,34 +132,30 @@ def _greedy_answers(runtime, text: str, question: str, new_tokens: int):
 def test_greedy_quantspec_equals_target_ar_on_a_real_document(draft_runtime, weights):
     """128 new tokens after ~3,000 tokens of a real text: token for token identical, with the
     checkpoint's weights and with the INT8 verifier weights."""
-    from qspec_core.model.transformer import set_target_weights
-
-    tok = draft_runtime.tokenizer
+    runtime = dataclasses.replace(draft_runtime, target_weights=weights)
+    tok = runtime.tokenizer
     text = tok.decode(tok.encode((DATA / "gpl-3.0.txt").read_text())[:3000])
-    set_target_weights(draft_runtime.model, weights)
-    try:  # a question whose answer runs long: greedy, no early stop token
-        answers, stats = _greedy_answers(
-            draft_runtime,
-            text,
-            "Rewrite the first section of the document in your own words, at length.",
-            128,
-        )
-    finally:
-        set_target_weights(draft_runtime.model, "full")
+    # a question whose answer runs long: greedy, no early stop token
+    answers, stats = _greedy_answers(
+        runtime,
+        text,
+        "Rewrite the first section of the document in your own words, at length.",
+        128,
+    )
     assert len(answers["target-ar"]) >= 64
     assert answers["quantspec"] == answers["target-ar"]
     assert stats.rounds > 10 and 0.2 < stats.acceptance_rate < 1.0
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_real_verify_logits_equal_one_token_at_a_time(default_model_dir, dtype):
+def test_real_verify_logits_equal_one_token_at_a_time(default_converted, dtype):
     """On the real model (and its INT8 twins): a verify's logits are bit for bit those of
     target-ar's one-token steps, so near ties break the same way in both modes. bf16 runs
     where the CPU has native bf16 (elsewhere a bf16 prefill takes minutes; the tiny-model
     test in test_batch_invariance.py covers bf16 everywhere)."""
-    from qspec_core.engine.generate import prefill
     from qspec_core.cache.hierarchical import HierarchicalKVCache
-    from qspec_core.model.transformer import set_target_weights
+    from qspec_core.engine.generate import prefill
+    from qspec_core.precision import TARGET
     from qspec_core.registry.runtime import cpu_has_fast_bf16, load_runtime
 
     if dtype == "bf16" and not cpu_has_fast_bf16():
@@ -182,21 +164,21 @@ def test_real_verify_logits_equal_one_token_at_a_time(default_model_dir, dtype):
     ids = rt.tokenizer.encode((DATA / "apache-2.0.txt").read_text())[:300]
     prompt, following = ids[:283], ids[283:300]  # 17 = gamma + 1 for gamma 16
     for weights in ("full", "int8"):
-        set_target_weights(rt.model, weights)
+        path = TARGET.with_weights(weights)
         caches = []
         for _ in range(2):
             cache = HierarchicalKVCache(rt.model.config, 512, dtype=rt.model.dtype)
             with torch.no_grad():
-                prefill(rt.model, cache, prompt, 0, "target", chunk_size=cache.group_size)
+                prefill(rt.model, cache, prompt, 0, path, chunk_size=cache.group_size)
             cache.commit(len(prompt))
             caches.append(cache)
         n = len(prompt)
         with torch.no_grad():
             pos = torch.arange(n, n + 17)
-            together = rt.model(torch.tensor([following]), pos, caches[0], "target")[0]
+            together = rt.model(torch.tensor([following]), pos, caches[0], path)[0]
             alone = torch.cat(
                 [
-                    rt.model(torch.tensor([[t]]), torch.tensor([n + i]), caches[1], "target")[0]
+                    rt.model(torch.tensor([[t]]), torch.tensor([n + i]), caches[1], path)[0]
                     for i, t in enumerate(following)
                 ]
             )
@@ -230,33 +212,16 @@ def test_convert_cli_on_the_default_model(default_model_dir, tmp_path):
     """`qspec convert` (RTN, group 64) on the real model: the draft differs from the target,
     and the converted folder loads with its draft."""
     out = tmp_path / "smol-rtn"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "qspec_cli.main",
-            "convert",
-            "-o",
-            str(out),
-            "--method",
-            "rtn",
-            "--calib-tokens",
-            "128",
-            "--json",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    proc = run_qspec("convert", "-o", out, "--method", "rtn", "--calib-tokens", "128", "--json")
     assert proc.returncode == 0, proc.stderr
     meta = json.loads(proc.stdout)
     assert meta["group_size"] == 64  # 128 does not divide hidden 576; never 32 (see facts)
     assert len(meta["modules"]) == 30 * 7 + 1
     report = meta["report"]
     assert 0.3 < report["top1_agreement"] < 0.99 and report["kl"] > 0.01  # differs, not noise
-    from qspec_core.model.checkpoint import load_model
+    from qspec_core.convert.folder import load_converted
 
-    model = load_model(out, dtype=torch.float32)
+    model = load_converted(out, dtype=torch.float32)
     assert model.lm_head.draft is not None and model.layers[5].mlp.down_proj.draft is not None
     # the draft runs: greedy decoding on the draft path (4-bit weights, fp KV) continues the
     # real text coherently (measured with RTN g64: "...ede or control is exercised; (ii) the
@@ -266,10 +231,10 @@ def test_convert_cli_on_the_default_model(default_model_dir, tmp_path):
 
     ids = Tokenizer(out).encode((DATA / "apache-2.0.txt").read_text()[:800])
     outs = {}
-    for path in ("fp", "draft"):
+    for name, path in (("fp", FP), ("draft", DRAFT_W4)):
         cache = FullPrecisionCache(model.config, len(ids) + 16, dtype=model.dtype)
         logits = prefill(model, cache, ids, 0, path)
-        outs[path] = list(
+        outs[name] = list(
             decode(model, cache, logits, len(ids), 16, SamplingParams(), None, path=path)
         )
     assert len(outs["draft"]) == 16 and outs["draft"] != [outs["draft"][0]] * 16

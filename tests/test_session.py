@@ -2,9 +2,9 @@
 
 import pytest
 
+from qspec_core.engine.session import ChatSession
 from qspec_core.errors import QspecError
 from qspec_core.registry.runtime import load_runtime
-from qspec_core.engine.session import ChatSession
 
 DOC = "The lighthouse keeper counted 41 ships in March and 17 in April. " * 3
 

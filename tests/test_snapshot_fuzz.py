@@ -30,9 +30,9 @@ from test_snapshot import (
     save_small,
 )
 
-from qspec_core.store import snapshot as snap
-from qspec_core.store import schema
 from qspec_core.errors import QspecError
+from qspec_core.store import schema
+from qspec_core.store import snapshot as snap
 
 FUZZ = settings(max_examples=100, deadline=None, database=None)  # no .hypothesis/ in the tree
 READERS = ("read_manifest", "verify_snapshot", "load_snapshot")

@@ -6,15 +6,16 @@ import pytest
 import torch
 from hf_tiny import tiny_hf
 
+from qspec_core.cache.hierarchical import HierarchicalKVCache
 from qspec_core.config import ModelConfig
 from qspec_core.engine.generate import decode, prefill_hierarchical
-from qspec_core.cache.hierarchical import HierarchicalKVCache
-from qspec_core.model.transformer import attach_draft, linear_layers
-from qspec_core.quant.int4 import Int4Linear
 from qspec_core.engine.sampling import SamplingParams, probabilities
 from qspec_core.engine.speculative import SpecStats, speculative_decode
 from qspec_core.engine.verify import residual_distribution, verify_greedy, verify_sampling
 from qspec_core.model.checkpoint import build_model
+from qspec_core.model.transformer import attach_draft, linear_layers
+from qspec_core.precision import FP, TARGET
+from qspec_core.quant.int4 import Int4Linear
 
 
 def _g(seed):
@@ -40,7 +41,7 @@ def _run(
     logits = prefill_hierarchical(model, cache, prompt)
     gen = _g(seed)
     if mode == "target-ar":
-        out = decode(model, cache, logits, len(prompt), n_new, params, gen, path="target")
+        out = decode(model, cache, logits, len(prompt), n_new, params, gen, path=TARGET)
     else:
         out = speculative_decode(
             model,
@@ -129,7 +130,7 @@ def test_sampled_quantspec_follows_the_target_path_distribution(params):
         c = HierarchicalKVCache(model.config, 16, dtype=torch.float32)
         prefill_hierarchical(model, c, prompt)
         with torch.no_grad():
-            logits = model(torch.tensor([[x]]), torch.tensor([5]), c, "target")[0, -1]
+            logits = model(torch.tensor([[x]]), torch.tensor([5]), c, TARGET)[0, -1]
         exact += first[x] * probabilities(logits, params)
     counts = torch.zeros(8)
     for seed in range(1500):
@@ -163,11 +164,11 @@ def test_transactions_leave_exactly_the_committed_kv(pattern):
     prefill_hierarchical(model, replay, prompt)
     with torch.no_grad():
         for i, t in enumerate(committed[len(prompt) :]):
-            model(torch.tensor([[t]]), torch.tensor([len(prompt) + i]), replay, "target")
+            model(torch.tensor([[t]]), torch.tensor([len(prompt) + i]), replay, TARGET)
             replay.commit(len(prompt) + i + 1)
         probe = torch.tensor([[out[-1]]]), torch.tensor([len(committed)])
-        a = model(*probe, cache, "target")[0, -1]
-        b = model(*probe, replay, "target")[0, -1]
+        a = model(*probe, cache, TARGET)[0, -1]
+        b = model(*probe, replay, TARGET)[0, -1]
     torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     assert replay.n_quant == cache.n_quant
 
@@ -180,8 +181,8 @@ def test_cancel_between_draft_and_verify_restores_the_committed_cache():
     calls = {"n": 0}
     original_forward = model.forward
 
-    def interrupting_forward(tokens, input_pos, c, path="fp", last_only=False):
-        if path == "target" and tokens.shape[1] > 1:
+    def interrupting_forward(tokens, input_pos, c, path=FP, last_only=False):
+        if path == TARGET and tokens.shape[1] > 1:
             calls["n"] += 1
             if calls["n"] == 3:  # the third verify: drafts are written, verify not yet
                 raise KeyboardInterrupt
@@ -201,11 +202,11 @@ def test_cancel_between_draft_and_verify_restores_the_committed_cache():
     n_cached = cache.seq_len
     assert n_cached == 30 + len(emitted) - 1  # the last emitted token is pending
     with torch.no_grad():
-        logits = model(torch.tensor([[emitted[-1]]]), torch.tensor([n_cached]), cache, "target")[
+        logits = model(torch.tensor([[emitted[-1]]]), torch.tensor([n_cached]), cache, TARGET)[
             0, -1
         ]
     cache.commit(n_cached + 1)
     resumed = list(
-        decode(model, cache, logits, n_cached + 1, 5, SamplingParams(), None, path="target")
+        decode(model, cache, logits, n_cached + 1, 5, SamplingParams(), None, path=TARGET)
     )
     assert resumed == full[len(emitted) : len(emitted) + 5]

@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from kernels.formats import pack_int4, unpack_int4
 from kernels.triton import w4a16
-from kernels.triton.w4a16 import _launch, pack_int4, unpack_int4, w4a16_matmul, w4a16_ref
+from kernels.triton.w4a16 import _launch, w4a16_matmul, w4a16_ref
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -167,7 +168,8 @@ def test_wrapper_without_interpreter_in_fresh_process():
     wrapper must still work on CPU through the twin, never reaching Triton's driver check."""
     code = (
         "import torch\n"
-        "from kernels.triton.w4a16 import pack_int4, w4a16_matmul, w4a16_ref\n"
+        "from kernels.formats import pack_int4\n"
+        "from kernels.triton.w4a16 import w4a16_matmul, w4a16_ref\n"
         "q = torch.randint(0, 16, (64, 128), dtype=torch.uint8)\n"
         "s, z = torch.rand(64, 2), torch.rand(64, 2) * 15\n"
         "x = torch.randn(1, 128).bfloat16()\n"

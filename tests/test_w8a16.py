@@ -1,6 +1,7 @@
-"""W8A16: per-channel INT8 quantization, the PyTorch twin, the Triton kernel under the
-interpreter, and `Int8Linear`'s CPU paths: qspec's batch-invariant kernel for a step's rows
-(at most `cpu_linear.MAX_ROWS`), torch's int8 kernel for more (prefill).
+"""W8A16: per-channel INT8 quantization (`kernels/formats.py`), the PyTorch twin, the Triton
+kernel under the interpreter, and the CPU paths of an INT8 linear: qspec's batch-invariant
+kernel for a step's rows (at most `cpu_linear.MAX_ROWS`, chosen by the CPU backend), torch's
+int8 kernel for more (prefill, `Int8Linear.forward`).
 
 conftest.py sets TRITON_INTERPRET=1 before any import, so `_launch` really runs Triton here.
 """
@@ -11,11 +12,13 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from kernels.cpu import build as cpu_ext
-
 from kernels.cpu import linear as cpu_linear
-
+from kernels.formats import dequantize_int8, quantize_int8
 from kernels.triton import w8a16
-from kernels.triton.w8a16 import _launch, dequantize_int8, quantize_int8, w8a16_matmul, w8a16_ref
+from kernels.triton.w8a16 import _launch, w8a16_matmul, w8a16_ref
+from qspec_core.backend.cpu import CPU_BACKEND
+from qspec_core.model.transformer import Linear
+from qspec_core.precision import W8
 from qspec_core.quant import int8 as int8_linear
 from qspec_core.quant.int8 import Int8Linear
 
@@ -143,8 +146,11 @@ def test_cpu_step_rows_use_the_fp32_kernel(m, dtype, op_calls):
     plus the final rounding to x.dtype."""
     k, n = 576, 96
     layer = make_layer(k, n, bias=True, seed=m)
+    outer = Linear(k, n, bias=True)  # the model's linear; the CPU backend picks the kernel
+    outer.int8 = layer
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
-    y = layer(x)
+    with torch.no_grad():
+        y = CPU_BACKEND.linear(outer, x, W8)
     assert y.shape == (m, n) and y.dtype == dtype and op_calls == []
     exact = fp64_reference(x, layer)
     out_u = 2.0**-24 if dtype == torch.float32 else 2.0**-8  # half an ulp of the output

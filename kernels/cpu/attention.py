@@ -1,8 +1,10 @@
 """The CPU fast path of the hierarchical-KV attention: `hier_attention.cpp`.
 
-Same arguments as `kernels.hier_attention.hier_attention` (the Triton kernel) and its PyTorch
-twin `hier_attention_ref`, which the tests compare it against. Built by `cpu_ext` on first
-use; when it cannot be built, `available()` is False and the cache keeps the reference path.
+Same arguments (q, view, rows, kv, chunk_size) as the Triton kernel
+(`kernels/triton/hier_attention.py`) and their PyTorch twin `kernels.reference.
+hier_attention_ref`, which the tests compare it against. Built by `kernels.cpu.build` on first
+use; when it cannot be built, `available()` is False and `kernels.attention.hier_attention`
+takes another path.
 """
 
 from __future__ import annotations
@@ -10,63 +12,54 @@ from __future__ import annotations
 import torch
 
 from kernels.cpu import build as cpu_ext
+from kernels.planes import HierLayerView, QueryRows, check_view
+
+DEFAULT_CHUNK = 512  # history tokens per task (the threads split the history in chunks)
 
 
 def available() -> bool:
     return cpu_ext.available()
 
 
+def _fp32_rows(x: torch.Tensor) -> torch.Tensor:
+    """The cache's full-precision slice as the kernel reads it: in place when it is already
+    fp32 with unit last stride (strided rows are fine), else an fp32 copy."""
+    return x if x.dtype == torch.float32 and x.stride(-1) == 1 else x.float().contiguous()
+
+
 def hier_attention_cpu(
-    q,
-    k_upper,
-    k_lower,
-    k_scale,
-    k_zero,
-    v_upper,
-    v_lower,
-    v_scale,
-    v_zero,
-    n_quant_q,
-    fp_k,
-    fp_v,
-    fp_pos0,
-    fp_lo,
-    input_pos,
-    view,
-    group_size,
-    chunk_size: int = 512,
+    q: torch.Tensor,
+    view: HierLayerView,
+    rows: QueryRows,
+    kv: str,
+    chunk_size: int | None = None,
 ) -> torch.Tensor:
-    """Attention over one layer of the hierarchical cache (see `kernels/hier_attention.py` for
-    the argument contract); returns [B, H, T, D] in q's dtype (a view of a [B, T, H, D]
-    buffer: the output projection's transpose(1, 2).reshape is then free)."""
+    """Attention over one layer of the hierarchical cache in the KV view `kv` ("int8" or
+    "int4"); returns [B, H, T, D] in q's dtype (a view of a [B, T, H, D] buffer: the output
+    projection's transpose(1, 2).reshape is then free). No shape checks beyond the C++ ones:
+    this is the per-layer hot path."""
+    check_view(kv)
     module = cpu_ext.load()
     if module is None:
         raise RuntimeError(f"CPU attention kernel unavailable: {cpu_ext.failure()}")
-    # fp_k/fp_v: the cache's full-precision slice is read in place (strided, fp32)
-    fp_k = (
-        fp_k if fp_k.dtype == torch.float32 and fp_k.stride(-1) == 1 else fp_k.float().contiguous()
-    )
-    fp_v = (
-        fp_v if fp_v.dtype == torch.float32 and fp_v.stride(-1) == 1 else fp_v.float().contiguous()
-    )
     out = module.hier_attention_cpu(
         q,
-        k_upper,
-        k_lower,
-        k_scale,
-        k_zero,
-        v_upper,
-        v_lower,
-        v_scale,
-        v_zero,
-        torch.as_tensor(n_quant_q),
-        fp_k,
-        fp_v,
-        int(fp_pos0),
-        torch.as_tensor(fp_lo),
-        torch.as_tensor(input_pos),
-        view == "target",
-        int(group_size),
-        int(chunk_size),
+        view.k_upper,
+        view.k_lower,
+        view.k_scale,
+        view.k_zero,
+        view.v_upper,
+        view.v_lower,
+        view.v_scale,
+        view.v_zero,
+        torch.as_tensor(rows.n_quant_q),
+        _fp32_rows(view.fp_k),
+        _fp32_rows(view.fp_v),
+        int(view.fp_pos0),
+        torch.as_tensor(rows.fp_lo),
+        torch.as_tensor(rows.input_pos),
+        kv == "int8",  # both planes; else the upper plane only
+        int(view.group_size),
+        int(chunk_size or DEFAULT_CHUNK),
     )
     return out.to(q.dtype)

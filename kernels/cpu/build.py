@@ -77,6 +77,10 @@ _variants: dict[str, tuple[object | None, str | None]] = {}  # isa -> (module, f
 _load_lock = threading.Lock()
 
 
+class BuildSettingError(ValueError):
+    """A QSPEC_CPU_* setting the user can fix (the CLI prints it as one error line)."""
+
+
 class BuildLockTimeout(RuntimeError):
     """Another process held the build lock for longer than we were willing to wait."""
 
@@ -94,27 +98,21 @@ def cpu_flags() -> set[str]:
 
 
 def requested_isa(value: str | None = None) -> str:
-    """The ISA variant `value` (default: QSPEC_CPU_ISA) names; QspecError if none."""
+    """The ISA variant `value` (default: QSPEC_CPU_ISA) names; BuildSettingError if none."""
     value = os.environ.get(ISA_ENV, "") if value is None else value
     isa = value.strip().lower() or "native"
     if isa not in ISA_FLAGS:
-        from qspec_core.errors import QspecError
-
-        raise QspecError(f"{ISA_ENV}={value!r}: expected one of {', '.join(ISA_FLAGS)}")
+        raise BuildSettingError(f"{ISA_ENV}={value!r}: expected one of {', '.join(ISA_FLAGS)}")
     return isa
 
 
 def _check_isa_runs_here(isa: str) -> None:
     if isa == "avx2" and not _X86:
-        from qspec_core.errors import QspecError
-
-        raise QspecError(f"{ISA_ENV}=avx2 needs an x86-64 CPU, not {platform.machine()}")
+        raise BuildSettingError(f"{ISA_ENV}=avx2 needs an x86-64 CPU, not {platform.machine()}")
     have = cpu_flags()
     missing = [f for f in ISA_NEEDS.get(isa, ()) if f not in have]
     if have and missing:  # (no cpuinfo to read: trust the user's choice)
-        from qspec_core.errors import QspecError
-
-        raise QspecError(f"{ISA_ENV}={isa}: this CPU lacks {', '.join(missing)}")
+        raise BuildSettingError(f"{ISA_ENV}={isa}: this CPU lacks {', '.join(missing)}")
 
 
 def compile_flags(isa: str) -> list[str]:
@@ -138,10 +136,19 @@ def build_name(isa: str) -> str:
 
 def build_folder(isa: str | None = None) -> Path:
     """Where the `isa` variant (default: the requested one) is built."""
-    from qspec_core.paths import qspec_home
-
     name = build_name(isa or requested_isa())
-    return qspec_home() / "build" / name
+    return build_root() / name
+
+
+def build_root(env: dict[str, str] | None = None) -> Path:
+    """$QSPEC_HOME/build, else $XDG_CACHE_HOME/qspec/build, else ~/.cache/qspec/build: the
+    rule of `qspec_core.paths.qspec_home` (a test holds the two together), read here because
+    the kernels import nothing from qspec_core."""
+    env = os.environ if env is None else env
+    if env.get("QSPEC_HOME"):
+        return Path(env["QSPEC_HOME"]).expanduser() / "build"
+    cache = env.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(cache).expanduser() / "qspec" / "build"
 
 
 def _warn(message: str) -> None:
@@ -219,9 +226,7 @@ def _wait_s() -> float:
     except ValueError:
         wait = -1.0
     if not wait >= 0:
-        from qspec_core.errors import QspecError
-
-        raise QspecError(f"{WAIT_ENV}={value!r}: expected a number of seconds >= 0")
+        raise BuildSettingError(f"{WAIT_ENV}={value!r}: expected a number of seconds >= 0")
     return wait
 
 

@@ -1,14 +1,12 @@
 // The small ops around a decode step's matmuls, one call each instead of five to ten PyTorch
 // ops (a 135M-parameter model runs ~2,000 ops per token; their dispatch cost rivals the
-// arithmetic at decode batch sizes). Each has an eager twin in qspec_core/model.py or
-// qspec_core/quant_linear.py that the tests compare it against.
+// arithmetic at decode batch sizes). Each has an eager twin in qspec_core/model/ or
+// qspec_core/quant/ that the tests compare it against.
 //
 //   rms_norm_cpu(x, w, eps)          y = w * (x * rsqrt(mean(x^2) + eps)), rows of x [.., H]
 //   add_rms_norm_cpu(x, h, w, eps)   x += h in place, then rms_norm(x)
 //   rope_cpu(x, cos, sin)            rotate-half RoPE in place on x [B, T, n, D] (stride 1
 //                                    along D), cos/sin [T, D]
-//   int4_linear_cpu(x, pack, sz, G, n)  PyTorch's int4 weight kernel on fp32 x with the bf16
-//                                    casts it needs, in one call
 #include <torch/extension.h>
 
 #include "kernels.h"  // (the declarations these definitions must match)
@@ -81,14 +79,4 @@ void rope_cpu(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
           r[half + i] = x2 * c[half + i] + x1 * s[half + i];
         }
       }
-}
-
-torch::Tensor int4_linear_cpu(torch::Tensor x, torch::Tensor pack, torch::Tensor scale_zero,
-                              int64_t group_size, int64_t n_out) {
-  const auto lead = x.sizes().vec();
-  auto x2 = x.reshape({-1, x.size(-1)}).to(torch::kBFloat16);
-  auto y = at::_weight_int4pack_mm_for_cpu(x2, pack, group_size, scale_zero).to(x.scalar_type());
-  auto shape = lead;
-  shape.back() = n_out;
-  return y.view(shape);
 }

@@ -1,7 +1,7 @@
 // Flash-decoding over the hierarchical INT4/INT8 KV cache, for CPUs.
 //
-// The twin of kernels/hier_attention.py (Triton) with the same arguments, for the CPU that
-// has no Triton: the packed nibble planes are decoded a block of tokens at a time into a
+// The twin of kernels/triton/hier_attention.py (Triton) with the same arguments, for the CPU
+// that has no Triton: the packed nibble planes are decoded a block of tokens at a time into a
 // small float buffer in L1 and consumed at once, so no full-precision copy of the history is
 // ever built. Work splits into (batch x KV head x chunk of history) tasks over torch's thread
 // pool, each leaving softmax partials (acc, max, sum) that a final pass merges by log-sum-exp;

@@ -23,7 +23,5 @@ torch::Tensor int4_rows_cpu(torch::Tensor x, torch::Tensor packed, torch::Tensor
 torch::Tensor rms_norm_cpu(torch::Tensor x, torch::Tensor w, double eps);
 torch::Tensor add_rms_norm_cpu(torch::Tensor x, torch::Tensor h, torch::Tensor w, double eps);
 void rope_cpu(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
-torch::Tensor int4_linear_cpu(torch::Tensor x, torch::Tensor pack, torch::Tensor scale_zero,
-                              int64_t group_size, int64_t n_out);
 // step.cpp
 void bind_decoder_stack(pybind11::module& m);

@@ -230,7 +230,7 @@ torch::Tensor int8_rows_cpu(torch::Tensor x, torch::Tensor w, torch::Tensor scal
 // 64-input chunk c of row n:  sum_k (q - z) s xq dx = s dx (sum_k q xq - z sum_k xq).
 // The zero-point term is summed per weight group from per-chunk step * sum(codes), computed
 // once with the activations. Four weight rows share each activation load when x has one row
-// (a draft step). The twin is `kernels.cpu_linear.int4_linear_ref` (the same activation
+// (a draft step). The twin is `kernels.cpu.linear.int4_linear_ref` (the same activation
 // rounding, then a dense matmul); this is the draft path only, whose output only proposes
 // tokens.
 namespace {

@@ -1,9 +1,9 @@
 """The few-row linears of a decode or verify step on CPU: `linear.cpp`.
 
 `linear(x, weight, bias)` equals `F.linear` (its twin, which the tests compare it against)
-to rounding; `int8_linear(x, q, scale, bias)` equals dequantize-then-`F.linear`
-(`kernels.triton.w8a16.w8a16_ref`) to rounding. Both serve inputs of at most `MAX_ROWS` rows (a
-draft step's 1, a verify's gamma + 1 <= 17) and are **batch-invariant**: a row's result does
+to rounding; `int8_linear(x, q, scale, bias)` equals `kernels.formats.dequantize_int8` then
+`F.linear` to rounding. Both serve inputs of at most `MAX_ROWS` rows (a draft step's 1, a
+verify's gamma + 1 <= 17) and are **batch-invariant**: a row's result does
 not depend on how many rows share the call, so a token's target logits inside a verify are
 bit for bit those of the same token decoded alone (what greedy QuantSpec == target-ar rests
 on). Activations of any float dtype are upcast to fp32 exactly; the result is cast back.
@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from kernels.cpu import build as cpu_ext
-from kernels.triton.w4a16 import unpack_int4
+from kernels.formats import dequantize_int4, unpack_int4
 
 MAX_ROWS = 17  # gamma + 1 for gamma <= 16 (`kMaxStepRows` in kernels.h)
 INT4_MAX_ROWS = 8  # the draft's W4A8 kernel: draft steps are one token
@@ -111,7 +111,5 @@ def quantize_activations(x: torch.Tensor) -> torch.Tensor:
 
 def int4_linear_ref(x, packed, scale, zero, group_size: int, bias=None) -> torch.Tensor:
     """`int4_linear`'s twin: the same activation rounding, then a dense fp32 matmul."""
-    from qspec_core.quant.int4 import dequantize
-
-    w = dequantize(unpack_int4(packed), scale, zero)
+    w = dequantize_int4(unpack_int4(packed), scale, zero)
     return torch.nn.functional.linear(quantize_activations(x), w, bias)

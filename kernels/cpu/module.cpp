@@ -1,4 +1,4 @@
-// The one Python module of qspec's CPU kernels (built by kernels/cpu_ext.py).
+// The one Python module of qspec's CPU kernels (built by kernels/cpu/build.py).
 #include "kernels.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -10,6 +10,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm_cpu", &rms_norm_cpu, "RMSNorm over the last dim (CPU, fp32)");
   m.def("add_rms_norm_cpu", &add_rms_norm_cpu, "x += h in place, then RMSNorm (CPU, fp32)");
   m.def("rope_cpu", &rope_cpu, "rotate-half RoPE in place on [B, T, n, D] (CPU, fp32)");
-  m.def("int4_linear_cpu", &int4_linear_cpu, "int4 weight matmul on fp32 input (CPU)");
   bind_decoder_stack(m);
 }

@@ -4,13 +4,14 @@
 // each costs 3-15 us on this class of CPU, which adds up to as much as the arithmetic of the
 // step (a draft step at short context spent half its time between kernels). `DecoderStack`
 // holds one path's weights (fp32, or the draft's 4-bit twins) and runs the same kernels in
-// the same order as `Transformer._decode_layers`, so the two give the same bits
-// (`tests/test_cpu_step.py`); the embedding, the final norm and the LM head stay in Python.
+// the same order as `CpuBackend._layers` (qspec_core/backend/cpu.py), so the two give the
+// same bits (`tests/test_cpu_step.py`); the embedding, the final norm and the LM head stay in
+// Python.
 //
 // Shapes: x [B, T, hidden] fp32 contiguous, updated in place (the residual stream); cos/sin
 // [T, D]. Per layer: q/k/v [B, T, n, D] from the projections, RoPE in place, then attention
 // through one of two caches:
-//   run_hier: the hierarchical cache's buffers [L, ...] (see qspec_core/hier_cache.py), the
+//   run_hier: the hierarchical cache's buffers [L, ...] (see qspec_core/cache/hierarchical.py), the
 //     new K/V written at [lo, lo + T) of the layer's full-precision region, then
 //     hier_attention_cpu over the layer's planes and the region's first n_fp positions;
 //   run_full: a full-precision cache k/v [L, B, n_kv, S, D], the new K/V written at

@@ -1,27 +1,17 @@
-"""Flash-decoding attention over the hierarchical INT4/INT8 KV cache (QuantSpec, design sec. 5).
+"""Flash-decoding attention over the hierarchical INT4/INT8 KV cache in Triton (QuantSpec,
+design sec. 5).
 
-One layer's cache slices go in as they are stored (`qspec_core/hier_cache.py`):
+Arguments (q, view, rows, kv, chunk_size), as for its twin `kernels.reference.
+hier_attention_ref` and the C++ kernel: q [B, H, T, D]; `view` one layer of the cache as
+stored (`kernels.planes.HierLayerView`: nibble planes, fp32 metadata, the full-precision
+region at positions fp_pos0..); `rows` which keys each query sees (`kernels.planes.QueryRows`:
+history j < n_quant_q[t], full-precision key j with fp_lo[t] <= j and fp_pos0 + j <=
+input_pos[t]); `kv` "int4" reads the upper plane only (U * s + zero), "int8" both
+((16 U + L) * (s / 16) + zero), exactly as `kernels.planes.dequantize_keys/values`.
 
-- planes k_upper/k_lower/v_upper/v_lower [B, n_kv, S, D/2] uint8, two nibbles per byte along
-  head_dim (element 2i low nibble, 2i + 1 high); the lower plane holds L + 8;
-- k_scale/k_zero [B, n_kv, S/G, D] fp32: keys per channel per G tokens;
-- v_scale/v_zero [B, n_kv, S, D/G] fp32: values per token per G channels;
-- fp_k/fp_v [B, n_kv, F, D] (fp32 or bf16): the full-precision region, positions
-  fp_pos0 .. fp_pos0 + F - 1.
-
-Visibility, per query t (q [B, H, T, D] at positions input_pos [T]):
-
-- history key j (position j) iff j < n_quant_q[t];
-- full-precision key j iff fp_lo[t] <= j and fp_pos0 + j <= input_pos[t].
-
-Per-query n_quant_q / fp_lo serve the cache's "late" queries, which see the oldest G
-full-precision tokens (F1) as quantized history instead (n_quant_q = n_quant + G,
-fp_lo = G). `view` "draft" reads the upper plane only (U * s + zero); "target" reads both,
-((16 U + L) * (s / 16) + zero), exactly as `kv_quant.dequantize_keys/dequantize_values`.
-
-`hier_attention_ref` is the PyTorch twin: it dequantizes with `kv_quant` and runs a masked
-fp32 softmax. `hier_attention` runs the Triton kernels where Triton can run
-(`triton_usable`), else the twin.
+`hier_attention_triton` runs the kernels (no fallback: `kernels.attention.hier_attention`
+chooses between this, the C++ kernel and the twin); `hier_attention_launcher` does the host
+work once and returns a launch-only closure (CUDA-graph capturable).
 """
 
 from __future__ import annotations
@@ -32,15 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.planes import LOWER_OFFSET, HierLayerView, QueryRows
 from kernels.triton.runs import kernel_runs_on
 from kernels.triton.w4a16 import _round_to_bf16_grid
-from kernels.planes import (
-    LOWER_OFFSET,
-    VIEWS,
-    QuantizedGroupTensor,
-    dequantize_keys,
-    dequantize_values,
-)
 
 # Row max before any key is seen. Finite, so that exp2(m_old - m_new) of a row that has seen
 # nothing yet is exp2(0) = 1 instead of exp2(-inf + inf) = NaN; fully masked rows keep
@@ -48,107 +32,6 @@ from kernels.planes import (
 _NO_SCORE = tl.constexpr(-1.0e30)
 _LOWER_OFFSET = tl.constexpr(LOWER_OFFSET)  # jit code reads only constexpr globals
 _LOG2E = 1.4426950408889634
-
-
-# ---------------------------------------------------------------------------------------------
-# Arguments
-
-
-def _index_rows(n_quant_q, input_pos, fp_lo, T: int) -> torch.Tensor:
-    """The three per-query index vectors as one int64 CPU tensor [3, T] (rows: n_quant_q,
-    input_pos, fp_lo). One host copy serves the grid size and one upload."""
-    rows = [
-        torch.as_tensor(x).reshape(-1).to("cpu", torch.int64) for x in (n_quant_q, input_pos, fp_lo)
-    ]
-    for name, row in zip(("n_quant_q", "input_pos", "fp_lo"), rows, strict=True):
-        if row.numel() != T:
-            raise ValueError(f"{name} must have one entry per query (T = {T}), got {row.numel()}")
-    return torch.stack(rows)
-
-
-def _check_args(q, k_upper, k_scale, v_scale, fp_k, fp_v, view, group_size) -> None:
-    if view not in VIEWS:
-        raise ValueError(f"view must be one of {VIEWS}, got {view!r}")
-    B, H, T, D = q.shape
-    n_kv = k_upper.shape[1]
-    if H % n_kv:
-        raise ValueError(f"{H} query heads are not a multiple of {n_kv} KV heads")
-    if k_upper.shape[:2] != (B, n_kv) or k_upper.shape[3] * 2 != D:
-        raise ValueError(f"planes {tuple(k_upper.shape)} do not match q {tuple(q.shape)}")
-    if D % group_size or group_size % 2:
-        raise ValueError(f"group size {group_size} must be even and divide head_dim {D}")
-    S = k_upper.shape[2]
-    if k_scale.shape != (B, n_kv, S // group_size, D):
-        raise ValueError(f"k_scale {tuple(k_scale.shape)} does not match G = {group_size}")
-    if v_scale.shape != (B, n_kv, S, D // group_size):
-        raise ValueError(f"v_scale {tuple(v_scale.shape)} does not match G = {group_size}")
-    if fp_k.shape[:2] != (B, n_kv) or fp_k.shape[3] != D or fp_v.shape != fp_k.shape:
-        raise ValueError(f"fp_k/fp_v {tuple(fp_k.shape)} do not match q {tuple(q.shape)}")
-
-
-# ---------------------------------------------------------------------------------------------
-# The PyTorch twin
-
-
-def _history_view(upper, lower, scale, zero, n_hist: int, G: int, view: str, keys: bool):
-    """Dequantized history positions [0, n_hist) as fp32 [B, n_kv, n_hist, D]."""
-    meta = slice(0, n_hist // G) if keys else slice(0, n_hist)
-    packed = QuantizedGroupTensor(
-        upper[:, :, :n_hist], lower[:, :, :n_hist], scale[:, :, meta], zero[:, :, meta]
-    )
-    if keys:
-        return dequantize_keys(packed, G, view)
-    return dequantize_values(packed, G, view)
-
-
-def _visibility(index: torch.Tensor, n_hist: int, n_fp: int, fp_pos0: int, device) -> torch.Tensor:
-    """Which keys each query sees: bool [T, n_hist + F] (history first, then the fp region)."""
-    n_quant_q, input_pos, fp_lo = (row.to(device) for row in index)
-    hist = torch.arange(n_hist, device=device)[None, :] < n_quant_q[:, None]  # [T, n_hist]
-    j = torch.arange(n_fp, device=device)[None, :]
-    fp = (j >= fp_lo[:, None]) & (fp_pos0 + j <= input_pos[:, None])  # [T, F]
-    return torch.cat((hist, fp), dim=1)
-
-
-def hier_attention_ref(
-    q: torch.Tensor,
-    k_upper: torch.Tensor,
-    k_lower: torch.Tensor,
-    k_scale: torch.Tensor,
-    k_zero: torch.Tensor,
-    v_upper: torch.Tensor,
-    v_lower: torch.Tensor,
-    v_scale: torch.Tensor,
-    v_zero: torch.Tensor,
-    n_quant_q,
-    fp_k: torch.Tensor,
-    fp_v: torch.Tensor,
-    fp_pos0: int,
-    fp_lo,
-    input_pos,
-    view: str,
-    group_size: int,
-) -> torch.Tensor:
-    """Attention over the hierarchical cache, written plainly: dequantize the visible history
-    with `kv_quant`, append the fp region, masked fp32 softmax. Returns [B, H, T, D] in q's
-    dtype; a query that sees no key gets zeros. n_quant_q entries are multiples of G."""
-    _check_args(q, k_upper, k_scale, v_scale, fp_k, fp_v, view, group_size)
-    B, H, T, D = q.shape
-    n_kv, G = k_upper.shape[1], group_size
-    index = _index_rows(n_quant_q, input_pos, fp_lo, T)
-    n_hist = int(index[0].max()) if T else 0
-    keys = _history_view(k_upper, k_lower, k_scale, k_zero, n_hist, G, view, keys=True)
-    values = _history_view(v_upper, v_lower, v_scale, v_zero, n_hist, G, view, keys=False)
-    keys = torch.cat((keys, fp_k.float()), dim=2)  # [B, n_kv, n_hist + F, D]
-    values = torch.cat((values, fp_v.float()), dim=2)
-    visible = _visibility(index, n_hist, fp_k.shape[2], int(fp_pos0), q.device)  # [T, S']
-
-    qg = q.float().view(B, n_kv, H // n_kv, T, D)  # query heads grouped by their KV head
-    scores = torch.einsum("bhrtd,bhsd->bhrts", qg, keys) * D**-0.5
-    probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
-    probs = torch.where(visible.any(-1, keepdim=True), probs, 0.0)  # fully masked: 0, not NaN
-    out = torch.einsum("bhrts,bhsd->bhrtd", probs, values)
-    return out.reshape(B, H, T, D).to(q.dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -192,14 +75,14 @@ def _online_update(q, k, v, visible, acc, m_i, l_i, DOT_PRECISION: tl.constexpr)
 
 @triton.jit
 def _dequant_key_tile(
-    upper_ptr, lower_ptr, scale_ptr, zero_ptr, plane_off, meta_off, key_ok, TARGET: tl.constexpr
+    upper_ptr, lower_ptr, scale_ptr, zero_ptr, plane_off, meta_off, key_ok, INT8: tl.constexpr
 ):
     """Keys of one tile as fp32 [BN, D]: plane_off [BN, D/2] byte offsets, meta_off [D] the
     offsets of the tile's group row in k_scale/k_zero (per channel)."""
     upper = _unpack_nibbles(tl.load(upper_ptr + plane_off, mask=key_ok[:, None], other=0))
     scale = tl.load(scale_ptr + meta_off)[None, :]  # [1, D]
     zero = tl.load(zero_ptr + meta_off)[None, :]
-    if TARGET:
+    if INT8:
         lower = _unpack_nibbles(tl.load(lower_ptr + plane_off, mask=key_ok[:, None], other=0))
         return (16.0 * upper + (lower - _LOWER_OFFSET)) * (scale / 16.0) + zero
     return upper * scale + zero
@@ -208,7 +91,7 @@ def _dequant_key_tile(
 @triton.jit
 def _dequant_value_tile(
     upper_ptr, lower_ptr, scale_ptr, zero_ptr, plane_off, meta_off, key_ok,
-    HEAD_DIM: tl.constexpr, GROUP_SIZE: tl.constexpr, TARGET: tl.constexpr,
+    HEAD_DIM: tl.constexpr, GROUP_SIZE: tl.constexpr, INT8: tl.constexpr,
 ):  # fmt: skip
     """Values of one tile as fp32 [BN, D]: meta_off [BN] offsets of each token's metadata row
     ([D/G] per token). With G = D the row is one number, broadcast along channels; otherwise
@@ -221,7 +104,7 @@ def _dequant_value_tile(
         group = (tl.arange(0, HEAD_DIM) // GROUP_SIZE)[None, :]  # [1, D]
         scale = tl.load(scale_ptr + meta_off[:, None] + group, mask=key_ok[:, None], other=0.0)
         zero = tl.load(zero_ptr + meta_off[:, None] + group, mask=key_ok[:, None], other=0.0)
-    if TARGET:
+    if INT8:
         lower = _unpack_nibbles(tl.load(lower_ptr + plane_off, mask=key_ok[:, None], other=0))
         return (16.0 * upper + (lower - _LOWER_OFFSET)) * (scale / 16.0) + zero
     return upper * scale + zero
@@ -244,7 +127,7 @@ def _hier_partial_kernel(
     stride_vmb, stride_vmh, stride_vms,
     stride_fb, stride_fh, stride_fs,
     R: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, TARGET: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, INT8: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     pid_bh = tl.program_id(0)
     pid_c = tl.program_id(1)
@@ -276,11 +159,11 @@ def _hier_partial_kernel(
             k_meta = b * stride_kmb + h * stride_kmh + (n0 // GROUP_SIZE) * stride_kmg + d
             v_meta = b * stride_vmb + h * stride_vmh + offs_n * stride_vms  # [BN]
             k = _dequant_key_tile(
-                k_upper_ptr, k_lower_ptr, k_scale_ptr, k_zero_ptr, plane_off, k_meta, key_ok, TARGET
+                k_upper_ptr, k_lower_ptr, k_scale_ptr, k_zero_ptr, plane_off, k_meta, key_ok, INT8
             )
             v = _dequant_value_tile(
                 v_upper_ptr, v_lower_ptr, v_scale_ptr, v_zero_ptr, plane_off, v_meta, key_ok,
-                HEAD_DIM, GROUP_SIZE, TARGET,
+                HEAD_DIM, GROUP_SIZE, INT8,
             )  # fmt: skip
             visible = key_ok[None, :] & (offs_n[None, :] < n_visible[:, None])  # [BM, BN]
             acc, m_i, l_i = _online_update(q, k, v, visible, acc, m_i, l_i, DOT_PRECISION)
@@ -387,34 +270,39 @@ def _row_major(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 
 def hier_attention_launcher(
-    q, k_upper, k_lower, k_scale, k_zero, v_upper, v_lower, v_scale, v_zero,
-    n_quant_q, fp_k, fp_v, fp_pos0, fp_lo, input_pos, view, group_size,
-    chunk_size=None, dot_precision=None,
-):  # fmt: skip
+    q: torch.Tensor,
+    view: HierLayerView,
+    rows: QueryRows,
+    kv: str,
+    chunk_size: int | None = None,
+    dot_precision: str | None = None,
+):
     """Do the host-side work of one Triton call once and return `run() -> out`, which only
     launches the two kernels (no host sync, no allocation: CUDA-graph capturable).
 
-    `run` reads the current contents of the tensors given here (if none had to be copied to
-    a row-major layout) into the same output buffer each time; the indices and lengths are
-    fixed. `dot_precision` overrides the tl.dot input precision ("tf32" on CUDA, "ieee" for
-    checks). No fallback: the caller chose Triton.
+    `run` reads the current contents of the view's tensors (if none had to be copied to a
+    row-major layout) into the same output buffer each time; the rows and lengths are fixed.
+    `chunk_size`: history tokens per program (rounded up to the key tile; default: sized to
+    fill the GPU). `dot_precision` overrides the tl.dot input precision ("tf32" on CUDA,
+    "ieee" for checks). Pass the rows on the CPU to avoid a device sync (the grid size needs
+    max(n_quant_q) on the host).
     """
-    _check_args(q, k_upper, k_scale, v_scale, fp_k, fp_v, view, group_size)
+    view.check(q, kv)
     B, H, T, D = q.shape
     if D & (D - 1) or D < 16:
         raise ValueError(f"the Triton kernel needs a power-of-two head_dim >= 16, got {D}")
-    n_kv = k_upper.shape[1]
+    G, n_kv = view.group_size, view.k_upper.shape[1]
     R = H // n_kv
     out = torch.empty((B, H, T, D), dtype=q.dtype, device=q.device)
     if out.numel() == 0:
         return lambda: out
-    index = _index_rows(n_quant_q, input_pos, fp_lo, T)  # [3, T] on the CPU
+    index = rows.index(T)  # [3, T] on the CPU
     n_hist = int(index[0].max())
-    if n_hist > k_upper.shape[2]:
-        raise ValueError(f"n_quant_q reaches {n_hist}, beyond the planes' {k_upper.shape[2]}")
+    if n_hist > view.k_upper.shape[2]:
+        raise ValueError(f"n_quant_q reaches {n_hist}, beyond the planes' {view.k_upper.shape[2]}")
     index = index.to(device=q.device, dtype=torch.int32)  # one upload, no device sync
 
-    config = _launch_config(D, group_size, q.is_cuda)
+    config = _launch_config(D, G, q.is_cuda)
     block_n = config.pop("BLOCK_N")
     chunk = _chunk_tokens(chunk_size, n_hist, B * n_kv, block_n, q.device)
     n_chunks = -(-n_hist // chunk)
@@ -424,21 +312,21 @@ def hier_attention_launcher(
     m = torch.empty((B * n_kv, parts, block_m), dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
 
-    planes = _row_major(k_upper, k_lower, v_upper, v_lower)
-    k_meta = _row_major(k_scale, k_zero)
-    v_meta = _row_major(v_scale, v_zero)
-    fp = _row_major(fp_k, fp_v)
+    planes = _row_major(view.k_upper, view.k_lower, view.v_upper, view.v_lower)
+    k_meta = _row_major(view.k_scale, view.k_zero)
+    v_meta = _row_major(view.v_scale, view.v_zero)
+    fp = _row_major(view.fp_k, view.fp_v)
     q = q if q.stride(-1) == 1 else q.contiguous()
     precision = dot_precision or ("tf32" if q.is_cuda else "ieee")
     partial_args = (
         q, *planes, *k_meta, *v_meta, *fp, index, acc, m, l,
-        n_kv, T, n_hist, fp_k.shape[2], int(fp_pos0), n_chunks, chunk, D**-0.5 * _LOG2E,
+        n_kv, T, n_hist, view.fp_k.shape[2], int(view.fp_pos0), n_chunks, chunk, D**-0.5 * _LOG2E,
         *q.stride()[:3], *planes[0].stride()[:3], *k_meta[0].stride()[:3],
         *v_meta[0].stride()[:3], *fp[0].stride()[:3],
     )  # fmt: skip
     partial_meta = dict(
-        R=R, HEAD_DIM=D, GROUP_SIZE=group_size, BLOCK_M=block_m, BLOCK_N=block_n,
-        TARGET=view == "target", DOT_PRECISION=precision, **config,
+        R=R, HEAD_DIM=D, GROUP_SIZE=G, BLOCK_M=block_m, BLOCK_N=block_n,
+        INT8=kv == "int8", DOT_PRECISION=precision, **config,
     )  # fmt: skip
     merge_args = (acc, m, l, out, n_kv, T, parts, *out.stride()[:3])
 
@@ -450,50 +338,21 @@ def hier_attention_launcher(
     return run
 
 
-def _launch(*args, chunk_size=None, dot_precision=None, **kwargs) -> torch.Tensor:
-    """One Triton call with hier_attention's arguments."""
-    return hier_attention_launcher(
-        *args, **kwargs, chunk_size=chunk_size, dot_precision=dot_precision
-    )()
-
-
-def triton_usable(x: torch.Tensor) -> bool:
-    """Whether `hier_attention` runs Triton for x: on CUDA, or on CPU when the interpreter is
-    on (now, and when this module was imported: triton.jit chooses at decoration time)."""
-    return kernel_runs_on(_hier_partial_kernel, x)
-
-
-def hier_attention(
+def hier_attention_triton(
     q: torch.Tensor,
-    k_upper: torch.Tensor,
-    k_lower: torch.Tensor,
-    k_scale: torch.Tensor,
-    k_zero: torch.Tensor,
-    v_upper: torch.Tensor,
-    v_lower: torch.Tensor,
-    v_scale: torch.Tensor,
-    v_zero: torch.Tensor,
-    n_quant_q,
-    fp_k: torch.Tensor,
-    fp_v: torch.Tensor,
-    fp_pos0: int,
-    fp_lo,
-    input_pos,
-    view: str,
-    group_size: int,
+    view: HierLayerView,
+    rows: QueryRows,
+    kv: str,
     chunk_size: int | None = None,
+    dot_precision: str | None = None,
 ) -> torch.Tensor:
-    """Flash-decoding attention over the hierarchical cache -> [B, H, T, D] in q's dtype.
+    """One Triton call: attention over the hierarchical cache -> [B, H, T, D] in q's dtype."""
+    return hier_attention_launcher(q, view, rows, kv, chunk_size, dot_precision)()
 
-    Same arguments and result as `hier_attention_ref`; `chunk_size` is the number of history
-    tokens per program (rounded up to the key tile; default: sized to fill the GPU). Pass
-    n_quant_q, input_pos and fp_lo on the CPU to avoid a device sync (the grid size needs
-    max(n_quant_q) on the host). Falls back to the twin where Triton cannot run (and for a
-    head_dim that is not a power of two).
-    """
-    args = (q, k_upper, k_lower, k_scale, k_zero, v_upper, v_lower, v_scale, v_zero)
-    args += (n_quant_q, fp_k, fp_v, fp_pos0, fp_lo, input_pos, view, group_size)
+
+def triton_usable(q: torch.Tensor) -> bool:
+    """Whether the Triton kernel runs for q: on CUDA, or on CPU when the interpreter is on
+    (now, and when this module was imported: triton.jit chooses at decoration time), with a
+    power-of-two head_dim >= 16 (its tiles)."""
     D = q.shape[-1]
-    if triton_usable(q) and D >= 16 and D & (D - 1) == 0:  # Triton tiles: power-of-two D
-        return _launch(*args, chunk_size=chunk_size)
-    return hier_attention_ref(*args)
+    return kernel_runs_on(_hier_partial_kernel, q) and D >= 16 and D & (D - 1) == 0

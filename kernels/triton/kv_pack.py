@@ -21,8 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton.runs import kernel_runs_on
 from kernels.planes import LOWER_OFFSET, QuantizedGroupTensor, quantize_keys, quantize_values
+from kernels.triton.runs import kernel_runs_on
 
 _LOWER_OFFSET = tl.constexpr(LOWER_OFFSET)  # jit code reads only constexpr globals
 
@@ -40,7 +40,7 @@ def _round_half_even(y):
 
 @triton.jit
 def _quantize(x, zero, scale):
-    """kv_quant._quantize_groups after the min/max: x fp32, zero/scale broadcastable to it.
+    """kernels.planes._quantize_groups after the min/max: x fp32, zero/scale broadcastable to it.
     Returns the upper (0..15) and stored lower (L + 8, 0..15) codes as uint8."""
     lower_step = tl.math.div_rn(scale, 16.0)
     safe_scale = tl.where(scale > 0, scale, 1.0)  # zero-range group: U = 0, L = 0
@@ -199,7 +199,7 @@ def triton_usable(x: torch.Tensor) -> bool:
 
 
 def quantize_keys_triton(k: torch.Tensor, group_size: int) -> QuantizedGroupTensor:
-    """`kv_quant.quantize_keys` in Triton: keys [B, n_kv, T, D], per channel per G tokens.
+    """`kernels.planes.quantize_keys` in Triton: keys [B, n_kv, T, D], per channel per G tokens.
     G and D must be powers of two (Triton tiles); other shapes go to the twin."""
     if triton_usable(k) and _pow2(group_size) and _pow2(k.shape[-1]):
         return _launch_keys(k, group_size)
@@ -207,7 +207,7 @@ def quantize_keys_triton(k: torch.Tensor, group_size: int) -> QuantizedGroupTens
 
 
 def quantize_values_triton(v: torch.Tensor, group_size: int | None = None) -> QuantizedGroupTensor:
-    """`kv_quant.quantize_values` in Triton: values [B, n_kv, T, D], per token per G channels
+    """`kernels.planes.quantize_values` in Triton: values [B, n_kv, T, D], per token per G channels
     (G defaults to D). G and D must be powers of two; other shapes go to the twin."""
     G = v.shape[-1] if group_size is None else group_size
     if triton_usable(v) and _pow2(G) and _pow2(v.shape[-1]):

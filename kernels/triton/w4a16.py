@@ -5,7 +5,7 @@
 Runtime layout (produced by the weight converter, consumed here):
 
 - `packed` uint8 [N, K // 2]: two nibbles per byte along K; element k = 2i sits in the LOW
-  nibble of byte i, k = 2i + 1 in the HIGH nibble (`pack_int4` / `unpack_int4`).
+  nibble of byte i, k = 2i + 1 in the HIGH nibble (`kernels.formats.pack_int4` / `unpack_int4`).
 - `scale`, `zero` [N, K // G] in the activation dtype or fp32; `zero` is a float zero point
   (may be fractional), q in 0..15.
 - G in {32, 64, 128, 256}, K % G == 0, any N.
@@ -21,31 +21,14 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.formats import unpack_int4
 from kernels.triton.runs import kernel_runs_on
 
 GROUP_SIZES = (32, 64, 128, 256)
 
 
 # ---------------------------------------------------------------------------------------------
-# Layout helpers and the pure-PyTorch twin
-
-
-def pack_int4(q: torch.Tensor) -> torch.Tensor:
-    """uint8 [N, K] with values 0..15 -> uint8 [N, K // 2] (k = 2i low nibble, 2i + 1 high)."""
-    if q.dtype != torch.uint8 or q.dim() != 2 or q.shape[1] % 2:
-        raise ValueError(f"pack_int4 wants uint8 [N, even K], got {q.dtype} {tuple(q.shape)}")
-    if q.numel() and int(q.max()) > 15:
-        raise ValueError("pack_int4: values must lie in 0..15")
-    return q[:, 0::2] | (q[:, 1::2] << 4)
-
-
-def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
-    """uint8 [N, K // 2] -> uint8 [N, K], the inverse of `pack_int4`."""
-    if packed.dtype != torch.uint8 or packed.dim() != 2:
-        raise ValueError(f"unpack_int4 wants uint8 [N, K // 2], got {packed.dtype}")
-    low = packed & 0xF  # [N, K // 2], elements k = 2i
-    high = packed >> 4  # [N, K // 2], elements k = 2i + 1
-    return torch.stack((low, high), dim=-1).reshape(packed.shape[0], -1)
+# The pure-PyTorch twin
 
 
 def _check(x, packed, scale, zero, group_size) -> tuple[int, int]:

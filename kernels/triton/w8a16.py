@@ -2,7 +2,7 @@
 
     y[M, N] = x[M, K] @ W^T + bias,   W[n, k] = q[n, k] * scale[n],  q in -127..127
 
-Layout (what `quantize_int8` returns and `Int8Linear` stores):
+Layout (what `kernels.formats.quantize_int8` returns and `Int8Linear` stores):
 
 - `w_int8` int8 [N, K], row-major, any K and N.
 - `scale` [N] fp32: max |W[n, :]| / 127, so every row uses the full symmetric grid; -128 is
@@ -20,35 +20,12 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.formats import dequantize_int8
 from kernels.triton.runs import kernel_runs_on
 from kernels.triton.w4a16 import _round_to_bf16_grid
 
 # ---------------------------------------------------------------------------------------------
-# Quantization and the pure-PyTorch twin
-
-
-def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-output-channel INT8: weight [N, K] -> (q int8 [N, K], scale fp32 [N]).
-
-    scale[n] = max_k |weight[n, k]| / 127 and q = clamp(round(weight / scale), -127, 127), so
-    |weight - q * scale| <= scale / 2 per row. A row that is all zeros (or whose max is so
-    small that max / 127 underflows) gets scale 1 and q = 0: it dequantizes to exact zeros
-    instead of 0 / 0 = NaN.
-    """
-    if weight.dim() != 2 or not weight.is_floating_point():
-        raise ValueError(f"quantize_int8 wants a float [N, K], got {weight.dtype} {weight.shape}")
-    w = weight.detach().float()  # [N, K]
-    if not bool(torch.isfinite(w).all()):
-        raise ValueError("quantize_int8: weight has inf or NaN entries")
-    scale = w.abs().amax(dim=1) / 127  # [N]
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = torch.round(w / scale[:, None]).clamp(-127, 127)  # [N, K]
-    return q.to(torch.int8).contiguous(), scale.contiguous()
-
-
-def dequantize_int8(w_int8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """int8 [N, K] and scale [N] -> the fp32 weight [N, K] they represent."""
-    return w_int8.float() * scale.float()[:, None]
+# The pure-PyTorch twin
 
 
 def _check(x, w_int8, scale, bias) -> tuple[int, int]:

@@ -1,1 +1,22 @@
-"""The CPU backend: decode and verify steps in qspec's C++ kernels."""
+"""Backends run a model's forward on one kind of device with qspec's own kernels.
+
+`select_backend(device)` is the choice, made by device at a model's first forward
+(`Transformer.backend`): the CPU backend (`cpu.py`) where qspec's C++ kernels are built, else
+None, and the model's plain PyTorch runs (GPUs: its linears and the cache's attention call the
+Triton kernels themselves).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.cpu import build
+from qspec_core.backend.cpu import CPU_BACKEND, CpuBackend
+
+__all__ = ["CpuBackend", "select_backend"]
+
+
+def select_backend(device: torch.device) -> CpuBackend | None:
+    if device.type == "cpu" and build.available():  # (QSPEC_CPU_KERNELS=0 turns it off)
+        return CPU_BACKEND
+    return None

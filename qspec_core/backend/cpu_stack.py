@@ -1,14 +1,14 @@
 """All decoder layers of a decode or verify step in one C++ call (`kernels/cpu/step.cpp`).
 
-`stack_for(model, path)` gives the `DecoderStack` that runs `path`'s layers: the fp32 weights,
-the draft's 4-bit twins through the W4A8 kernel, or the INT8 target twins, exactly as
-`Transformer._decode_layers` picks them. It is built once per path and reused while
-everything it was built from is unchanged: each call checks, by identity, every weight, twin
-and flag it read (1,530 for the default model's draft), and that no hooks are registered:
-0.25 ms a forward on the 2-core dev VM, about 1% of a draft step. None when the path needs
-what the C++ loop does not run: a 4-bit twin in a form other than plain W4A8 (AWQ scales,
-act-order), an INT8 twin the CPU int8 kernel cannot take, weights not fp32, or hooks
-(calibration); the model then runs its Python layer loop.
+`stack_for(model, weights)` gives the `DecoderStack` that runs the layers on one weight set
+(`Precision.weights`): the fp32 weights, the draft's 4-bit twins through the W4A8 kernel, or
+the INT8 twins, exactly as `CpuBackend.linear` picks them (the KV view is the cache's part of
+the call). It is built once per weight set and reused while everything it was built from is
+unchanged: each call checks, by identity, every weight and twin it read (1,300 for the default
+model's draft), and that no hooks are registered: about 0.25 ms a forward on the 2-core dev
+VM, 1% of a draft step. None when the weights need what the C++ loop does not run: a 4-bit
+twin in a form other than plain W4A8 (AWQ scales, act-order), an INT8 twin the CPU int8 kernel
+cannot take, weights not fp32, or hooks (calibration); the backend then runs its Python loop.
 """
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ import torch
 from torch.nn.modules import module as _module_hooks
 
 from kernels.cpu import build as cpu_ext
-from qspec_core.quant.int8 import Int8Linear
+from kernels.cpu import linear as cpu_linear
 from qspec_core.quant.int4 import Int4Linear
+from qspec_core.quant.int8 import Int8Linear
 
 _FORWARD_HOOKS = operator.attrgetter("_forward_hooks")
 _PRE_HOOKS = operator.attrgetter("_forward_pre_hooks")
@@ -30,7 +31,7 @@ _PRE_HOOKS = operator.attrgetter("_forward_pre_hooks")
 
 @dataclass
 class _Entry:
-    stack: object | None  # the C++ DecoderStack, or None: this path runs in Python
+    stack: object | None  # the C++ DecoderStack, or None: the backend's Python loop runs
     checks: list = field(default_factory=list)  # (dict, key, object it held at build time)
     hooked: list = field(default_factory=list)  # modules whose hooks the Python loop would run
 
@@ -50,17 +51,17 @@ class _Entry:
         return any(map(_FORWARD_HOOKS, self.hooked)) or any(map(_PRE_HOOKS, self.hooked))
 
 
-# model -> {path: _Entry}; beside the model rather than on it, so that copying or pickling a
+# model -> {weights: _Entry}; beside the model rather than on it, so that copying or pickling a
 # model never meets the C++ object
 _STACKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def stack_for(model, path: str):
-    """The DecoderStack for `path`'s weights, or None (see the module docstring)."""
+def stack_for(model, weights: str):
+    """The DecoderStack for one weight set, or None (see the module docstring)."""
     stacks = _STACKS.setdefault(model, {})
-    entry = stacks.get(path)
+    entry = stacks.get(weights)
     if entry is None or not entry.current():
-        entry = stacks[path] = _build(model, path)
+        entry = stacks[weights] = _build(model, weights)
     if entry.stack is None or entry.hooks():
         return None
     return entry.stack
@@ -71,9 +72,7 @@ def forget(model) -> None:
     _STACKS.pop(model, None)
 
 
-def _build(model, path: str) -> _Entry:
-    from qspec_core.model.transformer import DRAFT_WEIGHT_PATHS
-
+def _build(model, weights: str) -> _Entry:
     cfg = model.config
     ops = cpu_ext.load()
     entry = _Entry(None)
@@ -92,7 +91,7 @@ def _build(model, path: str) -> _Entry:
             mlp.up_proj,
             mlp.down_proj,
         ):
-            ok = _add_linear(stack, linear, path in DRAFT_WEIGHT_PATHS, entry) and ok
+            ok = _add_linear(stack, linear, weights, entry) and ok
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
         for norm in norms:
             weight = norm._parameters["weight"]
@@ -105,34 +104,29 @@ def _build(model, path: str) -> _Entry:
     return entry
 
 
-def _add_linear(stack, linear, draft_path: bool, entry: _Entry) -> bool:
-    """Adds one `model.Linear` as `Linear.forward` would run it for the path; False when the
-    C++ loop cannot run it."""
+def _add_linear(stack, linear, weights: str, entry: _Entry) -> bool:
+    """Adds one `model.Linear` as `CpuBackend.linear` would run it on `weights`; False when
+    the C++ loop cannot run it."""
     params, modules = linear._parameters, linear._modules
     weight, bias, draft = params["weight"], params["bias"], modules.get("draft")
-    entry.checks += [
-        (params, "weight", weight),
-        (params, "bias", bias),
-        (modules, "draft", draft),
-        (modules, "int8", modules.get("int8")),
-        (linear.__dict__, "use_int8", linear.use_int8),
-    ]
     entry.hooked.append(linear)
-    if draft_path and draft is not None:
+    if weights != "full":  # (a full-weight stack does not depend on the twins)
+        entry.checks.append(
+            (modules, weights_module[weights], modules.get(weights_module[weights]))
+        )
+    if weights == "int4" and draft is not None:
         entry.hooked.append(draft)
         if not isinstance(draft, Int4Linear):
             return False
-        # the twin's forward runs W4A8 on exactly these tensors (reset when they change)
-        args = draft.__dict__["_w4a8"]
-        if args is None:
-            args = draft._w4a8 = draft._w4a8_args()
+        # the backend runs W4A8 on exactly these tensors (reset when they change)
+        args = draft.w4a8_args()
         twin_bias = draft._buffers["bias"]
         entry.checks += [(draft.__dict__, "_w4a8", args), (draft._buffers, "bias", twin_bias)]
         if not args:
             return False
         stack.add_int4_linear(*args, twin_bias)
         return True
-    if linear.use_int8:
+    if weights == "int8":
         int8 = modules["int8"]
         entry.hooked.append(int8)
         if not isinstance(int8, Int8Linear):
@@ -140,14 +134,18 @@ def _add_linear(stack, linear, draft_path: bool, entry: _Entry) -> bool:
         names = ("weight_int8", "weight_scale", "bias")
         tensors = [int8._buffers[n] for n in names]
         entry.checks += [(int8._buffers, n, t) for n, t in zip(names, tensors, strict=True)]
-        if not int8.rows_kernel_ok() or tensors[1].dtype != torch.float32:
+        if not cpu_linear.int8_weight_ok(tensors[0]) or tensors[1].dtype != torch.float32:
             return False
         stack.add_int8_linear(*tensors)
         return True
+    entry.checks += [(params, "weight", weight), (params, "bias", bias)]
     if not _fp32(weight) or (bias is not None and not _fp32(bias)):
         return False
     stack.add_linear(weight, bias)
     return True
+
+
+weights_module = {"int4": "draft", "int8": "int8"}  # `model.Linear`'s twin per weight set
 
 
 def _fp32(t: torch.Tensor) -> bool:

@@ -7,12 +7,11 @@ a 32k-token context.
 
 from __future__ import annotations
 
-from pathlib import Path
-
-from qspec_core.errors import QspecError
 from qspec_core.engine.session import SUMMARY_REQUEST, document_messages
+from qspec_core.errors import QspecError
+from qspec_core.paths import BUNDLED_TEXTS
 
-DATA = Path(__file__).resolve().parent / "data"
+DATA = BUNDLED_TEXTS
 # Fixed order: a prompt of N tokens is a prefix of the prompt of any larger N (same document).
 TEXTS = (
     "gpl-3.0.txt",

@@ -12,10 +12,10 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from qspec_core.engine.generate import forward_logits
-from qspec_core.cache.hierarchical import HierarchicalKVCache
 from qspec_core.cache.full import FullPrecisionCache
-from qspec_core.model.transformer import Transformer, has_int8, set_target_weights, target_weights
+from qspec_core.cache.hierarchical import HierarchicalKVCache
+from qspec_core.model.transformer import Transformer, forward_logits, has_int8
+from qspec_core.precision import DRAFT_KV4, FP, TARGET, W8, W8_TARGET
 
 
 @dataclass
@@ -40,27 +40,20 @@ def measure_kv_quality(
     G = group_size or config.head_dim
     targets = torch.tensor(ids[1:], device=model.device)
     logits = {}
-    # name -> (path, weights): w8 and w8-target are Quasar's INT8-weight verifier, with full
-    # and INT8 KV, measured when the model carries INT8 weights (a converted folder)
-    # (the INT4 view alone: "draft-kv4" keeps full weights even when the model has a draft)
-    runs = {"fp": ("fp", "full"), "target": ("target", "full"), "draft": ("draft-kv4", "full")}
+    # name -> path: w8 and w8-target are Quasar's INT8-weight verifier, with full and INT8
+    # KV, measured when the model carries INT8 weights (a converted folder); "draft" is the
+    # INT4 view alone (full weights, even when the model has a 4-bit draft)
+    runs = {"fp": FP, "target": TARGET, "draft": DRAFT_KV4}
     if has_int8(model):
-        runs |= {"w8": ("fp", "int8"), "w8-target": ("target", "int8")}
-    before = target_weights(model)
-    try:
-        for name, (path, weights) in runs.items():
-            if on_path:
-                on_path(name)
-            set_target_weights(model, weights)
-            if path == "fp":
-                cache = FullPrecisionCache(config, len(ids), dtype=model.dtype, device=model.device)
-            else:
-                cache = HierarchicalKVCache(
-                    config, len(ids), G, dtype=model.dtype, device=model.device
-                )
-            logits[name] = forward_logits(model, cache, ids, path, G)[:-1]  # predict ids[1:]
-    finally:
-        set_target_weights(model, before)
+        runs |= {"w8": W8, "w8-target": W8_TARGET}
+    for name, path in runs.items():
+        if on_path:
+            on_path(name)
+        if path.kv == "fp":
+            cache = FullPrecisionCache(config, len(ids), dtype=model.dtype, device=model.device)
+        else:
+            cache = HierarchicalKVCache(config, len(ids), G, dtype=model.dtype, device=model.device)
+        logits[name] = forward_logits(model, cache, ids, path, G)[:-1]  # predict ids[1:]
     logp = {p: torch.log_softmax(x, -1) for p, x in logits.items()}
     ppl = {p: math.exp(float(-lp.gather(-1, targets[:, None]).mean())) for p, lp in logp.items()}
     p_fp = logp["fp"].exp()
@@ -80,7 +73,7 @@ def measure_kv_quality(
         bytes_per_token={
             "bf16": fp_bytes * 2.0,
             "fp32": fp_bytes * 4.0,
-            "target": probe.bytes_per_token("target"),
-            "draft": probe.bytes_per_token("draft"),
+            "target": probe.bytes_per_token(TARGET.kv),
+            "draft": probe.bytes_per_token(DRAFT_KV4.kv),
         },
     )

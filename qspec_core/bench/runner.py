@@ -21,47 +21,47 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from qspec_core.bench.corpus import bench_prompt
-from qspec_core.errors import QspecError
-from qspec_core.engine.generate import decode, prefill, prefill_hierarchical
-from qspec_core.cache.hierarchical import HierarchicalKVCache
 from qspec_core.cache.full import FullPrecisionCache
-from qspec_core.model.transformer import has_draft, has_int8, set_target_weights, target_weights
-from qspec_core.registry.runtime import Runtime
+from qspec_core.cache.hierarchical import HierarchicalKVCache
+from qspec_core.engine.generate import decode, prefill, prefill_hierarchical
 from qspec_core.engine.sampling import SamplingParams
 from qspec_core.engine.speculative import SpecStats, speculative_decode
+from qspec_core.errors import QspecError
+from qspec_core.model.transformer import has_draft, has_int8
+from qspec_core.precision import DRAFT, DRAFT_KV4, DRAFT_W4, FP, TARGET, Precision
+from qspec_core.registry.runtime import Runtime
 from qspec_core.timing import StageTimer
 
 
 @dataclass(frozen=True)
 class Mode:
-    """How one bench mode decodes: its cache, and the path(s) its forwards take."""
+    """How one bench mode decodes: the path that decodes (AR) or verifies, and the draft's.
+    The cache follows the target's KV view: "fp" a FullPrecisionCache, else hierarchical."""
 
     name: str
-    cache: str  # "fp" (FullPrecisionCache) or "hier" (HierarchicalKVCache)
-    target_path: str  # the path that decodes (AR) or verifies (speculative)
-    draft_path: str | None  # None: autoregressive
+    target: Precision
+    draft: Precision | None  # None: autoregressive
     about: str
     weights: str | None = None  # target weights: None follows --target-weights; "int8" forces
 
     @property
     def speculative(self) -> bool:
-        return self.draft_path is not None
+        return self.draft is not None
 
 
 MODES = {
     m.name: m
     for m in (
-        Mode("ar", "fp", "fp", None, "autoregressive, full-precision weights and KV (baseline)"),
-        Mode("target-ar", "hier", "target", None, "autoregressive, full weights, INT8 KV"),
-        Mode("quantspec", "hier", "target", "draft", "draft 4-bit weights + INT4 KV; verify INT8"),
-        Mode("draft-w4", "fp", "fp", "draft", "ablation: draft 4-bit weights, full KV"),
-        Mode("draft-kv4", "hier", "target", "draft-kv4", "ablation: draft full weights, INT4 KV"),
-        Mode("ar-w8", "fp", "fp", None, "autoregressive, INT8 weights, full KV", "int8"),
+        Mode("ar", FP, None, "autoregressive, full-precision weights and KV (baseline)"),
+        Mode("target-ar", TARGET, None, "autoregressive, full weights, INT8 KV"),
+        Mode("quantspec", TARGET, DRAFT, "draft 4-bit weights + INT4 KV; verify INT8"),
+        Mode("draft-w4", FP, DRAFT_W4, "ablation: draft 4-bit weights, full KV"),
+        Mode("draft-kv4", TARGET, DRAFT_KV4, "ablation: draft full weights, INT4 KV"),
+        Mode("ar-w8", FP, None, "autoregressive, INT8 weights, full KV", "int8"),
         Mode(
             "quantspec-w8verify",
-            "hier",
-            "target",
-            "draft",
+            TARGET,
+            DRAFT,
             "quantspec verifying with INT8 weights (Quasar)",
             "int8",
         ),
@@ -125,11 +125,18 @@ class BenchConfig:
     def weights(self, mode: str) -> str:
         return MODES[mode].weights or self.target_weights
 
+    def target(self, mode: str) -> Precision:
+        """The mode's decoding/verifying path on its target weights."""
+        return MODES[mode].target.with_weights(self.weights(mode))
+
 
 def needs_converted_model(config: BenchConfig) -> bool:
     """Whether a mode runs the 4-bit draft weights or INT8 weights: only a converted folder
     has them (a named model's is made once, on first need)."""
-    return any(MODES[m].draft_path == "draft" or config.weights(m) == "int8" for m in config.modes)
+    return any(
+        (MODES[m].draft or FP).weights == "int4" or config.weights(m) == "int8"
+        for m in config.modes
+    )
 
 
 def check_config(config: BenchConfig, runtime: Runtime) -> None:
@@ -156,7 +163,7 @@ def check_config(config: BenchConfig, runtime: Runtime) -> None:
             f"modes {', '.join(needs_int8)} need INT8 verifier weights and {runtime.name} has "
             "none: convert it with qspec convert (which writes them), then --model DIR"
         )
-    needs_draft = [m for m in config.modes if MODES[m].draft_path == "draft"]
+    needs_draft = [m for m in config.modes if (MODES[m].draft or FP).weights == "int4"]
     if needs_draft and not has_draft(runtime.model):
         raise QspecError(
             f"modes {', '.join(needs_draft)} need 4-bit draft weights and {runtime.name} has "
@@ -195,9 +202,9 @@ class Run:
 def _kv_bytes_per_token(mode: Mode, cache) -> dict[str, float]:
     """Bytes each path reads per history token, all layers (quantized history / plain KV)."""
     if isinstance(cache, HierarchicalKVCache):
-        views = {"target": cache.bytes_per_token("target")}
+        views = {"target": cache.bytes_per_token(mode.target.kv)}
         if mode.speculative:
-            views["draft"] = cache.bytes_per_token("draft")
+            views["draft"] = cache.bytes_per_token(mode.draft.kv)
         return views
     per_token = 2 * cache.k[:, :, :, 0].numel() * cache.k.element_size()
     return {"target": per_token, "draft": per_token} if mode.speculative else {"ar": per_token}
@@ -213,13 +220,7 @@ def run_once(
     seed: int,
 ) -> Run:
     """Prefill `prompt` into a fresh cache, then decode exactly `gen` tokens in `mode_name`."""
-    model = runtime.model
-    before = target_weights(model)
-    set_target_weights(model, config.weights(mode_name))
-    try:
-        return _run_once(runtime, mode_name, prompt, gen, config, seed)
-    finally:
-        set_target_weights(model, before)
+    return _run_once(runtime, mode_name, prompt, gen, config, seed)
 
 
 def start_decode(model, mode_name: str, prompt: list[int], gen: int, config, seed, timer):
@@ -227,29 +228,25 @@ def start_decode(model, mode_name: str, prompt: list[int], gen: int, config, see
     start decoding: returns (cache, the lazy generator of `gen` token ids, the round stats of a
     speculative mode or None). Nothing is decoded until the generator is iterated."""
     mode = MODES[mode_name]
+    target = config.target(mode_name)
     size = len(prompt) + gen
-    if mode.cache == "fp":
+    if target.kv == "fp":
         cache = FullPrecisionCache(model.config, size, dtype=model.dtype, device=model.device)
         with timer.stage("prefill"):
-            logits = prefill(model, cache, prompt, 0, "fp")
+            logits = prefill(model, cache, prompt, 0, target)
     else:
         cache = HierarchicalKVCache(
             model.config, size, config.group_size, dtype=model.dtype, device=model.device
         )
         with timer.stage("prefill"):
-            logits = prefill_hierarchical(model, cache, prompt)
+            logits = prefill_hierarchical(model, cache, prompt, weights=target.weights)
     generator = torch.Generator(device=model.device).manual_seed(seed)
     common = (model, cache, logits, len(prompt), gen, config.params, generator, ())
     if not mode.speculative:
-        return cache, decode(*common, path=mode.target_path, timer=timer), None
+        return cache, decode(*common, path=target, timer=timer), None
     stats = SpecStats()
     tokens = speculative_decode(
-        *common,
-        config.gamma,
-        timer,
-        stats,
-        draft_path=mode.draft_path,
-        target_path=mode.target_path,
+        *common, config.gamma, timer, stats, draft_path=mode.draft, target_path=target
     )
     return cache, tokens, stats
 
@@ -288,7 +285,7 @@ def _run_once(runtime, mode_name, prompt, gen, config, seed) -> Run:
         kv_bytes_per_token=_kv_bytes_per_token(mode, cache),
         kv_cache_bytes=sum(cache.nbytes().values()),
         peak_memory_bytes=torch.cuda.max_memory_allocated() if cuda else None,
-        target_weights=target_weights(model),
+        target_weights=config.weights(mode_name),
         tokens=out,
     )
 

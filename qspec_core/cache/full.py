@@ -1,64 +1,21 @@
-"""KV caches behind one small protocol.
-
-The model never touches K/V tensors after projecting them: each attention layer hands its new
-keys and values to `cache.attend(...)`, which stores them and returns the attention output.
-That call is the seam where the hierarchical INT4/INT8 cache plugs in: it decides what it
-stores (full precision, packed planes) and which view (`path`) the attention reads.
-
-A cache may also offer `cpu_step(input_pos, path, n_tokens)`: for a decode-sized forward on
-CPU it does every layer's bookkeeping at once and returns a function that runs all layers in
-one C++ call (`qspec_core/cpu_step.py`), or None to go layer by layer through `attend`.
-"""
+"""The full-precision KV cache: the autoregressive baseline, and the prefill's scratch space."""
 
 from __future__ import annotations
-
-from typing import Protocol
 
 import torch
 
 from kernels.reference import causal_attention, causal_mask
+from qspec_core.cache.protocol import KVCache
 from qspec_core.config import ModelConfig
+from qspec_core.precision import FP, Precision
 
-# fp: full-precision weights and KV; target/draft: QuantSpec's two paths (INT8 / INT4 KV view,
-# full / 4-bit weights); draft-kv4: full-precision weights over the INT4 view (an ablation).
-PATHS = ("fp", "target", "draft", "draft-kv4")
-
-
-class KVCache(Protocol):
-    """What the model and the generators need from a cache."""
-
-    seq_len: int  # positions [0, seq_len) hold valid K/V
-    max_seq_len: int
-
-    def attend(
-        self,
-        layer: int,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        input_pos: torch.Tensor,
-        path: str,
-    ) -> torch.Tensor:
-        """Store k/v [B, n_kv, T, D] at `input_pos` [T]; return attention of q [B, H, T, D]."""
-        ...
-
-    def truncate(self, length: int) -> None:
-        """Forget every position >= length (rollback)."""
-        ...
-
-    def commit(self, length: int) -> None:
-        """Positions < length are confirmed by the target path (only those may be quantized)."""
-        ...
-
-    def nbytes(self) -> dict[str, int]:
-        """Bytes held, split by kind (payload, scales, full-precision buffer)."""
-        ...
+__all__ = ["FullPrecisionCache", "KVCache"]
 
 
 class FullPrecisionCache(torch.nn.Module):
     """Preallocated full-precision K/V for all layers: the autoregressive baseline.
 
-    It serves every path with full-precision KV ("draft" then means 4-bit weights only).
+    It serves the "fp" KV view, with any weights (4-bit weights over it: the draft-w4 ablation).
 
     Writing at positions p..q makes q + 1 the new length, so a write below the current
     length (a verify step over rejected draft positions) also rolls back what lay beyond.
@@ -86,13 +43,9 @@ class FullPrecisionCache(torch.nn.Module):
         self.seq_len = 0
         self._mask = (None, None)  # (positions key, mask): built once per forward, not per layer
 
-    def attend(self, layer, q, k, v, input_pos, path="fp"):
-        # Every path reads full-precision KV here: with path="draft" this is the draft-w4
-        # ablation (4-bit weights, full-precision KV).
-        if path not in PATHS or path == "draft-kv4":
-            raise ValueError(
-                f"the full-precision cache serves 'fp', 'target' and 'draft', not {path!r}"
-            )
+    def attend(self, layer, q, k, v, input_pos, path: Precision = FP):
+        if path.kv != "fp":
+            raise ValueError(f"the full-precision cache serves the 'fp' KV view, not {path.kv!r}")
         start, end = self._span(input_pos)
         self.k[layer, :, :, start:end] = k
         self.v[layer, :, :, start:end] = v
@@ -113,11 +66,12 @@ class FullPrecisionCache(torch.nn.Module):
             self._mask = (key, causal_mask(input_pos, end))
         return start, end
 
-    def cpu_step(self, input_pos: torch.Tensor, path: str, n_tokens: int):
+    def cpu_step(self, input_pos: torch.Tensor, path: Precision, n_tokens: int):
         """For a decode-sized forward on CPU: `run(stack, x, cos, sin)`, all layers in one C++
-        call (`qspec_core/cpu_step.py`) with the attention `causal_attention` computes; None
-        when this forward goes layer by layer (a cache not fp32 on CPU, a bad path)."""
-        if path not in PATHS or path == "draft-kv4":
+        call (`qspec_core/backend/cpu_stack.py`) with the attention `causal_attention`
+        computes; None when this forward goes layer by layer (a cache not fp32 on CPU, a KV
+        view other than "fp")."""
+        if path.kv != "fp":
             return None  # (`attend` raises)
         if self.k.dtype != torch.float32 or self.k.device.type != "cpu":
             return None

@@ -3,10 +3,13 @@
 One cache serves both paths. Per layer it holds
   - the quantized history, positions [0, n_quant): packed upper and lower nibble planes with
     K per-channel metadata (one scale/zero per channel per G tokens) and V per-token metadata
-    (one scale/zero per token per G channels), see `kv_quant.py`;
+    (one scale/zero per token per G channels), see `kernels/planes.py`;
   - the full-precision region, positions [n_quant, n_quant + fp_len), capacity 2G: F1 (the
     oldest G, confirmed, waiting to fill a whole K group) and F2 (recent and unverified).
-The draft path reads the upper plane, the target path both (INT8); both read the same F1/F2.
+A forward's `Precision` picks the KV view by `path.kv`: "int4" reads the upper plane (the
+draft), "int8" both planes (the target); both read the same F1/F2. Attention over a layer is
+`kernels.attention.hier_attention` over the layer's `HierLayerView`: the fused kernel of the
+device, or with `fused = False` the PyTorch reference, which read the same data.
 
 Rollback is `truncate`, which only shortens the full-precision region. `commit(n)` marks
 positions < n as confirmed by the target; only confirmed KV is ever quantized, and the cache
@@ -19,7 +22,8 @@ chunked prefill and speculative rounds with rejections give identical KV, which 
 greedy QuantSpec token-for-token equal to autoregressive decoding on the target path. F1 is
 rotated into the planes lazily, once the committed length shows that no future query needs
 it in full precision; queries past that point before the rotation (draft steps, the later
-tokens of a verify) see F1 quantized on the fly. The full-precision buffer therefore holds
+tokens of a verify) see F1 quantized: it is staged once into the planes' next slot, which
+the rotation later fills with the very same values. The full-precision buffer therefore holds
 2G tokens plus up to G of slack for a round's unverified tokens.
 """
 
@@ -27,23 +31,32 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 
-from kernels.triton.kv_pack import quantize_keys_triton, quantize_values_triton
-from kernels.reference import hierarchical_attention
-from qspec_core.config import ModelConfig
+from kernels.attention import backend, hier_attention
 from kernels.planes import (
+    VIEWS,
+    HierLayerView,
     QuantizedGroupTensor,
+    QueryRows,
     dequantize_keys,
     dequantize_values,
     kv_bytes_per_token,
     quantize_keys,
     quantize_values,
 )
+from kernels.triton.kv_pack import quantize_keys_triton, quantize_values_triton
+from qspec_core.config import ModelConfig
+from qspec_core.precision import Precision
 
-VIEWS = {"target": "target", "draft": "draft", "draft-kv4": "draft"}  # path -> KV view
+
+def kv_view(path: Precision) -> str:
+    """The KV view ("int8" or "int4") a path reads from this cache; ValueError for others."""
+    kv = getattr(path, "kv", None)
+    if kv not in VIEWS:
+        raise ValueError(f"the hierarchical cache serves the KV views {VIEWS}, not {path!r}")
+    return kv
 
 
 class CommitInvariantError(RuntimeError):
@@ -111,7 +124,6 @@ class HierarchicalKVCache(torch.nn.Module):
         # host read and the per-query index tensors are made once, not once per layer.
         self._pos_memo: tuple | None = None
         self._rows_memo: tuple | None = None
-        self._cpu_kernel = None
 
     # ------------------------------------------------------------------ lengths and protocol
     @property
@@ -241,21 +253,21 @@ class HierarchicalKVCache(torch.nn.Module):
         self.fp_len[layer] = hi
         return lo, hi
 
-    def cpu_step(self, input_pos: torch.Tensor, path: str, n_tokens: int):
+    def cpu_step(self, input_pos: torch.Tensor, path: Precision, n_tokens: int):
         """For a decode-sized forward on CPU: does every layer's bookkeeping of `attend` now
         and returns `run(stack, x, cos, sin)`, which runs all layers in one C++ call
-        (`qspec_core/cpu_step.py`); None when this forward must go layer by layer (layers
-        out of step, no fused kernel, a forward longer than G, a bad path: `attend` raises)."""
-        view = VIEWS.get(path)
+        (`qspec_core/backend/`); None when this forward must go layer by layer (layers out
+        of step, no fused kernel, a forward longer than G, a bad path: `attend` raises)."""
+        kv = getattr(path, "kv", None)
         L, G = len(self.n_quant), self.group_size
         if (
-            view is None
+            kv not in VIEWS
             or n_tokens > G  # (then a late query could need an F1 this forward rewrites)
             or self.fp_k.dtype != torch.float32
             or self.fp_k.device.type != "cpu"
             or self.n_quant.count(self.n_quant[0]) != L
             or self.fp_len.count(self.fp_len[0]) != L
-            or self._kernel(self.fp_k) is None
+            or backend(self.fp_k, fused=self.fused is not False) != "cpu"
         ):
             return None
         start, end = self._span(input_pos)
@@ -279,7 +291,7 @@ class HierarchicalKVCache(torch.nn.Module):
             self.fp_k,
             self.fp_v,
         ]
-        target, chunk = view == "target", self.chunk_size
+        target, chunk = kv == "int8", self.chunk_size  # (target: both planes)
 
         def run(stack, x, cos, sin):
             return stack.run_hier(
@@ -288,65 +300,39 @@ class HierarchicalKVCache(torch.nn.Module):
 
         return run
 
-    def attend(self, layer, q, k, v, input_pos, path):
-        """Store k/v [B, n_kv, T, D] at input_pos [T] in F2; attend q in the path's view."""
-        view = VIEWS.get(path)
-        if view is None:
-            raise ValueError(f"the hierarchical cache serves 'target' and 'draft', not {path!r}")
+    def attend(self, layer, q, k, v, input_pos, path: Precision):
+        """Store k/v [B, n_kv, T, D] at input_pos [T] in F2; attend q [B, H, T, D] in the KV
+        view `path.kv` ("int8" or "int4")."""
+        kv = kv_view(path)
         start, end = self._span(input_pos)
         self._write(layer, k, v, start, end)
-        nq, n_fp, G = self.n_quant[layer], self.fp_len[layer], self.group_size
-        fp_k, fp_v = self.fp_k[layer, :, :, :n_fp], self.fp_v[layer, :, :, :n_fp]
-        kernel = self._kernel(q)
-        if kernel is not None:
-            # Late queries read F1 quantized from the planes' next slot, staged there once (the
-            # rotation later writes the very same values), and skip it in the fp region.
-            any_late, n_quant_q, shift = self._query_rows(start, end, nq)
-            if any_late and self._staged[layer] != nq:
-                self._stage_f1(layer)
-            return kernel(
-                q,
-                self.k_upper[layer],
-                self.k_lower[layer],
-                self.k_scale[layer],
-                self.k_zero[layer],
-                self.v_upper[layer],
-                self.v_lower[layer],
-                self.v_scale[layer],
-                self.v_zero[layer],
-                n_quant_q,
-                fp_k,
-                fp_v,
-                nq,
-                shift,
-                input_pos,
-                view,
-                G,
-            )
-        late = self._boundary(input_pos) > nq  # queries that already see F1 as history
-        hidden = extra = None
-        if bool(late.any()):
-            # F1 is confirmed and whole; those queries see it quantized, as they would have
-            # if it had been rotated already (quantization is deterministic).
-            kq = quantize_keys(fp_k[:, :, :G], G)
-            vq = quantize_values(fp_v[:, :, :G], G)
-            extra = (
-                dequantize_keys(kq, G, view),
-                dequantize_values(vq, G, view),
-                late[:, None].expand(-1, G),
-            )
-            hidden = torch.zeros(len(input_pos), n_fp, dtype=torch.bool, device=q.device)
-            hidden[:, :G] = late[:, None]
-        return hierarchical_attention(
-            q,
-            lambda s, e: self.dequantize(layer, s, e, view),
-            nq,
-            fp_k,
-            fp_v,
-            input_pos,
-            self.chunk_size,
-            fp_hidden=hidden,
-            extra=extra,
+        # Late queries read F1 quantized from the planes' next slot, staged there once (the
+        # rotation later writes the very same values), and skip it in the fp region.
+        nq = self.n_quant[layer]
+        any_late, n_quant_q, shift = self._query_rows(start, end, nq)
+        if any_late and self._staged[layer] != nq:
+            self._stage_f1(layer)
+        rows = QueryRows(n_quant_q=n_quant_q, fp_lo=shift, input_pos=input_pos)
+        chunk = self.chunk_size if q.device.type == "cpu" else None  # Triton: fill the GPU
+        fused = self.fused is not False
+        return hier_attention(q, self.layer_view(layer), rows, kv, chunk, fused=fused)
+
+    def layer_view(self, layer: int) -> HierLayerView:
+        """One layer's planes, metadata and full-precision region, as the attention reads it."""
+        n_fp = self.fp_len[layer]
+        return HierLayerView(
+            k_upper=self.k_upper[layer],
+            k_lower=self.k_lower[layer],
+            k_scale=self.k_scale[layer],
+            k_zero=self.k_zero[layer],
+            v_upper=self.v_upper[layer],
+            v_lower=self.v_lower[layer],
+            v_scale=self.v_scale[layer],
+            v_zero=self.v_zero[layer],
+            fp_k=self.fp_k[layer, :, :, :n_fp],
+            fp_v=self.fp_v[layer, :, :, :n_fp],
+            fp_pos0=self.n_quant[layer],
+            group_size=self.group_size,
         )
 
     def _span(self, input_pos: torch.Tensor) -> tuple[int, int]:
@@ -369,27 +355,6 @@ class HierarchicalKVCache(torch.nn.Module):
             self._rows_memo = (key, (any(late), nq + shift, shift))
         return self._rows_memo[1]
 
-    def _kernel(self, q: torch.Tensor):
-        """The fused attention for q's device, or None for the PyTorch reference below."""
-        if self.fused is False:
-            return None
-        if q.device.type == "cpu":
-            if self._cpu_kernel is not None:
-                return self._cpu_kernel
-            from kernels.cpu import attention as cpu_attention
-
-            if cpu_attention.available():
-                self._cpu_kernel = partial(
-                    cpu_attention.hier_attention_cpu, chunk_size=self.chunk_size
-                )
-                return self._cpu_kernel
-        else:
-            from kernels.triton import hier_attention
-
-            if hier_attention.triton_usable(q):
-                return hier_attention.hier_attention
-        return None
-
     def _stage_f1(self, layer: int) -> None:
         """Quantize F1 (confirmed, one whole K group) into the planes at [nq, nq + G)."""
         G, nq = self.group_size, self.n_quant[layer]
@@ -408,7 +373,8 @@ class HierarchicalKVCache(torch.nn.Module):
         self._staged[layer] = nq
 
     def dequantize(self, layer: int, start: int, end: int, view: str):
-        """History positions [start, end) (multiples of G) of one layer as fp32 (k, v)."""
+        """History positions [start, end) (multiples of G) of one layer as fp32 (k, v) in the
+        KV view `view` ("int8" or "int4")."""
         G = self.group_size
         k = QuantizedGroupTensor(
             self.k_upper[layer, :, :, start:end],
@@ -461,7 +427,8 @@ class HierarchicalKVCache(torch.nn.Module):
         return {"payload": payload, "scales": k_meta + v_meta, "full_precision": fp}
 
     def bytes_per_token(self, view: str) -> float:
-        """Bytes a `view` reads per quantized-history token over all layers and KV heads."""
+        """Bytes the KV view `view` ("int8" or "int4") reads per quantized-history token over
+        all layers and KV heads."""
         L, B, n_kv = self.k_upper.shape[:3]
         D = 2 * self.k_upper.shape[4]
         per_head = kv_bytes_per_token(D, view, self.group_size, self.group_size).total

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,30 +23,29 @@ import torch
 from safetensors.torch import save_file
 
 import qspec_core
-from qspec_core.quant.awq import ActivationCollector, awq_quantize
-from qspec_core.errors import QspecError
-from qspec_core.engine.generate import forward_logits
-from qspec_core.quant.gptq import HessianCollector, gptq_quantize, gptq_quantize_int8
-from qspec_core.quant.int8 import Int8Linear
 from qspec_core.cache.full import FullPrecisionCache
-from qspec_core.model.transformer import Transformer, attach_draft, attach_int8, linear_layers
-from qspec_core.registry.sources import sha256_file
-from qspec_core.quant.int4 import Int4Linear, rtn_quantize
-from qspec_core.model.checkpoint import checkpoint_files
-
-DRAFT_META = "qspec_draft.json"
-DRAFT_WEIGHTS = "draft.safetensors"
-FORMAT_VERSION = 1
-METHODS = ("rtn", "gptq", "awq")
-COPIED = (
-    "config.json",
-    "generation_config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "chat_template.jinja",
-    "special_tokens_map.json",
-    "qspec_source.json",
+from qspec_core.convert.folder import (
+    DRAFT_META,
+    DRAFT_WEIGHTS,
+    FORMAT_VERSION,
+    write_folder,
 )
+from qspec_core.errors import QspecError
+from qspec_core.model.checkpoint import checkpoint_files
+from qspec_core.model.transformer import (
+    Transformer,
+    attach_draft,
+    forward_logits,
+    linear_layers,
+)
+from qspec_core.paths import sha256_file
+from qspec_core.precision import DRAFT_W4, FP, Precision
+from qspec_core.quant.awq import ActivationCollector, awq_quantize
+from qspec_core.quant.gptq import HessianCollector, gptq_quantize, gptq_quantize_int8
+from qspec_core.quant.int4 import Int4Linear, rtn_quantize
+from qspec_core.quant.int8 import Int8Linear
+
+METHODS = ("rtn", "gptq", "awq")
 
 
 @dataclass
@@ -71,7 +68,7 @@ def default_group_size(model: Transformer) -> int:
     return 128 if all(k % 128 == 0 for k in sizes) else 64
 
 
-def _forward_logits(model: Transformer, ids: list[int], path: str) -> torch.Tensor:
+def _forward_logits(model: Transformer, ids: list[int], path: Precision) -> torch.Tensor:
     """All-position logits [T, V] with full-precision KV (weights per `path`)."""
     cache = FullPrecisionCache(model.config, len(ids), dtype=model.dtype, device=model.device)
     return forward_logits(model, cache, ids, path, 512)
@@ -79,8 +76,8 @@ def _forward_logits(model: Transformer, ids: list[int], path: str) -> torch.Tens
 
 def draft_agreement(model: Transformer, ids: list[int]) -> tuple[float, float]:
     """Top-1 agreement and mean KL of the draft weights vs the target weights (fp KV)."""
-    target = torch.log_softmax(_forward_logits(model, ids, "fp"), -1)
-    draft = torch.log_softmax(_forward_logits(model, ids, "draft"), -1)
+    target = torch.log_softmax(_forward_logits(model, ids, FP), -1)
+    draft = torch.log_softmax(_forward_logits(model, ids, DRAFT_W4), -1)
     top1 = float((target.argmax(-1) == draft.argmax(-1)).float().mean())
     kl = float((target.exp() * (target - draft)).sum(-1).mean())
     return top1, kl
@@ -241,7 +238,7 @@ def calibration_hessians(model: Transformer, calib_ids: list[int]) -> dict[str, 
     """H = 2 X^T X of every linear layer's inputs on the calibration text (fp weights and KV)."""
     collector = HessianCollector(linear_layers(model))
     try:
-        _forward_logits(model, calib_ids, "fp")  # all positions, so lm_head sees them too
+        _forward_logits(model, calib_ids, FP)  # all positions, so lm_head sees them too
     finally:
         collector.close()
     return collector.hessians
@@ -272,7 +269,7 @@ def quantize_model(
     if method == "awq":
         collector = ActivationCollector(layers)
         try:
-            _forward_logits(model, calib_ids, "fp")
+            _forward_logits(model, calib_ids, FP)
         finally:
             collector.close()
     drafts = {}
@@ -368,7 +365,7 @@ def convert(
         for key, t in d.state_dict().items()
     }
     int8_tensors, meta["target_int8"] = int8_weights(model, hessians, calib_source, on_layer)
-    _write_folder(source, out, tensors | int8_tensors, meta)
+    write_folder(source, out, tensors | int8_tensors, meta)
     return report
 
 
@@ -412,7 +409,11 @@ def int8_weights(
 
 
 def add_int8_weights(
-    folder: Path, model: Transformer, calib_ids: list[int] | None = None, calib_source: str = ""
+    folder: Path,
+    model: Transformer,
+    calib_ids: list[int] | None = None,
+    calib_source: str = "",
+    on_layer=None,
 ) -> None:
     """Give a converted folder (new) INT8 weights, GPTQ-rounded on `calib_ids` when given,
     replacing any it has (atomically)."""
@@ -421,7 +422,7 @@ def add_int8_weights(
     meta = json.loads((folder / DRAFT_META).read_text())
     tensors = {k: v for k, v in load_file(folder / DRAFT_WEIGHTS).items() if ".int8." not in k}
     hessians = calibration_hessians(model, calib_ids) if calib_ids else None
-    extra, meta["target_int8"] = int8_weights(model, hessians, calib_source)
+    extra, meta["target_int8"] = int8_weights(model, hessians, calib_source, on_layer)
     tmp_weights = folder / f".{DRAFT_WEIGHTS}.tmp"
     tmp_meta = folder / f".{DRAFT_META}.tmp"
     try:
@@ -432,100 +433,3 @@ def add_int8_weights(
     finally:
         tmp_weights.unlink(missing_ok=True)
         tmp_meta.unlink(missing_ok=True)
-
-
-def _write_folder(source: Path, out: Path, tensors: dict, meta: dict) -> None:
-    """Write everything into a temporary sibling, then rename: no half-written model."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
-    try:
-        for name in COPIED:
-            if (source / name).exists():
-                shutil.copy2(source / name, tmp / name)
-        weight_files = checkpoint_files(source)
-        index = source / "model.safetensors.index.json"
-        for f in weight_files + ([index] if index.exists() else []):
-            try:
-                os.link(f, tmp / f.name)  # same weights, no copy
-            except OSError:
-                shutil.copy2(f, tmp / f.name)
-        save_file(tensors, tmp / DRAFT_WEIGHTS, metadata={"format": "qspec-draft"})
-        (tmp / DRAFT_META).write_text(json.dumps(meta, indent=2) + "\n")
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def load_draft(folder: Path, model: Transformer) -> dict | None:
-    """Attach the 4-bit draft of a converted folder to `model`; returns its metadata."""
-    meta_path = folder / DRAFT_META
-    if not meta_path.exists():
-        return None
-    from safetensors import SafetensorError, safe_open
-
-    try:
-        meta = json.loads(meta_path.read_text())
-    except json.JSONDecodeError as e:
-        raise QspecError(f"corrupt {meta_path}: {e}") from None
-    if meta.get("format_version") != FORMAT_VERSION or meta.get("bits") != 4:
-        raise QspecError(
-            f"{meta_path}: unsupported draft format (version "
-            f"{meta.get('format_version')}, {meta.get('bits')} bits)"
-        )
-    layers = linear_layers(model)
-    drafts = {}
-    try:
-        with safe_open(folder / DRAFT_WEIGHTS, framework="pt") as f:
-            names = set(f.keys())
-            for module in meta["modules"]:
-                if module not in layers:
-                    raise QspecError(f"draft module {module} does not exist in the target model")
-                target = layers[module]
-                prefix = f"{module}.draft."
-                state = {n[len(prefix) :]: f.get_tensor(n) for n in names if n.startswith(prefix)}
-                draft = Int4Linear(
-                    target.in_features,
-                    target.out_features,
-                    meta["group_size"],
-                    bias="bias" in state,
-                    permuted="perm" in state,
-                    scaled="input_scale" in state,
-                )
-                if state.keys() != draft.state_dict().keys():
-                    raise QspecError(f"draft weights of {module} are incomplete")
-                for key, t in state.items():
-                    if t.shape != draft.state_dict()[key].shape:
-                        raise QspecError(
-                            f"draft {module}.{key} has shape {list(t.shape)}, "
-                            f"expected {list(draft.state_dict()[key].shape)}"
-                        )
-                draft.load_state_dict(state)
-                drafts[module] = draft.to(model.device)
-            int8 = _load_int8(f, names, meta.get("target_int8"), layers, model.device)
-    except (SafetensorError, OSError) as e:
-        raise QspecError(f"corrupt draft weights in {folder}: {e}") from None
-    attach_draft(model, drafts)
-    attach_int8(model, int8)
-    return meta
-
-
-def _load_int8(f, names: set[str], meta: dict | None, layers: dict, device) -> dict:
-    if not meta:
-        return {}
-    out = {}
-    for module in meta["modules"]:
-        if module not in layers:
-            raise QspecError(f"INT8 module {module} does not exist in the target model")
-        target = layers[module]
-        prefix = f"{module}.int8."
-        state = {n[len(prefix) :]: f.get_tensor(n) for n in names if n.startswith(prefix)}
-        layer = Int8Linear(target.in_features, target.out_features, bias="bias" in state)
-        if state.keys() != layer.state_dict().keys() or any(
-            t.shape != layer.state_dict()[k].shape for k, t in state.items()
-        ):
-            raise QspecError(f"INT8 weights of {module} are incomplete or misshapen")
-        layer.load_state_dict(state)
-        out[module] = layer.to(device)
-    return out

@@ -6,10 +6,12 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from qspec_core.cache.full import FullPrecisionCache
 from qspec_core.cache.hierarchical import HierarchicalKVCache
-from qspec_core.cache.full import FullPrecisionCache, KVCache
-from qspec_core.model.transformer import Transformer
+from qspec_core.cache.protocol import KVCache
 from qspec_core.engine.sampling import SamplingParams, sample
+from qspec_core.model.transformer import Transformer
+from qspec_core.precision import FP, Precision
 from qspec_core.timing import StageTimer
 
 PREFILL_CHUNK = 512
@@ -21,7 +23,7 @@ def prefill(
     cache: KVCache,
     tokens: list[int],
     start_pos: int,
-    path: str = "fp",
+    path: Precision = FP,
     chunk_size: int = PREFILL_CHUNK,
     on_progress: Callable[[int], None] | None = None,
 ) -> torch.Tensor:
@@ -44,34 +46,22 @@ def prefill(
 
 
 @torch.inference_mode()
-def forward_logits(
-    model: Transformer, cache: KVCache, tokens: list[int], path: str, chunk_size: int
-) -> torch.Tensor:
-    """Teacher-forced logits [T, V] (fp32) of every position, fed in chunks, committing each."""
-    out = []
-    for start in range(0, len(tokens), chunk_size):
-        piece = tokens[start : start + chunk_size]
-        pos = torch.arange(start, start + len(piece), device=model.device)
-        out.append(model(torch.tensor([piece], device=model.device), pos, cache, path)[0].float())
-        cache.commit(start + len(piece))
-    return torch.cat(out)
-
-
-@torch.inference_mode()
 def prefill_hierarchical(
     model: Transformer,
     cache: HierarchicalKVCache,
     tokens: list[int],
     chunk_size: int = PREFILL_CHUNK,
     on_progress: Callable[[int], None] | None = None,
+    weights: str = "full",
 ) -> torch.Tensor:
     """QuantSpec's prefill: full-precision attention over the prompt, then one bulk quantization.
 
-    Returns the last position's logits [V] (from the full-precision prefill, as in the paper).
-    The temporary full-precision KV is as large as a plain cache of the prompt.
+    Returns the last position's logits [V] (from the full-precision prefill, as in the paper),
+    computed on `weights` (the target's: "full", or "int8" for an INT8 verifier). The
+    temporary full-precision KV is as large as a plain cache of the prompt.
     """
     fp = FullPrecisionCache(model.config, len(tokens), dtype=cache.fp_k.dtype, device=model.device)
-    logits = prefill(model, fp, tokens, 0, "fp", chunk_size, on_progress)
+    logits = prefill(model, fp, tokens, 0, FP.with_weights(weights), chunk_size, on_progress)
     cache.reset()
     cache.load_full_precision(fp.k, fp.v)
     return logits
@@ -87,7 +77,7 @@ def decode(
     params: SamplingParams,
     generator: torch.Generator | None,
     stop_ids: tuple[int, ...] = (),
-    path: str = "fp",
+    path: Precision = FP,
     timer: StageTimer | None = None,
 ) -> Iterator[int]:
     """Yield up to `max_new_tokens` ids; stop after yielding a stop id.

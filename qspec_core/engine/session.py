@@ -13,14 +13,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from qspec_core.errors import QspecError
-from qspec_core.engine.generate import decode, prefill, prefill_hierarchical
-from qspec_core.cache.hierarchical import CacheCheckpoint, HierarchicalKVCache
 from qspec_core.cache.full import FullPrecisionCache
-from qspec_core.model.transformer import has_draft
-from qspec_core.registry.runtime import Runtime
+from qspec_core.cache.hierarchical import CacheCheckpoint, HierarchicalKVCache
+from qspec_core.engine.generate import decode, prefill, prefill_hierarchical
 from qspec_core.engine.sampling import SamplingParams
 from qspec_core.engine.speculative import SpecStats, speculative_decode
+from qspec_core.errors import QspecError
+from qspec_core.model.transformer import has_draft
+from qspec_core.precision import Precision
+from qspec_core.registry.runtime import Runtime
 from qspec_core.timing import StageTimer
 
 DOCUMENT_SYSTEM_PROMPT = (
@@ -181,8 +182,9 @@ class ChatSession:
         return tok.decode(doc_ids[:budget])
 
     @property
-    def path(self) -> str:
-        return "fp" if self.mode == "ar" else "target"
+    def path(self) -> Precision:
+        """The path that answers (decodes or verifies), on the runtime's target weights."""
+        return self.runtime.baseline if self.mode == "ar" else self.runtime.target
 
     def _ensure_cache(self, need: int):
         size = min(self.limit, max(need, self.capacity or 0))
@@ -226,11 +228,12 @@ class ChatSession:
         """
         model = self.runtime.model
         if self.mode == "ar":
-            return prefill(model, cache, ids[reuse:], reuse, "fp", on_progress=progress)
+            return prefill(model, cache, ids[reuse:], reuse, self.path, on_progress=progress)
         if reuse == 0:
             doc = self.document_prefix_ids()
             head = doc if doc and ids[: len(doc)] == doc and len(doc) < len(ids) else ids[:1]
-            logits = prefill_hierarchical(model, cache, head, on_progress=progress)
+            weights = self.runtime.target_weights
+            logits = prefill_hierarchical(model, cache, head, on_progress=progress, weights=weights)
             reuse = len(head)
             self._doc_point = (len(doc), cache.checkpoint()) if head == doc else None
             if reuse == len(ids):
@@ -240,7 +243,7 @@ class ChatSession:
             cache,
             ids[reuse:],
             reuse,
-            "target",
+            self.path,
             chunk_size=cache.group_size,
             on_progress=progress,
         )
@@ -297,7 +300,9 @@ class ChatSession:
                 self.runtime.stop_ids,
             )
             if self.mode == "quantspec":
-                tokens = speculative_decode(*common, self.gamma, timer, stats.spec)
+                tokens = speculative_decode(
+                    *common, self.gamma, timer, stats.spec, target_path=self.path
+                )
             else:
                 tokens = decode(*common, path=self.path, timer=timer)
             try:

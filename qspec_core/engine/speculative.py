@@ -20,12 +20,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from qspec_core.cache.hierarchical import HierarchicalKVCache
 from qspec_core.cache.full import FullPrecisionCache
-from qspec_core.model.transformer import Transformer
+from qspec_core.cache.hierarchical import HierarchicalKVCache
 from qspec_core.engine.sampling import SamplingParams, probabilities, sample
-from qspec_core.timing import StageTimer
 from qspec_core.engine.verify import verify_greedy, verify_sampling
+from qspec_core.model.transformer import Transformer
+from qspec_core.precision import DRAFT, TARGET, Precision
+from qspec_core.timing import StageTimer
 
 GAMMA_MAX = 16
 
@@ -110,17 +111,18 @@ def speculative_decode(
     timer: StageTimer | None = None,
     stats: SpecStats | None = None,
     verifier=None,
-    draft_path: str = "draft",
-    target_path: str = "target",
+    draft_path: Precision = DRAFT,
+    target_path: Precision = TARGET,
 ) -> Iterator[int]:
     """Yield up to `max_new_tokens` ids following the target path's distribution.
 
     `first_logits` [V]: target logits for position `start_pos` (from the prefill); the cache
     holds positions < start_pos, all committed. `gamma`: drafts per round, or "auto".
     `verifier` overrides the acceptance step (tests force rejection patterns with it).
-    `draft_path`/`target_path` pick the two paths; the defaults are QuantSpec's. The bench's
-    ablations use "draft-kv4" (full weights, INT4 view) and, over a `FullPrecisionCache`,
-    "draft"/"fp" (4-bit weights, full-precision KV: plain self-speculation).
+    `draft_path`/`target_path` pick the two paths (`qspec_core.precision`); the defaults are
+    QuantSpec's. The bench's ablations use DRAFT_KV4 (full weights, INT4 view) and, over a
+    `FullPrecisionCache`, DRAFT_W4/FP (4-bit weights, full-precision KV: plain
+    self-speculation); an INT8 verifier is TARGET.with_weights("int8").
     On any exit (limit, stop token, Ctrl-C, close) the cache is truncated to the committed
     length: exactly the KV of the tokens fed so far, none of a half-finished round.
     """
@@ -133,7 +135,7 @@ def speculative_decode(
         raise ValueError(f"gamma must be in 1..{limit}")
     device = model.device
 
-    def feed(tokens: list[int], pos: int, path: str) -> torch.Tensor:
+    def feed(tokens: list[int], pos: int, path: Precision) -> torch.Tensor:
         ids = torch.tensor([tokens], device=device)
         return model(ids, torch.arange(pos, pos + len(tokens), device=device), cache, path)[0]
 

@@ -88,7 +88,8 @@ def build_model(
 
 
 def load_model(folder: Path, dtype=torch.bfloat16, device="cpu") -> Transformer:
-    """Read `config.json` and the weights of a local HF folder."""
+    """Read `config.json` and the weights of a local HF folder (a converted folder's 4-bit and
+    INT8 twins are attached by `convert.folder.load_converted`)."""
     config_path = folder / "config.json"
     if not config_path.exists():
         raise QspecError(f"{folder} has no config.json: not a Hugging Face model folder")
@@ -96,8 +97,4 @@ def load_model(folder: Path, dtype=torch.bfloat16, device="cpu") -> Transformer:
         config = ModelConfig.from_file(config_path)
     except ConfigError as e:
         raise QspecError(f"corrupt {config_path}: {e}") from None
-    model = build_model(config, load_state_dict(folder), dtype=dtype, device=device)
-    from qspec_core.convert.convert import load_draft  # a converted folder also carries its 4-bit draft
-
-    load_draft(folder, model)
-    return model
+    return build_model(config, load_state_dict(folder), dtype=dtype, device=device)

@@ -1,8 +1,14 @@
 """Llama-family decoder (Llama 2/3, Mistral, Qwen2/2.5, SmolLM2) in plain PyTorch.
 
 Module and parameter names follow Hugging Face, so a checkpoint loads by stripping the
-`model.` prefix. The call is explicit: `model(tokens, input_pos, cache, path)`; attention
-goes through `cache.attend`, which owns K/V storage and the view the `path` reads.
+`model.` prefix. The call is explicit: `model(tokens, input_pos, cache, path)`, where `path`
+(`qspec_core.precision.Precision`) names the weights each linear uses and the KV view the
+cache's attention reads; attention goes through `cache.attend`, which owns K/V storage.
+
+This file is the math only. On a CPU the forward is run by a backend object
+(`qspec_core/backend/cpu.py`: C++ decode steps, batch-invariant few-row linears), chosen by
+device at the first forward (`backend`); elsewhere, or with `model.backend = None`, the plain
+PyTorch below runs, and the tests hold the two together.
 """
 
 from __future__ import annotations
@@ -10,60 +16,40 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.modules import module as _module_hooks
 
-from kernels.cpu import build as cpu_ext
-
-from kernels.cpu import linear as cpu_linear
-from qspec_core.backend import cpu_stack as cpu_step
+from qspec_core.backend import select_backend
+from qspec_core.cache.protocol import KVCache
 from qspec_core.config import ModelConfig
-from qspec_core.cache.full import KVCache
 from qspec_core.model.rope import RotaryEmbedding, apply_rotary
+from qspec_core.precision import FP, Precision
 
-# Paths that run on the 4-bit draft weights. "draft-kv4" (full-precision weights over the INT4
-# KV view) is the bench's ablation of the draft's two ingredients; see `kv_cache.PATHS`.
-DRAFT_WEIGHT_PATHS = ("draft",)
-
-
-TARGET_WEIGHTS = ("full", "int8")
+AUTO = "auto"  # `Transformer.backend`: chosen by device at the next forward
 
 
 class Linear(nn.Linear):
-    """nn.Linear with an optional 4-bit twin (`draft`) that the draft path uses instead, and
-    an optional INT8 twin (`int8`) that every other path uses once `set_target_weights`
-    selects it (Quasar's quantized verifier)."""
+    """nn.Linear with optional quantized twins, one per weight set of `Precision.weights`:
+    `draft` (4-bit, "int4") and `int8` ("int8"). "full" is the layer's own weight."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.draft: nn.Module | None = None  # set by `attach_draft`; then a submodule
         self.int8: nn.Module | None = None  # set by `attach_int8`
-        self.use_int8 = False
 
-    def forward(self, x: torch.Tensor, path: str = "fp") -> torch.Tensor:
-        # (submodules and parameters read from their dicts: nn.Module.__getattr__ is slow, and
-        # a decode step makes 211 of these calls)
-        if path in DRAFT_WEIGHT_PATHS:
-            draft = self._modules.get("draft")
-            if draft is not None:
-                return draft(x)
-        if self.use_int8:
-            return self._modules["int8"](x)
-        weight = self._parameters["weight"]
-        if cpu_linear.usable(x, weight):  # a decode or verify step on CPU, fp32
-            return cpu_linear.linear(x, weight, self._parameters["bias"])
-        return super().forward(x)
+    def twin(self, weights: str) -> nn.Module | None:
+        """The module that runs `weights` for this layer; None: the layer's own weight. A
+        layer without a 4-bit twin stays full precision in the draft (the model checks that
+        it has a draft at all); every layer has its INT8 twin once `attach_int8` ran."""
+        if weights == "int4":
+            return self._modules.get("draft")  # (dict reads: nn.Module.__getattr__ is slow)
+        if weights == "int8":
+            return self._modules["int8"]
+        return None
 
-
-def _fast(x: torch.Tensor) -> bool:
-    """Whether the C++ CPU ops (`kernels/cpu/decode.cpp`) serve x: fp32 on CPU, outside
-    autograd. Their eager twins are the code paths below each call."""
-    return (
-        x.device.type == "cpu"
-        and x.dtype == torch.float32
-        and not torch.is_grad_enabled()
-        and x.is_contiguous()
-        and cpu_ext.available()
-    )
+    def forward(self, x: torch.Tensor, path: Precision = FP) -> torch.Tensor:
+        twin = self.twin(path.weights)
+        if twin is not None:
+            return twin(x)
+        return F.linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -73,8 +59,6 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _fast(x):
-            return cpu_ext.load().rms_norm_cpu(x, self.weight, self.eps)
         # Normalize in fp32, cast back, then scale: the order HF uses, so bf16 results agree.
         dtype = x.dtype
         x = x.float()
@@ -96,19 +80,13 @@ class Attention(nn.Module):
         self.v_proj = Linear(config.hidden_size, kv_dim, bias=qkv_bias)
         self.o_proj = Linear(q_dim, config.hidden_size, bias=config.attention_bias)
 
-    def forward(self, x, cos, sin, input_pos, cache: KVCache, path: str) -> torch.Tensor:
+    def forward(self, x, cos, sin, input_pos, cache: KVCache, path: Precision) -> torch.Tensor:
         B, T, _ = x.shape
         q = self.q_proj(x, path).view(B, T, self.n_heads, self.head_dim)
         k = self.k_proj(x, path).view(B, T, self.n_kv_heads, self.head_dim)
         v = self.v_proj(x, path).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        if _fast(q) and _fast(k) and cos.dtype == torch.float32:
-            ops = cpu_ext.load()
-            ops.rope_cpu(q, cos, sin)  # in place, on the projections' fresh outputs
-            ops.rope_cpu(k, cos, sin)
-            q, k = q.transpose(1, 2), k.transpose(1, 2)
-        else:
-            q = apply_rotary(q.transpose(1, 2), cos, sin)  # [B, H, T, D]
-            k = apply_rotary(k.transpose(1, 2), cos, sin)  # [B, n_kv, T, D]
+        q = apply_rotary(q.transpose(1, 2), cos, sin)  # [B, H, T, D]
+        k = apply_rotary(k.transpose(1, 2), cos, sin)  # [B, n_kv, T, D]
         out = cache.attend(self.layer_idx, q, k, v, input_pos, path)  # [B, H, T, D]
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1), path)
 
@@ -121,7 +99,7 @@ class MLP(nn.Module):
         self.up_proj = Linear(h, i, bias=bias)
         self.down_proj = Linear(i, h, bias=bias)
 
-    def forward(self, x: torch.Tensor, path: str = "fp") -> torch.Tensor:
+    def forward(self, x: torch.Tensor, path: Precision = FP) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x, path)) * self.up_proj(x, path), path)
 
 
@@ -135,10 +113,6 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, cos, sin, input_pos, cache, path):
         h = self.self_attn(self.input_layernorm(x), cos, sin, input_pos, cache, path)
-        if _fast(x) and _fast(h):  # x += h and the second norm in one call
-            norm = self.post_attention_layernorm
-            y = cpu_ext.load().add_rms_norm_cpu(x, h, norm.weight, norm.eps)
-            return x.add_(self.mlp(y, path))
         x = x + h
         return x + self.mlp(self.post_attention_layernorm(x), path)
 
@@ -157,8 +131,15 @@ class Transformer(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
+        self.backend = AUTO  # or a backend object, or None: plain PyTorch (see the docstring)
+        self.weight_sets = {"full"}  # Precision.weights this model can run (attach_* add)
+
     def _apply(self, fn, *args, **kwargs):
-        cpu_step.forget(self)  # .to(), .float(): the built stacks point at the old tensors
+        backend = self.__dict__.get("backend")
+        if backend == AUTO and "embed_tokens" in self._modules:
+            backend = select_backend(self.device)
+        if backend not in (None, AUTO):
+            backend.forget(self)  # .to(), .float(): what it built points at the old tensors
         return super()._apply(fn, *args, **kwargs)
 
     @property
@@ -174,75 +155,45 @@ class Transformer(nn.Module):
         tokens: torch.Tensor,
         input_pos: torch.Tensor,
         cache: KVCache,
-        path: str = "fp",
+        path: Precision = FP,
         last_only: bool = False,
     ) -> torch.Tensor:
         """tokens [B, T] at positions input_pos [T] -> logits [B, T, V] (or [B, 1, V]).
 
-        `path` selects the weights and KV view: "fp" (full precision, the baseline),
-        "target" and "draft" (QuantSpec's two paths over one hierarchical cache), "draft-kv4"
-        (full weights over the INT4 view, an ablation). The draft path uses each linear's
-        4-bit twin when the model has one (`attach_draft`).
-        `last_only` skips the vocabulary projection for all but the last position (prefill).
+        `path` picks the weights (full, int8, int4: each linear's twin) and the KV view the
+        cache reads (fp, int8, int4). `last_only` skips the vocabulary projection for all but
+        the last position (prefill).
         """
+        if path.weights not in self.weight_sets:
+            raise ValueError(
+                f"the model has no {path.weights} weights (a `qspec convert` folder has them)"
+            )
+        backend = self.backend
+        if backend == AUTO:
+            backend = select_backend(tokens.device)
+        if backend is not None and backend.serves(tokens):
+            return backend.forward(self, tokens, input_pos, cache, path, last_only)
         x = self.embed_tokens(tokens)
         cos, sin = self.rotary_emb(input_pos, x.dtype)
-        if x.shape[0] * x.shape[1] <= cpu_linear.MAX_ROWS and _fast(x):
-            x = self._decode_layers(x, cos, sin, input_pos, cache, path)
-        else:
-            for layer in self.layers:
-                x = layer(x, cos, sin, input_pos, cache, path)
+        for layer in self.layers:
+            x = layer(x, cos, sin, input_pos, cache, path)
         if last_only:
             x = x[:, -1:]
         return self.lm_head(self.norm(x), path)
 
-    def _decode_layers(self, x, cos, sin, input_pos, cache, path):
-        """The layers of a decode or verify step on CPU in fp32: in one C++ call
-        (`qspec_core/cpu_step.py`) when the path's weights and the cache allow; else
-        `DecoderLayer.forward`'s math with the C++ ops of `kernels/cpu/decode.cpp`, minus the
-        ~20 Python module calls per layer around them (linears run their own forward; hooks,
-        if any, are honoured). `tests/test_cpu_step.py` holds the two to the same bits, and
-        `test_model_steps_equal_the_eager_model` both to the eager model.
-        """
-        stack = cpu_step.stack_for(self, path)
-        step = getattr(cache, "cpu_step", None)
-        run = step(input_pos, path, x.shape[1]) if stack is not None and step else None
-        if run is not None:
-            return run(stack, x, cos, sin)
-        ops = cpu_ext.load()
-        B, T, _ = x.shape
-        for layer in self.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
-            h = ops.rms_norm_cpu(x, norm1.weight, norm1.eps)
-            q = _call(attn.q_proj, h, path).view(B, T, attn.n_heads, attn.head_dim)
-            k = _call(attn.k_proj, h, path).view(B, T, attn.n_kv_heads, attn.head_dim)
-            v = _call(attn.v_proj, h, path).view(B, T, attn.n_kv_heads, attn.head_dim)
-            ops.rope_cpu(q, cos, sin)  # in place, on the projections' fresh outputs
-            ops.rope_cpu(k, cos, sin)
-            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-            out = cache.attend(attn.layer_idx, q, k, v, input_pos, path)  # [B, H, T, D]
-            h = _call(attn.o_proj, out.transpose(1, 2).reshape(B, T, -1), path)
-            y = ops.add_rms_norm_cpu(x, h, norm2.weight, norm2.eps)  # x += h
-            up = _call(mlp.up_proj, y, path)
-            x.add_(_call(mlp.down_proj, F.silu(_call(mlp.gate_proj, y, path)).mul_(up), path))
-        return x
 
-
-def _call(layer: Linear, x: torch.Tensor, path: str) -> torch.Tensor:
-    """layer(x, path) without nn.Module.__call__'s bookkeeping (a few microseconds, 211 times
-    a step), unless hooks are registered on the layer or its twin (calibration uses them)."""
-    twin = layer._modules.get("draft") if path in DRAFT_WEIGHT_PATHS else None
-    if twin is None and layer.use_int8:
-        twin = layer._modules["int8"]
-    if _module_hooks._global_forward_hooks or _module_hooks._global_forward_pre_hooks:
-        return layer(x, path)
-    for m in (layer, twin):
-        if m is not None and (m._forward_hooks or m._forward_pre_hooks):
-            return layer(x, path)
-    if twin is not None:
-        return twin.forward(x)
-    return layer.forward(x, path)
+@torch.inference_mode()
+def forward_logits(
+    model: Transformer, cache: KVCache, tokens: list[int], path: Precision, chunk_size: int
+) -> torch.Tensor:
+    """Teacher-forced logits [T, V] (fp32) of every position, fed in chunks, committing each."""
+    out = []
+    for start in range(0, len(tokens), chunk_size):
+        piece = tokens[start : start + chunk_size]
+        pos = torch.arange(start, start + len(piece), device=model.device)
+        out.append(model(torch.tensor([piece], device=model.device), pos, cache, path)[0].float())
+        cache.commit(start + len(piece))
+    return torch.cat(out)
 
 
 def linear_layers(model: Transformer) -> dict[str, Linear]:
@@ -258,11 +209,13 @@ def attach_draft(model: Transformer, drafts: dict[str, nn.Module]) -> None:
         raise KeyError(f"no such linear layers: {sorted(unknown)[:4]}")
     for name, draft in drafts.items():
         layers[name].draft = draft  # registered as a submodule: `<name>.draft.packed`, ...
+    if drafts:
+        model.weight_sets.add("int4")
 
 
 def has_draft(model: Transformer) -> bool:
     """Whether the model carries 4-bit draft weights (a `qspec convert` folder)."""
-    return any(layer.draft is not None for layer in linear_layers(model).values())
+    return "int4" in model.weight_sets
 
 
 def attach_int8(model: Transformer, layers: dict[str, nn.Module]) -> None:
@@ -273,21 +226,10 @@ def attach_int8(model: Transformer, layers: dict[str, nn.Module]) -> None:
         raise KeyError(f"no such linear layers: {sorted(unknown)[:4]}")
     for name, layer in layers.items():
         own[name].int8 = layer
+    if all(m.int8 is not None for m in own.values()):  # "int8" runs every linear on them
+        model.weight_sets.add("int8")
 
 
 def has_int8(model: Transformer) -> bool:
-    return any(layer.int8 is not None for layer in linear_layers(model).values())
-
-
-def set_target_weights(model: Transformer, kind: str) -> None:
-    """Which weights every non-draft path runs on: "full" (the checkpoint) or "int8"."""
-    if kind not in TARGET_WEIGHTS:
-        raise ValueError(f"target weights must be one of {TARGET_WEIGHTS}, not {kind!r}")
-    for layer in linear_layers(model).values():
-        if kind == "int8" and layer.int8 is None:
-            raise ValueError("the model has no INT8 weights (attach_int8)")
-        layer.use_int8 = kind == "int8"
-
-
-def target_weights(model: Transformer) -> str:
-    return "int8" if any(m.use_int8 for m in linear_layers(model).values()) else "full"
+    """Whether every linear has its INT8 twin (`weights="int8"` runs)."""
+    return "int8" in model.weight_sets

@@ -125,8 +125,8 @@ def gptq_quantize_int8(
     block_size: int = 128,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """weight [N, K], hessian [K, K] -> (q int8 [N, K], scale fp32 [N]) on the per-channel
-    symmetric grid of `kernels.triton.w8a16.quantize_int8` (same scales; GPTQ picks the rounding)."""
-    from kernels.triton.w8a16 import quantize_int8
+    symmetric grid of `kernels.formats.quantize_int8` (same scales; GPTQ picks the rounding)."""
+    from kernels.formats import quantize_int8
 
     _, scale = quantize_int8(weight)  # [N]: max|w|/127 (1 for an all-zero row)
     W = weight.float().clone()

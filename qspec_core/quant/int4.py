@@ -15,10 +15,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.cpu import build as cpu_ext
-
-from kernels.cpu import linear as cpu_linear
-from kernels.triton.w4a16 import pack_int4, unpack_int4, w4a16_matmul, w4a16_ref
+from kernels.formats import dequantize_int4 as dequantize
+from kernels.formats import pack_int4, unpack_int4
+from kernels.triton.w4a16 import w4a16_matmul, w4a16_ref
 
 CPU_INT4_GROUPS = (32, 64, 128, 256)
 
@@ -39,14 +38,6 @@ def rtn_quantize(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, .
     zero = torch.round(-lo / scale).clamp(0, 15)
     q = torch.clamp(torch.round(w / scale[..., None]) + zero[..., None], 0, 15)
     return q.reshape(N, K).to(torch.uint8), scale, zero
-
-
-def dequantize(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
-    """q uint8 [N, K], scale/zero [N, K/G] -> fp32 [N, K]."""
-    N, K = q.shape
-    G = K // scale.shape[1]
-    w = (q.float().reshape(N, -1, G) - zero[..., None]) * scale[..., None]
-    return w.reshape(N, K)
 
 
 class Int4Linear(nn.Module):
@@ -173,14 +164,18 @@ class Int4Linear(nn.Module):
         layer.load_state_dict(state)
         return layer
 
-    def _w4a8_args(self):
-        """(packed, scale, zero, group size) for the W4A8 kernel of a draft step, or False
-        when this layer's form needs the general path (AWQ scales, act-order, groups that are
-        not multiples of 64). Built once; `_apply` and state loads reset it."""
-        plain = self.input_scale is None and self.perm is None and self.output_scale is None
-        if not plain or self.in_features % 64 or self.group_size % 64:
-            return False
-        return (self.packed, self.scale, self.zero, self.group_size)
+    def w4a8_args(self):
+        """(packed, scale, zero, group size) for the CPU backend's W4A8 kernel of a draft step,
+        or False when this layer's form needs its own forward (AWQ scales, act-order, groups
+        that are not multiples of 64). Built once; `_apply` and state loads reset it."""
+        args = self.__dict__["_w4a8"]
+        if args is None:
+            plain = self.input_scale is None and self.perm is None and self.output_scale is None
+            ok = plain and not self.in_features % 64 and not self.group_size % 64
+            args = self._w4a8 = (
+                (self.packed, self.scale, self.zero, self.group_size) if ok else False
+            )
+        return args
 
     def _apply(self, fn, *args, **kwargs):
         self._w4a8 = None  # buffers are replaced (.to, .float): drop what points at the old ones
@@ -188,12 +183,9 @@ class Int4Linear(nn.Module):
         return super()._apply(fn, *args, **kwargs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w4a8 = self._w4a8
-        if w4a8 is None:
-            w4a8 = self._w4a8 = self._w4a8_args()
-        if w4a8 and cpu_linear.int4_usable(x, self.in_features, self.group_size):
-            # a draft step: our W4A8 kernel (kernels/cpu/linear.cpp)
-            return cpu_linear.int4_linear(x, *w4a8, bias=self._buffers["bias"])
+        """x [..., K] -> [..., N]: the Triton kernel on CUDA, PyTorch's int4 kernel on CPU
+        (bf16 activations), else the exact reference. (A CPU decode step's W4A8 kernel is the
+        CPU backend's choice: `qspec_core/backend/cpu.py`.)"""
         if self.input_scale is not None:
             x = x * self.input_scale.to(x.dtype)
         if self.perm is not None:
@@ -201,12 +193,6 @@ class Int4Linear(nn.Module):
         if x.is_cuda:
             y = w4a16_matmul(
                 x, self.packed, self.scale.to(x.dtype), self.zero.to(x.dtype), self.group_size
-            )
-        elif self.cpu_kernel_ok() and x.dtype == torch.float32 and cpu_ext.available():
-            # the same kernel call as below, with its casts, in one C++ call (kernels/cpu/decode.cpp)
-            int4pack, scale_and_zero = self._cpu_int4()
-            y = cpu_ext.load().int4_linear_cpu(
-                x, int4pack, scale_and_zero, self.group_size, self.out_features
             )
         elif self.cpu_kernel_ok():
             int4pack, scale_and_zero = self._cpu_int4()

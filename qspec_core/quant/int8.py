@@ -18,7 +18,8 @@ persistent, so `safetensors.torch.save_file(layer.state_dict(), path)` and
 Forward paths:
 
 - CUDA: the Triton kernel `kernels.triton.w8a16.w8a16_matmul` (fp32 accumulation, x.dtype out).
-- CPU, a decode or verify step (at most `cpu_linear.MAX_ROWS` rows): qspec's C++ kernel
+- CPU, a decode or verify step (at most `kernels.cpu.linear.MAX_ROWS` rows), chosen by the
+  CPU backend (`qspec_core/backend/cpu.py`), not here: qspec's C++ kernel
   `kernels.cpu.linear.int8_linear`: fp32 activations, fp32 accumulation of x q in a fixed
   order, then the scale and bias; batch-invariant (a row's result does not depend on how many
   rows share the call), so a verify's target logits are bit for bit those of target-ar. Its
@@ -53,8 +54,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.cpu import linear as cpu_linear
-from kernels.triton.w8a16 import dequantize_int8, quantize_int8, w8a16_matmul, w8a16_ref
+from kernels.formats import dequantize_int8, quantize_int8
+from kernels.triton.w8a16 import w8a16_matmul, w8a16_ref
 
 # torch._weight_int8pack_mm walks K in vector steps of 8 (AVX2) or 16 (AVX-512) bf16 values.
 CPU_K_MULTIPLE = 16
@@ -120,10 +121,6 @@ class Int8Linear(nn.Module):
             and weight.data_ptr() % CPU_ALIGNMENT == 0
         )
 
-    def rows_kernel_ok(self) -> bool:
-        """Whether a step's rows can run qspec's batch-invariant int8 kernel."""
-        return cpu_linear.int8_weight_ok(self._buffers["weight_int8"])
-
     def _cpu_forward(self, x: torch.Tensor) -> torch.Tensor | None:
         """x [..., K] on CPU -> y [..., N] via the int8 kernel, or None if it cannot run."""
         x2 = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()  # [M, K] bf16
@@ -146,11 +143,6 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:
             return w8a16_matmul(x, self.weight_int8, self.weight_scale, self.bias)
-        buffers = self._buffers
-        if cpu_linear.int8_usable(x, buffers["weight_int8"]):
-            # (a model cast with .to(bf16) casts the scale too: the kernel takes it in fp32)
-            scale = buffers["weight_scale"].float().contiguous()
-            return cpu_linear.int8_linear(x, buffers["weight_int8"], scale, buffers["bias"])
         if x.device.type == "cpu" and self.cpu_kernel_ok():
             y = self._cpu_forward(x)
             if y is not None:

@@ -2,23 +2,19 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from qspec_core.convert.folder import load_draft
 from qspec_core.errors import QspecError
-from qspec_core.model.transformer import Transformer, has_int8, set_target_weights
-from qspec_core.registry.sources import (
-    DEFAULT_MODEL,
-    RegistryModel,
-    ensure_registry_model,
-    find_named_model,
-    resolve_model,
-)
-from qspec_core.model.tokenizer import Tokenizer
 from qspec_core.model.checkpoint import load_model
+from qspec_core.model.tokenizer import Tokenizer
+from qspec_core.model.transformer import Transformer, has_draft, has_int8
+from qspec_core.precision import DRAFT, DRAFT_KV4, FP, TARGET, Precision
+from qspec_core.registry.prepare import Progress, conversion_needed, converted_folder, prepare_for
+from qspec_core.registry.sources import DEFAULT_MODEL, find_named_model, resolve_model
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -53,6 +49,23 @@ class Runtime:
     tokenizer: Tokenizer
     folder: Path
     name: str
+    target_weights: str = "full"  # the weights of every non-draft path: "full" or "int8"
+
+    @property
+    def target(self) -> Precision:
+        """The verify's path: the target weights over the INT8 KV view."""
+        return TARGET.with_weights(self.target_weights)
+
+    @property
+    def baseline(self) -> Precision:
+        """Plain autoregressive decoding: the target weights over full-precision KV."""
+        return FP.with_weights(self.target_weights)
+
+    @property
+    def draft(self) -> Precision:
+        """The draft's path: 4-bit weights over the INT4 view (full weights over it when the
+        model has no 4-bit twins)."""
+        return DRAFT if has_draft(self.model) else DRAFT_KV4
 
     @property
     def context_limit(self) -> int:
@@ -63,42 +76,6 @@ class Runtime:
         return tuple(dict.fromkeys(self.tokenizer.eos_token_ids + self.model.config.eos_token_id))
 
 
-DRAFT_SUFFIX = "-qspec-gptq"
-DEFAULT_DRAFT = "SmolLM2-135M-Instruct" + DRAFT_SUFFIX
-CALIB_TOKENS = 1024  # of the bundled GPL text, for the named models' GPTQ draft and INT8
-
-
-def ensure_named_draft(model: RegistryModel, log=print) -> Path:
-    """A named model converted with a GPTQ draft (and INT8 verifier weights), made once into
-    the qspec cache the first time a mode needs it."""
-    from qspec_core.convert.convert import INT8_METHOD, add_int8_weights, convert
-    from qspec_core.bench.corpus import DATA
-    from qspec_core.documents import read_document
-    from qspec_core.registry.sources import models_dir
-
-    target = models_dir() / (model.name + DRAFT_SUFFIX)
-    meta = target / "qspec_draft.json"
-    calib = DATA / "gpl-3.0.txt"
-    calib_source = "qspec_core/data/gpl-3.0.txt"
-    if meta.exists():
-        int8 = json.loads(meta.read_text()).get("target_int8") or {}
-        if int8.get("method") != INT8_METHOD:  # made before INT8 verification, or RTN INT8
-            log(f"making {target.name}'s INT8 verifier weights (GPTQ, once)")
-            ids = Tokenizer(target).encode(read_document(calib))[:CALIB_TOKENS]
-            add_int8_weights(target, load_model(target, dtype=torch.float32), ids, calib_source)
-        return target
-    folder = ensure_registry_model(model, log)
-    log(f"making {model.name}'s 4-bit draft and INT8 verifier weights (GPTQ, once) in {target}")
-    weights = load_model(folder, dtype=torch.float32)
-    ids = Tokenizer(folder).encode(read_document(calib))[:CALIB_TOKENS]
-    convert(folder, target, weights, "gptq", None, ids, calib_source, force=True)
-    return target
-
-
-def ensure_default_draft(log=print) -> Path:
-    return ensure_named_draft(DEFAULT_MODEL, log)
-
-
 def load_runtime(
     spec: str | None,
     dtype: str = "auto",
@@ -107,31 +84,52 @@ def load_runtime(
     need_draft: bool = False,
     target_weights: str = "full",
 ) -> Runtime:
-    """Resolve `--model` and load it in `dtype` ("auto": `default_dtype`).
+    """Resolve `--model` and load it in `dtype` ("auto": `default_dtype`). Never converts:
+    a named model's converted folder (4-bit draft, INT8 weights) is made by an explicit step
+    (`registry.prepare.prepare_named`), and its absence is an error that says so.
 
     `need_draft` with a named model (the default, qwen2.5-coder-0.5b) loads its converted
-    folder with 4-bit draft weights, making it on first use. `target_weights="int8"` makes
-    every non-draft path run on the INT8 weights of a converted folder (the verifier, and
-    the baselines).
+    folder. `target_weights="int8"` makes every non-draft path of the sessions and bench that
+    use this runtime run on the INT8 weights of a converted folder (`Runtime.target`).
     """
+    if target_weights not in ("full", "int8"):
+        raise QspecError(f"--target-weights must be full or int8, not {target_weights!r}")
     if dtype == "auto":
         dtype = default_dtype(device)
     named = DEFAULT_MODEL if spec in (None, "default") else find_named_model(spec)
     if named is not None and (need_draft or target_weights == "int8"):
-        folder = ensure_named_draft(named, log)
+        why = conversion_needed(named)
+        if why is not None:
+            raise QspecError(
+                f"{named.name} is not converted yet ({why}): `registry.prepare.prepare_named` "
+                "makes it (every qspec command that needs it does so first, saying so)"
+            )
+        folder = converted_folder(named)
         name = named.name
     else:
         folder = resolve_model(spec, log)
         name = spec or folder.name
     tokenizer = Tokenizer(folder)
     model = load_model(folder, dtype=DTYPES[dtype], device=device)
-    if target_weights == "int8":
-        if not has_int8(model):
-            raise QspecError(
-                f"{name} has no INT8 verifier weights: convert it with qspec convert (which "
-                "writes them next to the 4-bit draft), then pass the converted folder"
-            )
-        set_target_weights(model, "int8")
-    elif target_weights != "full":
-        raise QspecError(f"--target-weights must be full or int8, not {target_weights!r}")
-    return Runtime(model=model, tokenizer=tokenizer, folder=folder, name=name)
+    load_draft(folder, model)  # a converted folder carries its 4-bit draft and INT8 weights
+    if target_weights == "int8" and not has_int8(model):
+        raise QspecError(
+            f"{name} has no INT8 verifier weights: convert it with qspec convert (which "
+            "writes them next to the 4-bit draft), then pass the converted folder"
+        )
+    return Runtime(model, tokenizer, folder, name, target_weights)
+
+
+def prepare_and_load(
+    spec: str | None,
+    dtype: str = "auto",
+    device: str = "cpu",
+    log=print,
+    need_draft: bool = False,
+    target_weights: str = "full",
+    progress: Progress | None = None,
+) -> Runtime:
+    """The explicit conversion step (`prepare_for`: a named model's converted folder, made
+    once, saying so through `log`), then `load_runtime`. What the CLI and scripts call."""
+    prepare_for(spec, need_draft, target_weights, log, progress)
+    return load_runtime(spec, dtype, device, log, need_draft, target_weights)

@@ -8,7 +8,6 @@ once by transformers and cached), or a hub id (downloaded through huggingface_hu
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import os
@@ -21,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from qspec_core.errors import QspecError
-from qspec_core.paths import models_dir, writable_models_dir
+from qspec_core.paths import models_dir, sha256_file, writable_models_dir
 
 MB = 1 << 20
 
@@ -151,14 +150,6 @@ def named_models() -> list[dict]:
         }
         for m in REGISTRY
     ]
-
-
-def sha256_file(path: Path, chunk: int = 8 * MB) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def resolve_model(spec: str | None, log=lambda msg: None) -> Path:

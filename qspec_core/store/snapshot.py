@@ -34,15 +34,15 @@ from typing import BinaryIO
 import torch
 
 import qspec_core
-from qspec_core.store import schema
 from qspec_core.atomic_write import check_output as check_output
 from qspec_core.atomic_write import check_target, write_atomic
-from qspec_core.errors import QspecError
 from qspec_core.cache.hierarchical import HierarchicalKVCache
-from qspec_core.registry.sources import sha256_file
+from qspec_core.errors import QspecError
+from qspec_core.model.checkpoint import checkpoint_files
+from qspec_core.paths import sha256_file
+from qspec_core.store import schema
 from qspec_core.store.schema import FORMAT, FORMAT_VERSION
 from qspec_core.store.schema import estimate_bytes as estimate_bytes
-from qspec_core.model.checkpoint import checkpoint_files
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 MAX_HEADER = 1 << 20  # bytes of safetensors JSON header we parse; ours are a few KiB
@@ -364,8 +364,15 @@ def _read_tensor(f: BinaryIO, path: Path, span: _Span) -> torch.Tensor:
     return data.view(_DTYPES[span.dtype]).reshape(span.shape)
 
 
-def check_compatible(manifest: dict, model_folder: Path, group_size: int | None, model) -> None:
-    """Raise naming the first mismatch between a snapshot and the model/settings at hand."""
+def check_compatible(
+    manifest: dict,
+    model_folder: Path,
+    group_size: int | None,
+    model,
+    target_weights: str = "full",
+) -> None:
+    """Raise naming the first mismatch between a snapshot and the model/settings at hand
+    (`target_weights`: the weights this run's target path uses, `Runtime.target_weights`)."""
     if manifest["model_fingerprint"] != model_fingerprint(model_folder):
         raise QspecError(
             f"snapshot was made with another model ({manifest['model']}, weights "
@@ -373,9 +380,7 @@ def check_compatible(manifest: dict, model_folder: Path, group_size: int | None,
         )
     if manifest["tokenizer_fingerprint"] != tokenizer_fingerprint(model_folder):
         raise QspecError("snapshot was made with another tokenizer or chat template")
-    from qspec_core.model.transformer import target_weights
-
-    made, now = manifest.get("target_weights", "full"), target_weights(model)
+    made, now = manifest.get("target_weights", "full"), target_weights
     if made != now:  # the KV was computed by other weights
         raise QspecError(
             f"snapshot was made with --target-weights {made}, this run uses {now}; pass "
@@ -391,7 +396,12 @@ def check_compatible(manifest: dict, model_folder: Path, group_size: int | None,
 
 
 def load_snapshot(
-    path: Path, model_folder: Path, model, capacity: int, group_size: int | None = None
+    path: Path,
+    model_folder: Path,
+    model,
+    capacity: int,
+    group_size: int | None = None,
+    target_weights: str = "full",
 ) -> Snapshot:
     """Load and verify a snapshot into a fresh hierarchical cache of `capacity` positions.
 
@@ -402,7 +412,7 @@ def load_snapshot(
     path = Path(path)
     with _open(path) as f:
         manifest, spans = _inspect(f, path)
-        check_compatible(manifest, model_folder, group_size, model)
+        check_compatible(manifest, model_folder, group_size, model, target_weights)
         _check_fits(manifest, model, capacity, path)
         document_span = spans["document_utf8"]
         _check_sha(_stream_sha(f, path, document_span), manifest, "document_utf8", path)

@@ -1,0 +1,63 @@
+"""Attention over one layer of the hierarchical INT4/INT8 KV cache: the one entry point.
+
+    hier_attention(q, view, rows, kv, chunk_size=None, fused=True) -> [B, H, T, D]
+
+q [B, H, T, D]; `view` the layer as stored (`kernels.planes.HierLayerView`); `rows` which keys
+each query sees (`kernels.planes.QueryRows`); `kv` the KV view, "int8" (both planes) or "int4"
+(the upper plane). Three implementations take exactly these arguments:
+
+- the C++ kernel (`kernels/cpu/attention.py`), for CPU tensors when it is built here;
+- the Triton kernel (`kernels/triton/hier_attention.py`) where Triton runs: CUDA, or the CPU
+  under TRITON_INTERPRET=1 (a test tool, so the compiled C++ kernel comes first on the CPU);
+- the PyTorch reference (`kernels.reference.hier_attention_ref`) everywhere else, and always
+  with fused=False.
+
+The two kernels are batch-invariant in the query rows: a query's output does not depend, to
+the bit, on which other queries share the call, which greedy speculative decoding's equality
+with autoregressive decoding rests on. The reference is the check of their numbers (one fp32
+softmax over every key any query sees) and makes no such promise.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.cpu import attention as cpu_attention
+from kernels.planes import HierLayerView, QueryRows
+from kernels.reference import hier_attention_ref
+from kernels.triton import hier_attention as triton_attention
+
+BACKENDS = ("cpu", "triton", "reference")
+
+
+def backend(q: torch.Tensor, fused: bool = True) -> str:
+    """Which implementation `hier_attention` runs for q: one of BACKENDS."""
+    if not fused:
+        return "reference"
+    if q.device.type == "cpu" and cpu_attention.available():
+        return "cpu"
+    if triton_attention.triton_usable(q):
+        return "triton"
+    return "reference"
+
+
+def hier_attention(
+    q: torch.Tensor,
+    view: HierLayerView,
+    rows: QueryRows,
+    kv: str,
+    chunk_size: int | None = None,
+    fused: bool = True,
+) -> torch.Tensor:
+    """Attention of q over one cache layer in the KV view `kv` -> [B, H, T, D] in q's dtype.
+
+    `chunk_size`: history tokens per program or thread task (None: each kernel's default; the
+    Triton one sizes chunks to fill the GPU). The result depends on it in the last bits (the
+    chunks merge by log-sum-exp), never on T. fused=False: the reference, whatever runs here.
+    """
+    chosen = backend(q, fused)
+    if chosen == "cpu":
+        return cpu_attention.hier_attention_cpu(q, view, rows, kv, chunk_size)
+    if chosen == "triton":
+        return triton_attention.hier_attention_triton(q, view, rows, kv, chunk_size)
+    return hier_attention_ref(q, view, rows, kv, chunk_size)

@@ -1,0 +1,143 @@
+"""`qspec chat`: an interactive multi-turn chat over a document or a snapshot, streamed."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from qspec_cli import common
+from qspec_cli.common import (
+    DtypeOpt,
+    GammaOpt,
+    GroupOpt,
+    MaxNewOpt,
+    ModelOpt,
+    ModeOpt,
+    SeedOpt,
+    TargetWeightsOpt,
+    TempOpt,
+    ThreadsOpt,
+    TopKOpt,
+    TopPOpt,
+    TruncOpt,
+)
+from qspec_core.config import check_kv_group_size
+from qspec_core.documents import is_stdin
+from qspec_core.errors import QspecError, user_errors
+
+
+def chat(
+    snapshot: Annotated[
+        Path | None,
+        typer.Argument(
+            help="A snapshot (*.qspec) from qspec prefill: chat without prefilling again."
+        ),
+    ] = None,
+    document: Annotated[
+        Path | None,
+        typer.Option(
+            "--document", "-d", help="UTF-8 text document to ask about ('-': standard input)."
+        ),
+    ] = None,
+    model: ModelOpt = None,
+    mode: ModeOpt = "quantspec",
+    gamma: GammaOpt = "4",
+    max_new_tokens: MaxNewOpt = 512,
+    temperature: TempOpt = 0.0,
+    top_p: TopPOpt = 1.0,
+    top_k: TopKOpt = 0,
+    seed: SeedOpt = 0,
+    truncate: TruncOpt = False,
+    group_size: GroupOpt = None,
+    target_weights: TargetWeightsOpt = "full",
+    dtype: DtypeOpt = "auto",
+    threads: ThreadsOpt = None,
+):
+    """Interactive multi-turn chat, streamed. Commands: /exit, /reset, /stats.
+
+    Ctrl-C stops the current answer and keeps the session; Ctrl-D or /exit leaves.
+    """
+    from qspec_cli.render import PrefillProgress, session_title, stats_table
+
+    if snapshot is not None and document is not None:
+        raise QspecError("give a snapshot or --document, not both")
+    if snapshot is not None and snapshot.suffix != ".qspec":
+        raise QspecError(
+            f"{snapshot}: a snapshot file ends in .qspec (for a text file, use --document)"
+        )
+    if is_stdin(document) and not sys.stdin.isatty():
+        # the questions are read from standard input too: after a piped document, none remain
+        raise QspecError(
+            "--document -: chat reads its questions from standard input, which already holds "
+            "the document; pass the document as a file (or use qspec summarize -)"
+        )
+    params = common.sampling_params(temperature, top_p, top_k)
+    common.check_mode(mode)
+    drafts = common.parse_gamma(gamma)
+    spec_gamma = drafts if mode == "quantspec" else None
+    check_kv_group_size(group_size, gamma=spec_gamma)
+    common.check_run_options(dtype, threads, target_weights)
+    if snapshot is not None:
+        common.read_input(snapshot)  # checks it is a readable snapshot before any model loads
+    text = common.read_text(document) if document is not None else None
+    runtime = common.load(
+        model, dtype, threads, need_draft=mode == "quantspec", target_weights=target_weights
+    )
+    common.check_group_size(group_size, runtime, spec_gamma)
+    session = common.open_session(
+        snapshot,
+        text,
+        runtime,
+        params=params,
+        seed=seed,
+        max_new_tokens=max_new_tokens,
+        mode=mode,
+        truncate=truncate,
+        capacity=runtime.context_limit,
+        gamma=drafts,
+        group_size=group_size,
+    )
+    if session.truncated_tokens:
+        common.warn(f"document truncated: dropped its last {session.truncated_tokens} tokens")
+    common.log(f"{runtime.name} · mode {mode} · /exit /reset /stats · Ctrl-C stops an answer")
+    out = common.out
+    progress = PrefillProgress(common.err)
+    while True:
+        try:
+            question = out.input("[bold]> [/bold]").strip()
+        except (EOFError, KeyboardInterrupt):
+            out.print()
+            return
+        if not question:
+            continue
+        if question in ("/exit", "/quit"):
+            return
+        if question == "/reset":
+            session.reset()
+            common.log("conversation cleared (the document stays loaded)")
+            continue
+        if question == "/stats":
+            # totals hold every reply, stopped ones too; turns only the finished ones
+            replies = session.turns + session.stopped
+            out.print(stats_table(session.totals, session_title(replies, session.stopped)))
+            continue
+        reply = session.ask(question, on_prefill=progress)
+        failed = False
+        try:
+            for piece in reply:
+                out.out(piece, end="")
+        except KeyboardInterrupt:
+            reply.close()
+            out.print("\n[yellow](stopped)[/yellow]", end="")
+        except user_errors() as e:  # this answer failed; the session goes on
+            failed = True
+            common.print_error(str(e))
+        finally:
+            progress.stop()
+        if failed:
+            continue
+        out.print()
+        out.print(stats_table(session.last, ""))

@@ -1,0 +1,104 @@
+"""`qspec summarize`: a document (or a snapshot) summarized in one go, streamed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from qspec_cli import common
+from qspec_cli.common import (
+    DtypeOpt,
+    GammaOpt,
+    GroupOpt,
+    MaxNewOpt,
+    ModelOpt,
+    ModeOpt,
+    SeedOpt,
+    TargetWeightsOpt,
+    TempOpt,
+    ThreadsOpt,
+    TopKOpt,
+    TopPOpt,
+    TruncOpt,
+)
+from qspec_core.config import check_kv_group_size
+from qspec_core.engine.session import SUMMARY_REQUEST
+
+
+def summarize(
+    file: Annotated[
+        Path,
+        typer.Argument(
+            help="UTF-8 text document ('-': standard input), or a snapshot (*.qspec) made by "
+            "qspec prefill."
+        ),
+    ],
+    model: ModelOpt = None,
+    mode: ModeOpt = "quantspec",
+    gamma: GammaOpt = "4",
+    max_new_tokens: MaxNewOpt = 384,
+    temperature: TempOpt = 0.0,
+    top_p: TopPOpt = 1.0,
+    top_k: TopKOpt = 0,
+    seed: SeedOpt = 0,
+    truncate: TruncOpt = False,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print one JSON object on stdout.")
+    ] = False,
+    group_size: GroupOpt = None,
+    target_weights: TargetWeightsOpt = "full",
+    dtype: DtypeOpt = "auto",
+    threads: ThreadsOpt = None,
+):
+    """Summarize FILE (a text document, or a snapshot from `qspec prefill`) in one go.
+
+    Streams the summary, then a table of stage timings (and acceptance in quantspec mode).
+    """
+    from qspec_cli.render import PrefillProgress, stats_table
+    from qspec_core.engine.summary import summary_record
+
+    # every option, then the input, before any model loads
+    params = common.sampling_params(temperature, top_p, top_k)
+    common.check_mode(mode)
+    drafts = common.parse_gamma(gamma)
+    spec_gamma = drafts if mode == "quantspec" else None
+    check_kv_group_size(group_size, gamma=spec_gamma)
+    common.check_run_options(dtype, threads, target_weights)
+    snapshot, text = common.read_input(file)
+    runtime = common.load(
+        model, dtype, threads, need_draft=mode == "quantspec", target_weights=target_weights
+    )
+    common.check_group_size(group_size, runtime, spec_gamma)
+    session = common.open_session(
+        snapshot,
+        text,
+        runtime,
+        params=params,
+        seed=seed,
+        max_new_tokens=max_new_tokens,
+        mode=mode,
+        truncate=truncate,
+        gamma=drafts,
+        group_size=group_size,
+    )
+    if session.truncated_tokens:
+        common.warn(
+            f"document truncated: dropped its last {session.truncated_tokens} "
+            f"tokens to fit the {session.limit}-token context"
+        )
+    progress = PrefillProgress(common.err)
+    try:
+        for piece in session.ask(SUMMARY_REQUEST, on_prefill=progress):
+            if not as_json:
+                common.out.out(piece, end="")
+    finally:
+        progress.stop()
+    if as_json:
+        print(json.dumps(summary_record(session, runtime.name, target_weights), ensure_ascii=False))
+    else:
+        common.out.print()
+        common.out.print()
+        common.out.print(stats_table(session.last, f"{runtime.name} · mode {session.mode}"))

@@ -1,0 +1,137 @@
+"""A converted model folder: the checkpoint, plus `draft.safetensors` (4-bit twins and INT8
+weights of every linear) and `qspec_draft.json` (what made them). Writing it whole or not at
+all, and attaching its twins to a loaded model (`load_converted`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from qspec_core.errors import QspecError
+from qspec_core.model.checkpoint import checkpoint_files, load_model
+from qspec_core.model.transformer import Transformer, attach_draft, attach_int8, linear_layers
+from qspec_core.quant.int4 import Int4Linear
+from qspec_core.quant.int8 import Int8Linear
+
+DRAFT_META = "qspec_draft.json"
+DRAFT_WEIGHTS = "draft.safetensors"
+FORMAT_VERSION = 1
+COPIED = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "special_tokens_map.json",
+    "qspec_source.json",
+)
+
+
+def write_folder(source: Path, out: Path, tensors: dict, meta: dict) -> None:
+    """Write everything into a temporary sibling, then rename: no half-written model."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    try:
+        for name in COPIED:
+            if (source / name).exists():
+                shutil.copy2(source / name, tmp / name)
+        weight_files = checkpoint_files(source)
+        index = source / "model.safetensors.index.json"
+        for f in weight_files + ([index] if index.exists() else []):
+            try:
+                os.link(f, tmp / f.name)  # same weights, no copy
+            except OSError:
+                shutil.copy2(f, tmp / f.name)
+        save_file(tensors, tmp / DRAFT_WEIGHTS, metadata={"format": "qspec-draft"})
+        (tmp / DRAFT_META).write_text(json.dumps(meta, indent=2) + "\n")
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def load_draft(folder: Path, model: Transformer) -> dict | None:
+    """Attach the 4-bit draft of a converted folder to `model`; returns its metadata."""
+    meta_path = folder / DRAFT_META
+    if not meta_path.exists():
+        return None
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        meta = json.loads(meta_path.read_text())
+    except json.JSONDecodeError as e:
+        raise QspecError(f"corrupt {meta_path}: {e}") from None
+    if meta.get("format_version") != FORMAT_VERSION or meta.get("bits") != 4:
+        raise QspecError(
+            f"{meta_path}: unsupported draft format (version "
+            f"{meta.get('format_version')}, {meta.get('bits')} bits)"
+        )
+    layers = linear_layers(model)
+    drafts = {}
+    try:
+        with safe_open(folder / DRAFT_WEIGHTS, framework="pt") as f:
+            names = set(f.keys())
+            for module in meta["modules"]:
+                if module not in layers:
+                    raise QspecError(f"draft module {module} does not exist in the target model")
+                target = layers[module]
+                prefix = f"{module}.draft."
+                state = {n[len(prefix) :]: f.get_tensor(n) for n in names if n.startswith(prefix)}
+                draft = Int4Linear(
+                    target.in_features,
+                    target.out_features,
+                    meta["group_size"],
+                    bias="bias" in state,
+                    permuted="perm" in state,
+                    scaled="input_scale" in state,
+                )
+                if state.keys() != draft.state_dict().keys():
+                    raise QspecError(f"draft weights of {module} are incomplete")
+                for key, t in state.items():
+                    if t.shape != draft.state_dict()[key].shape:
+                        raise QspecError(
+                            f"draft {module}.{key} has shape {list(t.shape)}, "
+                            f"expected {list(draft.state_dict()[key].shape)}"
+                        )
+                draft.load_state_dict(state)
+                drafts[module] = draft.to(model.device)
+            int8 = _load_int8(f, names, meta.get("target_int8"), layers, model.device)
+    except (SafetensorError, OSError) as e:
+        raise QspecError(f"corrupt draft weights in {folder}: {e}") from None
+    attach_draft(model, drafts)
+    attach_int8(model, int8)
+    return meta
+
+
+def _load_int8(f, names: set[str], meta: dict | None, layers: dict, device) -> dict:
+    if not meta:
+        return {}
+    out = {}
+    for module in meta["modules"]:
+        if module not in layers:
+            raise QspecError(f"INT8 module {module} does not exist in the target model")
+        target = layers[module]
+        prefix = f"{module}.int8."
+        state = {n[len(prefix) :]: f.get_tensor(n) for n in names if n.startswith(prefix)}
+        layer = Int8Linear(target.in_features, target.out_features, bias="bias" in state)
+        if state.keys() != layer.state_dict().keys() or any(
+            t.shape != layer.state_dict()[k].shape for k, t in state.items()
+        ):
+            raise QspecError(f"INT8 weights of {module} are incomplete or misshapen")
+        layer.load_state_dict(state)
+        out[module] = layer.to(device)
+    return out
+
+
+def load_converted(folder: Path, dtype=torch.bfloat16, device="cpu") -> Transformer:
+    """`load_model` plus the folder's 4-bit draft and INT8 weights, if it has them."""
+    model = load_model(folder, dtype=dtype, device=device)
+    load_draft(folder, model)
+    return model

@@ -1,0 +1,38 @@
+"""The record of one summary (`qspec summarize --json`): the text, what it reproduces, and
+the numbers of the reply that wrote it."""
+
+from __future__ import annotations
+
+# What output of each --target-weights follows: the distribution a run's text is drawn from.
+TARGET_DISTRIBUTION = {
+    "full": "the target path: full-precision weights, INT8 KV (ar: full-precision KV)",
+    "int8": "the INT8-weight target path: per-channel INT8 weights, INT8 KV (ar: full KV)",
+}
+
+
+def reproduces(mode: str, target_weights: str) -> str:
+    """The model whose output a run in `mode` follows (ar runs on full-precision KV)."""
+    if mode != "ar":
+        return TARGET_DISTRIBUTION[target_weights]
+    return "the full-precision model" + (" with INT8 weights" if target_weights == "int8" else "")
+
+
+def summary_record(session, model_name: str, target_weights: str) -> dict:
+    """One JSON-ready object for the last reply of `session` (a `ChatSession`)."""
+    stats = session.last
+    record = {
+        "text": session.last_text,
+        "mode": session.mode,
+        "target_weights": target_weights,
+        "reproduces": reproduces(session.mode, target_weights),
+        "model": model_name,
+        "prompt_tokens": stats.prompt_tokens,
+        "new_tokens": stats.new_tokens,
+        "tokens_per_s": round(stats.decode_tokens_per_s, 3),
+        "prefill_tokens_per_s": round(stats.prefill_tokens_per_s, 3),
+        "truncated_tokens": session.truncated_tokens,
+        "timings_s": {k: round(v, 6) for k, v in stats.timings_s.items()},
+    }
+    if stats.spec is not None:
+        record["stats"] = stats.spec.to_dict(session.gamma)
+    return record

@@ -1,0 +1,63 @@
+"""What a forward computes: which weights and which KV view. The one vocabulary of paths.
+
+QuantSpec runs one model two ways over one cache. A forward's `Precision` names both halves:
+
+    weights  "full"  the checkpoint's weights (fp32/bf16/fp16, as loaded)
+             "int8"  every linear's INT8 twin (W8A16 per-channel; `qspec convert` makes them)
+             "int4"  each linear's 4-bit twin where it has one (the draft; lm_head stays full)
+    kv       "fp"    a full-precision cache (`cache.FullPrecisionCache`)
+             "int8"  the hierarchical cache read through both planes (upper and lower nibble)
+             "int4"  the hierarchical cache read through the upper plane only
+
+The model picks weights by `weights`, the cache picks its view by `kv`, the kernels take the
+view as "int8"/"int4", and bench modes and sessions are pairs of these. Nothing is switched by
+mutating the model: a verify on INT8 weights is just a forward with `weights="int8"`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+WEIGHTS = ("full", "int8", "int4")
+KV_VIEWS = ("fp", "int8", "int4")
+
+
+@dataclass(frozen=True)
+class Precision:
+    weights: str = "full"
+    kv: str = "fp"
+
+    def __post_init__(self):
+        if self.weights not in WEIGHTS:
+            raise ValueError(f"weights must be one of {WEIGHTS}, not {self.weights!r}")
+        if self.kv not in KV_VIEWS:
+            raise ValueError(f"kv must be one of {KV_VIEWS}, not {self.kv!r}")
+
+    def with_weights(self, weights: str) -> Precision:
+        return replace(self, weights=weights)
+
+    @property
+    def name(self) -> str:
+        return NAMES.get(self, f"{self.weights}-weights/{self.kv}-kv")
+
+    def __str__(self) -> str:
+        return self.name
+
+
+FP = Precision("full", "fp")  # the baseline: full weights, full-precision KV
+TARGET = Precision("full", "int8")  # QuantSpec's verify: full weights over the INT8 view
+DRAFT = Precision("int4", "int4")  # QuantSpec's draft: 4-bit weights over the INT4 view
+DRAFT_KV4 = Precision("full", "int4")  # ablation: full weights over the INT4 view
+DRAFT_W4 = Precision("int4", "fp")  # ablation: 4-bit weights, full-precision KV
+W8 = Precision("int8", "fp")  # INT8 weights, full-precision KV
+W8_TARGET = Precision("int8", "int8")  # Quasar's verify: INT8 weights over the INT8 view
+
+NAMES = {
+    FP: "fp",
+    TARGET: "target",
+    DRAFT: "draft",
+    DRAFT_KV4: "draft-kv4",
+    DRAFT_W4: "draft-w4",
+    W8: "w8",
+    W8_TARGET: "w8-target",
+}
