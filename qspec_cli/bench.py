@@ -11,24 +11,12 @@ from rich.console import Console
 from rich.text import Text
 
 from qspec_cli import common
-from qspec_cli.common import (
-    DtypeOpt,
-    GammaOpt,
-    GroupOpt,
-    ModelOpt,
-    SeedOpt,
-    TargetWeightsOpt,
-    TempOpt,
-    ThreadsOpt,
-    TopKOpt,
-    TopPOpt,
-)
 from qspec_core.config import check_kv_group_size
 from qspec_core.paths import check_output_file
 
 
 def bench(
-    model: ModelOpt = None,
+    model: common.ModelOpt = None,
     context: Annotated[
         str,
         typer.Option(
@@ -47,12 +35,12 @@ def bench(
         ),
     ] = None,
     repeats: Annotated[int, typer.Option(min=1, help="Runs per mode and context.")] = 3,
-    gamma: GammaOpt = "4",
-    temperature: TempOpt = 0.0,
-    top_p: TopPOpt = 1.0,
-    top_k: TopKOpt = 0,
-    seed: SeedOpt = 0,
-    group_size: GroupOpt = None,
+    gamma: common.GammaOpt = "4",
+    temperature: common.TempOpt = 0.0,
+    top_p: common.TopPOpt = 1.0,
+    top_k: common.TopKOpt = 0,
+    seed: common.SeedOpt = 0,
+    group_size: common.GroupOpt = None,
     json_file: Annotated[
         Path | None,
         typer.Option("--json", help="Write every number to this JSON file ('-': stdout)."),
@@ -62,9 +50,9 @@ def bench(
         typer.Option(help="Draw tokens/s vs context and the stage shares to this PNG."),
     ] = None,
     warmup: Annotated[bool, typer.Option(help="One short unmeasured run per mode first.")] = True,
-    target_weights: TargetWeightsOpt = "full",
-    dtype: DtypeOpt = "auto",
-    threads: ThreadsOpt = None,
+    target_weights: common.TargetWeightsOpt = "full",
+    dtype: common.DtypeOpt = "auto",
+    threads: common.ThreadsOpt = None,
 ):
     """Benchmark QuantSpec against autoregressive decoding and two ablations, side by side.
 

@@ -9,21 +9,6 @@ from typing import Annotated
 import typer
 
 from qspec_cli import common
-from qspec_cli.common import (
-    DtypeOpt,
-    GammaOpt,
-    GroupOpt,
-    MaxNewOpt,
-    ModelOpt,
-    ModeOpt,
-    SeedOpt,
-    TargetWeightsOpt,
-    TempOpt,
-    ThreadsOpt,
-    TopKOpt,
-    TopPOpt,
-    TruncOpt,
-)
 from qspec_core.config import check_kv_group_size
 from qspec_core.documents import is_stdin
 from qspec_core.errors import QspecError, user_errors
@@ -42,19 +27,19 @@ def chat(
             "--document", "-d", help="UTF-8 text document to ask about ('-': standard input)."
         ),
     ] = None,
-    model: ModelOpt = None,
-    mode: ModeOpt = "quantspec",
-    gamma: GammaOpt = "4",
-    max_new_tokens: MaxNewOpt = 512,
-    temperature: TempOpt = 0.0,
-    top_p: TopPOpt = 1.0,
-    top_k: TopKOpt = 0,
-    seed: SeedOpt = 0,
-    truncate: TruncOpt = False,
-    group_size: GroupOpt = None,
-    target_weights: TargetWeightsOpt = "full",
-    dtype: DtypeOpt = "auto",
-    threads: ThreadsOpt = None,
+    model: common.ModelOpt = None,
+    mode: common.ModeOpt = "quantspec",
+    gamma: common.GammaOpt = "4",
+    max_new_tokens: common.MaxNewOpt = 512,
+    temperature: common.TempOpt = 0.0,
+    top_p: common.TopPOpt = 1.0,
+    top_k: common.TopKOpt = 0,
+    seed: common.SeedOpt = 0,
+    truncate: common.TruncOpt = False,
+    group_size: common.GroupOpt = None,
+    target_weights: common.TargetWeightsOpt = "full",
+    dtype: common.DtypeOpt = "auto",
+    threads: common.ThreadsOpt = None,
 ):
     """Interactive multi-turn chat, streamed. Commands: /exit, /reset, /stats.
 

@@ -194,11 +194,11 @@ def load(
     with step_progress("GPTQ 4-bit draft + INT8 verifier", disable=quiet) as progress:
         return prepare_and_load(
             model,
-            dtype,
+            progress,
+            dtype=dtype,
             log=say,
             need_draft=need_draft,
             target_weights=target_weights,
-            progress=progress,
         )
 
 

@@ -10,7 +10,6 @@ import typer
 from rich.text import Text
 
 from qspec_cli import common
-from qspec_cli.common import ThreadsOpt
 from qspec_core.errors import QspecError
 from qspec_core.paths import BUNDLED_TEXTS
 
@@ -50,7 +49,7 @@ def convert(
     ] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing output.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
-    threads: ThreadsOpt = None,
+    threads: common.ThreadsOpt = None,
 ):
     """Make a converted model: full-precision target weights plus 4-bit draft weights.
 

@@ -10,12 +10,11 @@ import typer
 from rich.text import Text
 
 from qspec_cli import common
-from qspec_cli.common import ModelOpt
 
 
 def info(
     snapshot: Annotated[Path, typer.Argument(help="A snapshot file (*.qspec).")],
-    model: ModelOpt = None,
+    model: common.ModelOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ):
     """Show a snapshot's manifest and sizes, and whether it matches a model (--model, or the

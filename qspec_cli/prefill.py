@@ -10,7 +10,6 @@ import typer
 from rich.text import Text
 
 from qspec_cli import common
-from qspec_cli.common import DtypeOpt, GroupOpt, ModelOpt, TargetWeightsOpt, ThreadsOpt, TruncOpt
 from qspec_core.config import check_kv_group_size
 from qspec_core.documents import is_stdin
 from qspec_core.engine.session import ChatSession
@@ -29,14 +28,14 @@ def prefill(
             help="Snapshot file to write (default: FILE with suffix .qspec; required for '-').",
         ),
     ] = None,
-    model: ModelOpt = None,
-    truncate: TruncOpt = False,
-    group_size: GroupOpt = None,
+    model: common.ModelOpt = None,
+    truncate: common.TruncOpt = False,
+    group_size: common.GroupOpt = None,
     force: Annotated[bool, typer.Option("--force", help="Overwrite an existing snapshot.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the manifest as JSON.")] = False,
-    target_weights: TargetWeightsOpt = "full",
-    dtype: DtypeOpt = "auto",
-    threads: ThreadsOpt = None,
+    target_weights: common.TargetWeightsOpt = "full",
+    dtype: common.DtypeOpt = "auto",
+    threads: common.ThreadsOpt = None,
 ):
     """Prefill a document once and save its hierarchical KV cache (a snapshot) to disk.
 

@@ -10,7 +10,6 @@ import typer
 from rich.text import Text
 
 from qspec_cli import common
-from qspec_cli.common import DtypeOpt, GroupOpt, ModelOpt, ThreadsOpt
 from qspec_core.config import check_kv_group_size
 from qspec_core.documents import is_stdin
 from qspec_core.errors import QspecError
@@ -25,12 +24,12 @@ def quality(
             "Apache-2.0 licence text)."
         ),
     ] = None,
-    model: ModelOpt = None,
-    group_size: GroupOpt = None,
+    model: common.ModelOpt = None,
+    group_size: common.GroupOpt = None,
     max_tokens: Annotated[int, typer.Option(min=16, help="Evaluate on the first N tokens.")] = 2048,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
-    dtype: DtypeOpt = "auto",
-    threads: ThreadsOpt = None,
+    dtype: common.DtypeOpt = "auto",
+    threads: common.ThreadsOpt = None,
 ):
     """Measure the INT8 (target) and INT4 (draft) KV views against full precision.
 

@@ -41,3 +41,36 @@ def test_no_source_file_is_longer_than_the_limit():
         if p.exists() and (n := len(p.read_text().splitlines())) > MAX_LINES
     }
     assert not long, f"files over {MAX_LINES} lines: {long}"
+
+
+def _layout_paths() -> set[str]:
+    """The files the README's Layout section names, read from its indented tree."""
+    text = (REPO / "README.md").read_text()
+    block = text.split("## Layout", 1)[1].split("```", 2)[1]
+    dirs: list[str] = []
+    named = set()
+    for line in block.splitlines():
+        if not line.strip():
+            continue
+        depth = (len(line) - len(line.lstrip())) // 2
+        head = line.strip().split("  ")[0]
+        names = [n.strip() for n in head.split(",")]
+        if not all(n.endswith(("/", ".py", ".cpp", ".h", ".md")) for n in names):
+            continue  # a description's continuation line
+        if len(names) == 1 and names[0].endswith("/"):
+            dirs[depth:] = [names[0]]
+            continue
+        for name in names:
+            named.add("".join(dirs[:depth]) + name)
+    return named
+
+
+def test_readme_layout_names_every_source_file_and_only_real_ones():
+    named = _layout_paths()
+    ours = {
+        str(p.relative_to(REPO))
+        for p in _sources()
+        if p.parts[len(REPO.parts)] in PACKAGES and p.name != "__init__.py"
+    }
+    assert ours - named == set(), "source files missing from the README's Layout"
+    assert {n for n in named if not (REPO / n).exists()} == set(), "Layout names missing files"

@@ -7,19 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import DATA
-
-
-def run_qspec(*args, cwd=None, env=None, input=None, timeout=600):
-    return subprocess.run(
-        [sys.executable, "-m", "qspec_cli.app", *map(str, args)],
-        input=input,
-        capture_output=True,
-        text=True,
-        cwd=cwd,
-        env=env,
-        timeout=timeout,
-    )
+from conftest import DATA, run_qspec
 
 
 def assert_user_error(proc, *words):

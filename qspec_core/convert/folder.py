@@ -74,59 +74,49 @@ def load_draft(folder: Path, model: Transformer) -> dict | None:
             f"{meta.get('format_version')}, {meta.get('bits')} bits)"
         )
     layers = linear_layers(model)
-    drafts = {}
+
+    def int4(target, state):
+        G = meta["group_size"]
+        bias, perm, scaled = "bias" in state, "perm" in state, "input_scale" in state
+        return Int4Linear(target.in_features, target.out_features, G, bias, perm, scaled)
+
+    def int8(target, state):
+        return Int8Linear(target.in_features, target.out_features, bias="bias" in state)
+
+    int8_modules = (meta.get("target_int8") or {}).get("modules", [])
     try:
         with safe_open(folder / DRAFT_WEIGHTS, framework="pt") as f:
-            names = set(f.keys())
-            for module in meta["modules"]:
-                if module not in layers:
-                    raise QspecError(f"draft module {module} does not exist in the target model")
-                target = layers[module]
-                prefix = f"{module}.draft."
-                state = {n[len(prefix) :]: f.get_tensor(n) for n in names if n.startswith(prefix)}
-                draft = Int4Linear(
-                    target.in_features,
-                    target.out_features,
-                    meta["group_size"],
-                    bias="bias" in state,
-                    permuted="perm" in state,
-                    scaled="input_scale" in state,
-                )
-                if state.keys() != draft.state_dict().keys():
-                    raise QspecError(f"draft weights of {module} are incomplete")
-                for key, t in state.items():
-                    if t.shape != draft.state_dict()[key].shape:
-                        raise QspecError(
-                            f"draft {module}.{key} has shape {list(t.shape)}, "
-                            f"expected {list(draft.state_dict()[key].shape)}"
-                        )
-                draft.load_state_dict(state)
-                drafts[module] = draft.to(model.device)
-            int8 = _load_int8(f, names, meta.get("target_int8"), layers, model.device)
+            drafts = _load_twins(f, meta["modules"], layers, "draft", int4, model.device)
+            int8s = _load_twins(f, int8_modules, layers, "int8", int8, model.device)
     except (SafetensorError, OSError) as e:
         raise QspecError(f"corrupt draft weights in {folder}: {e}") from None
     attach_draft(model, drafts)
-    attach_int8(model, int8)
+    attach_int8(model, int8s)
     return meta
 
 
-def _load_int8(f, names: set[str], meta: dict | None, layers: dict, device) -> dict:
-    if not meta:
-        return {}
+def _load_twins(f, modules: list[str], layers: dict, kind: str, make, device) -> dict:
+    """The `kind` twins ("draft": 4-bit, "int8") of `modules` from the open safetensors `f`,
+    each checked against the empty twin `make(target layer, its tensors)` builds."""
+    names = set(f.keys())
     out = {}
-    for module in meta["modules"]:
+    for module in modules:
         if module not in layers:
-            raise QspecError(f"INT8 module {module} does not exist in the target model")
-        target = layers[module]
-        prefix = f"{module}.int8."
+            raise QspecError(f"{kind} module {module} does not exist in the target model")
+        prefix = f"{module}.{kind}."
         state = {n[len(prefix) :]: f.get_tensor(n) for n in names if n.startswith(prefix)}
-        layer = Int8Linear(target.in_features, target.out_features, bias="bias" in state)
-        if state.keys() != layer.state_dict().keys() or any(
-            t.shape != layer.state_dict()[k].shape for k, t in state.items()
-        ):
-            raise QspecError(f"INT8 weights of {module} are incomplete or misshapen")
-        layer.load_state_dict(state)
-        out[module] = layer.to(device)
+        twin = make(layers[module], state)
+        want = twin.state_dict()
+        if state.keys() != want.keys():
+            raise QspecError(f"{kind} weights of {module} are incomplete")
+        for key, t in state.items():
+            if t.shape != want[key].shape:
+                raise QspecError(
+                    f"{kind} {module}.{key} has shape {list(t.shape)}, "
+                    f"expected {list(want[key].shape)}"
+                )
+        twin.load_state_dict(state)
+        out[module] = twin.to(device)
     return out
 
 

@@ -201,14 +201,18 @@ def linear_layers(model: Transformer) -> dict[str, Linear]:
     return {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
 
 
-def attach_draft(model: Transformer, drafts: dict[str, nn.Module]) -> None:
-    """Give the named linear layers their 4-bit twins (the draft path's weights)."""
+def _attach(model: Transformer, twins: dict[str, nn.Module], attribute: str) -> None:
     layers = linear_layers(model)
-    unknown = drafts.keys() - layers.keys()
+    unknown = twins.keys() - layers.keys()
     if unknown:
         raise KeyError(f"no such linear layers: {sorted(unknown)[:4]}")
-    for name, draft in drafts.items():
-        layers[name].draft = draft  # registered as a submodule: `<name>.draft.packed`, ...
+    for name, twin in twins.items():
+        setattr(layers[name], attribute, twin)  # a submodule: `<name>.draft.packed`, ...
+
+
+def attach_draft(model: Transformer, drafts: dict[str, nn.Module]) -> None:
+    """Give the named linear layers their 4-bit twins (the draft path's weights)."""
+    _attach(model, drafts, "draft")
     if drafts:
         model.weight_sets.add("int4")
 
@@ -220,14 +224,9 @@ def has_draft(model: Transformer) -> bool:
 
 def attach_int8(model: Transformer, layers: dict[str, nn.Module]) -> None:
     """Give the named linear layers their INT8 twins (the INT8-weight target's weights)."""
-    own = linear_layers(model)
-    unknown = layers.keys() - own.keys()
-    if unknown:
-        raise KeyError(f"no such linear layers: {sorted(unknown)[:4]}")
-    for name, layer in layers.items():
-        own[name].int8 = layer
-    if all(m.int8 is not None for m in own.values()):  # "int8" runs every linear on them
-        model.weight_sets.add("int8")
+    _attach(model, layers, "int8")
+    if all(m.int8 is not None for m in linear_layers(model).values()):
+        model.weight_sets.add("int8")  # "int8" runs every linear on them
 
 
 def has_int8(model: Transformer) -> bool:

@@ -120,16 +120,10 @@ def load_runtime(
     return Runtime(model, tokenizer, folder, name, target_weights)
 
 
-def prepare_and_load(
-    spec: str | None,
-    dtype: str = "auto",
-    device: str = "cpu",
-    log=print,
-    need_draft: bool = False,
-    target_weights: str = "full",
-    progress: Progress | None = None,
-) -> Runtime:
+def prepare_and_load(spec: str | None, progress: Progress | None = None, **options) -> Runtime:
     """The explicit conversion step (`prepare_for`: a named model's converted folder, made
-    once, saying so through `log`), then `load_runtime`. What the CLI and scripts call."""
-    prepare_for(spec, need_draft, target_weights, log, progress)
-    return load_runtime(spec, dtype, device, log, need_draft, target_weights)
+    once, saying so through `log`), then `load_runtime(spec, **options)`. What the CLI and
+    scripts call."""
+    need_draft, weights = options.get("need_draft", False), options.get("target_weights", "full")
+    prepare_for(spec, need_draft, weights, options.get("log", print), progress)
+    return load_runtime(spec, **options)
