@@ -14,7 +14,7 @@ Sections: env, correctness (Triton vs the PyTorch twin), attention (draft / targ
 bf16 SDPA vs dequantize-then-SDPA at 4k/32k/128k tokens, GB/s vs the H200's 4.8 TB/s),
 w4a16 (vs a bf16 matmul), model_step (a timing projection of a 7B-shaped draft step, verify
 step and autoregressive step: per layer the seven GEMMs plus attention, no norms/rope), and
-kv_pack (quantize-and-pack vs kv_quant). Uses only torch, triton and this repository.
+kv_pack (quantize-and-pack vs kernels.planes). Uses only torch, triton and this repository.
 
 The parts: device_check_harness.py (settings, report, timers), device_check_inputs.py
 (synthetic caches and weights), device_check_kernels.py (correctness, attention, w4a16,

@@ -30,7 +30,7 @@ def cache_state(length: int, T: int, G: int) -> dict:
 
 def random_cache(s: Settings, n_kv: int, length: int, T: int, exact: bool, seed: int = 0):
     """hier_attention's arguments but the KV view, (q, HierLayerView, QueryRows), for one
-    layer at `length`. exact: planes quantized from random K/V with kv_quant (for
+    layer at `length`. exact: planes quantized from random K/V with kernels.planes (for
     correctness); else random bytes and scales (for timing, where only the bytes read matter)."""
     from kernels.planes import HierLayerView, QueryRows, quantize_keys, quantize_values
 

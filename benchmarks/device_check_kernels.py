@@ -1,6 +1,6 @@
 """The kernel sections of device_check: correctness (Triton vs the PyTorch twin), attention
 (draft / target view vs bf16 SDPA vs dequantize-then-SDPA), w4a16 (vs a bf16 matmul) and
-kv_pack (quantize-and-pack vs kv_quant). Kernel modules are imported inside each function:
+kv_pack (quantize-and-pack vs kernels.planes). Kernel modules are imported inside each function:
 a dry run sets TRITON_INTERPRET first."""
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def _check_attention(s: Settings, case: tuple, view: str) -> list[dict]:
 
 
 def _check_kv_pack(s: Settings) -> list[dict]:
-    """quantize_*_triton vs kv_quant: mismatching elements per field (0 expected)."""
+    """quantize_*_triton vs kernels.planes: mismatching elements per field (0 expected)."""
     from kernels.planes import quantize_keys, quantize_values
     from kernels.triton.kv_pack import quantize_keys_triton, quantize_values_triton
 
@@ -63,7 +63,7 @@ def _check_kv_pack(s: Settings) -> list[dict]:
 
 def section_correctness(s: Settings, report: Report) -> None:
     """hier_attention vs its twin at the check length for each KV head count, T and view
-    (T = 5 crosses a group boundary: late queries); kv_pack vs kv_quant bit for bit."""
+    (T = 5 crosses a group boundary: late queries); kv_pack vs kernels.planes bit for bit."""
     rows = report.data.setdefault("correctness", [])
     for n_kv in s.kv_heads:
         for T in s.queries:

@@ -71,7 +71,7 @@ def render_markdown(data: dict) -> str:
             ],
         ) + [""]  # fmt: skip
     if data.get("kv_pack"):
-        out += ["## kv_pack (quantize + pack) vs kv_quant", ""]
+        out += ["## kv_pack (quantize + pack) vs kernels.planes", ""]
         keys = ("tokens", "kv_heads", "kind", "triton_ms", "torch_ms", "triton_gbps", "speedup")
         out += _table(list(keys), [[r[k] for k in keys] for r in data["kv_pack"]]) + [""]
     if data.get("errors"):

@@ -140,7 +140,7 @@ def check_kv_group_size(
     and again once the model's head_dim is known (G defaults to it). `gamma`: the drafts per
     round when a speculative mode runs on the hierarchical cache, else None.
     - G >= 2 and even: the fused attention kernels (C++ and Triton) and the Triton value
-      quantizer work on pairs of channels (kernels/hier_attention.py, kernels/kv_pack.py);
+      quantizer work on pairs of channels (kernels/triton/hier_attention.py, kv_pack.py);
     - G divides head_dim: values are quantized per token in groups of G channels;
     - gamma < G: a verify forward feeds gamma + 1 tokens, which must fit the G positions of
       slack of the full-precision buffer (qspec_core/speculative.py).

@@ -3,7 +3,7 @@ verify with full-precision weights over the INT8 view, one hierarchical cache fo
 
 One round, with the pending token t (sampled, not yet fed) at position c = committed length:
   1. (the cache rotates F1 into the planes by itself when a write's tokens all see it as
-     history; every token's KV view depends only on its position, see `hier_cache.py`)
+     history; every token's KV view depends only on its position, see `cache/hierarchical.py`)
   2. draft: feed t, g_1, ..., g_{gamma-1} one by one on the draft path, sampling g_i ~ q_i;
   3. verify: feed [t, g_1..g_gamma] at once on the target path -> p_1..p_{gamma+1}; this
      writes target KV over every draft position;

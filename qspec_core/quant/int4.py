@@ -5,7 +5,7 @@
 Storage (the converted model's `draft.safetensors`): `packed` uint8 [N, K/2] (two nibbles
 per byte along K, even k in the low nibble), `scale` and `zero` fp32 [N, K/G]. The matmul
 never builds the dense weight on the fast paths: on CUDA the Triton kernel
-(`kernels/w4a16.py`) dequantizes in registers; on CPU PyTorch's int4 weight kernel runs with
+(`kernels/triton/w4a16.py`) dequantizes in registers; on CPU PyTorch's int4 weight kernel runs with
 bf16 activations (its blocked weight layout is ISA-specific, so it is built at load time and
 never stored). Shapes those kernels cannot take use `w4a16_ref`, which is exact but slow.
 """

@@ -23,7 +23,7 @@ TENSORS += ("token_ids", "document_utf8")
 # many UTF-8 bytes per token plus a constant. Tokens of byte-level BPE vocabularies are far
 # shorter than 256 bytes; the constant covers the chat framing around the document.
 DOC_BYTES_PER_TOKEN, DOC_BYTES_SLACK = 256, 4096
-FP_SLOTS = 3  # the cache's full-precision region holds 3 groups (hier_cache.py)
+FP_SLOTS = 3  # the cache's full-precision region holds 3 groups (cache/hierarchical.py)
 
 
 class SchemaError(ValueError):

@@ -5,7 +5,7 @@ zeros, full-precision region), the prefix token ids and the document's UTF-8 byt
 manifest sits in the safetensors metadata. The manifest names the format version, the qspec
 version, fingerprints of the model (config + target weights) and tokenizer (files + chat
 template), the quantization parameters, the document hash and size, lengths, creation time,
-a sha256 per tensor and one over the manifest itself (schema: snapshot_schema.py).
+a sha256 per tensor and one over the manifest itself (schema: store/schema.py).
 
 Writing streams the file ourselves (no second copy in memory, no temporary file of the
 library's) into one temporary sibling that atomic_write.py publishes: an interrupted or
