@@ -102,7 +102,7 @@ def bench(
         check_output_file(plot, "--plot")
     # a named model's converted folder (made once) only when a mode needs the draft or INT8
     need = needs_converted_model(config)
-    runtime = common.load(model, dtype, threads, need_draft=need)  # bench toggles weights per mode
+    runtime = common.load(model, dtype, threads, need_draft=need)  # modes pick their weights
     common.check_group_size(group_size, runtime, spec_gamma)
     with common.err.status("bench") as status:
         report = run_bench(

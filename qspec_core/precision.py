@@ -4,7 +4,9 @@ QuantSpec runs one model two ways over one cache. A forward's `Precision` names 
 
     weights  "full"  the checkpoint's weights (fp32/bf16/fp16, as loaded)
              "int8"  every linear's INT8 twin (W8A16 per-channel; `qspec convert` makes them)
-             "int4"  each linear's 4-bit twin where it has one (the draft; lm_head stays full)
+             "int4"  each linear's 4-bit twin (the draft; `qspec convert` gives every linear one,
+                     lm_head included; a layer without one, as in some imported drafts,
+                     runs its full weight)
     kv       "fp"    a full-precision cache (`cache.FullPrecisionCache`)
              "int8"  the hierarchical cache read through both planes (upper and lower nibble)
              "int4"  the hierarchical cache read through the upper plane only

@@ -130,3 +130,21 @@ def test_int8_weights_perplexity_cost_is_small(default_converted):
         assert abs(q.perplexity[name] / q.perplexity["fp"] - 1) < 0.01, q.perplexity
     after = {n: t.data_ptr() for n, t in rt.model.state_dict().items()}
     assert after == before  # measuring leaves the model as it was
+
+
+def test_a_snapshot_prefill_runs_on_the_target_weights(tiny_int8):
+    """`qspec prefill --target-weights int8` stores KV computed by the INT8 weights (the KV a
+    later verify on them reads), not by the checkpoint's."""
+    from qspec_core.cache.hierarchical import HierarchicalKVCache
+    from qspec_core.engine.generate import prefill_hierarchical
+
+    doc = "The quick brown fox jumps over the lazy dog. " * 12
+    cache, ids = ChatSession(tiny_int8, doc, mode="quantspec").prefill_document()
+    states = {}
+    for weights in ("int8", "full"):
+        own = HierarchicalKVCache(tiny_int8.model.config, cache.max_seq_len, dtype=torch.float32)
+        prefill_hierarchical(tiny_int8.model, own, ids, weights=weights)
+        states[weights] = own.state()
+    got = cache.state()
+    assert all(torch.equal(got[k], t) for k, t in states["int8"].items())
+    assert not all(torch.equal(got[k], t) for k, t in states["full"].items())

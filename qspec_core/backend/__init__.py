@@ -11,12 +11,19 @@ from __future__ import annotations
 import torch
 
 from kernels.cpu import build
+from qspec_core.backend import cpu_stack
 from qspec_core.backend.cpu import CPU_BACKEND, CpuBackend
 
-__all__ = ["CpuBackend", "select_backend"]
+__all__ = ["CpuBackend", "forget_built", "select_backend"]
 
 
 def select_backend(device: torch.device) -> CpuBackend | None:
     if device.type == "cpu" and build.available():  # (QSPEC_CPU_KERNELS=0 turns it off)
         return CPU_BACKEND
     return None
+
+
+def forget_built(model) -> None:
+    """Drop what any backend built from `model`'s tensors (they are being replaced: `.to`,
+    `.float`); cheap, and never builds or loads a kernel."""
+    cpu_stack.forget(model)

@@ -17,6 +17,11 @@ Three things, chosen here and nowhere else:
 
 `tests/test_cpu_step.py` holds the C++ stack to the Python loop's bits, and
 `tests/test_cpu_decode.py` both to the plain PyTorch model.
+
+Two cases run the plain PyTorch math instead, so the batch invariance above does not hold
+for them: a forward with autograd on (`serves`: the engine always runs under inference mode),
+and a linear or norm with forward hooks registered (the module call runs them; GPTQ and AWQ
+calibration hooks every linear, over prefill-sized chunks that take PyTorch's GEMM anyway).
 """
 
 from __future__ import annotations
@@ -52,10 +57,6 @@ class CpuBackend:
 
     def serves(self, tokens: torch.Tensor) -> bool:
         return tokens.device.type == "cpu" and not torch.is_grad_enabled()
-
-    def forget(self, model) -> None:
-        """The model's tensors were replaced (`.to`, `.float`): drop its built stacks."""
-        cpu_stack.forget(model)
 
     def forward(self, model, tokens, input_pos, cache, path: Precision, last_only: bool):
         x = model.embed_tokens(tokens)

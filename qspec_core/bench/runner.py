@@ -245,8 +245,10 @@ def start_decode(model, mode_name: str, prompt: list[int], gen: int, config, see
     if not mode.speculative:
         return cache, decode(*common, path=target, timer=timer), None
     stats = SpecStats()
+    # a draft on full weights (the draft-kv4 ablation) takes the target's weight set
+    draft = mode.draft if mode.draft.weights == "int4" else mode.draft.with_weights(target.weights)
     tokens = speculative_decode(
-        *common, config.gamma, timer, stats, draft_path=mode.draft, target_path=target
+        *common, config.gamma, timer, stats, draft_path=draft, target_path=target
     )
     return cache, tokens, stats
 

@@ -372,7 +372,7 @@ def convert(
 INT8_SCHEME = "per-output-channel symmetric INT8, scale max|w|/127"
 # The INT8 weights' rounding: "gptq" when the folder was converted with a calibration text,
 # "rtn" (round to nearest) otherwise. A folder whose INT8 weights are older or RTN is
-# upgraded once by `ensure_named_draft` (the default model's cache).
+# upgraded once by `registry.prepare.prepare_named` (the default model's cache).
 INT8_METHOD = "gptq"
 
 

@@ -342,7 +342,8 @@ class ChatSession:
         cache = self._ensure_cache(len(ids) + 1)
         cache.reset()
         progress = on_prefill(len(ids)) if on_prefill else None
-        prefill_hierarchical(self.runtime.model, cache, ids, on_progress=progress)
+        weights = self.runtime.target_weights  # (the KV a later verify on these weights reads)
+        prefill_hierarchical(self.runtime.model, cache, ids, on_progress=progress, weights=weights)
         self._cached_ids = list(ids)
         return cache, list(ids)
 

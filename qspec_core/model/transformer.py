@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qspec_core.backend import select_backend
+from qspec_core.backend import forget_built, select_backend
 from qspec_core.cache.protocol import KVCache
 from qspec_core.config import ModelConfig
 from qspec_core.model.rope import RotaryEmbedding, apply_rotary
@@ -135,11 +135,7 @@ class Transformer(nn.Module):
         self.weight_sets = {"full"}  # Precision.weights this model can run (attach_* add)
 
     def _apply(self, fn, *args, **kwargs):
-        backend = self.__dict__.get("backend")
-        if backend == AUTO and "embed_tokens" in self._modules:
-            backend = select_backend(self.device)
-        if backend not in (None, AUTO):
-            backend.forget(self)  # .to(), .float(): what it built points at the old tensors
+        forget_built(self)  # .to(), .float(): what a backend built points at the old tensors
         return super()._apply(fn, *args, **kwargs)
 
     @property

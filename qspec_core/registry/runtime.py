@@ -11,8 +11,8 @@ from qspec_core.convert.folder import load_draft
 from qspec_core.errors import QspecError
 from qspec_core.model.checkpoint import load_model
 from qspec_core.model.tokenizer import Tokenizer
-from qspec_core.model.transformer import Transformer, has_draft, has_int8
-from qspec_core.precision import DRAFT, DRAFT_KV4, FP, TARGET, Precision
+from qspec_core.model.transformer import Transformer, has_int8
+from qspec_core.precision import FP, TARGET, Precision
 from qspec_core.registry.prepare import Progress, conversion_needed, converted_folder, prepare_for
 from qspec_core.registry.sources import DEFAULT_MODEL, find_named_model, resolve_model
 
@@ -60,12 +60,6 @@ class Runtime:
     def baseline(self) -> Precision:
         """Plain autoregressive decoding: the target weights over full-precision KV."""
         return FP.with_weights(self.target_weights)
-
-    @property
-    def draft(self) -> Precision:
-        """The draft's path: 4-bit weights over the INT4 view (full weights over it when the
-        model has no 4-bit twins)."""
-        return DRAFT if has_draft(self.model) else DRAFT_KV4
 
     @property
     def context_limit(self) -> int:
