@@ -68,23 +68,23 @@ def chat(
     if snapshot is not None:
         common.read_input(snapshot)  # checks it is a readable snapshot before any model loads
     text = common.read_text(document) if document is not None else None
-    runtime = common.load(
-        model, dtype, threads, need_draft=mode == "quantspec", target_weights=target_weights
-    )
-    common.check_group_size(group_size, runtime, spec_gamma)
-    session = common.open_session(
+    session = common.load_session(
+        model,
+        dtype,
+        threads,
+        target_weights,
         snapshot,
         text,
-        runtime,
         params=params,
         seed=seed,
         max_new_tokens=max_new_tokens,
         mode=mode,
         truncate=truncate,
-        capacity=runtime.context_limit,
+        whole_context=True,  # a chat grows
         gamma=drafts,
         group_size=group_size,
     )
+    runtime = session.runtime
     if session.truncated_tokens:
         common.warn(f"document truncated: dropped its last {session.truncated_tokens} tokens")
     common.log(f"{runtime.name} · mode {mode} · /exit /reset /stats · Ctrl-C stops an answer")

@@ -218,6 +218,21 @@ def step_progress(description: str, disable: bool = False):
         yield start
 
 
+def load_session(
+    model, dtype, threads, target_weights, snapshot, text, whole_context=False, **kwargs
+) -> ChatSession:
+    """Load the model a session's mode needs (checking --group-size against it), then open the
+    session over the snapshot or the text; `kwargs` are `ChatSession`'s (mode, gamma, ...).
+    `whole_context`: the cache takes the model's whole context up front (a chat grows)."""
+    mode, gamma = kwargs["mode"], kwargs.get("gamma")
+    need_draft = mode == "quantspec"
+    runtime = load(model, dtype, threads, need_draft=need_draft, target_weights=target_weights)
+    check_group_size(kwargs.get("group_size"), runtime, gamma if need_draft else None)
+    if whole_context:
+        kwargs["capacity"] = runtime.context_limit
+    return open_session(snapshot, text, runtime, **kwargs)
+
+
 def open_session(snapshot: Path | None, text: str | None, runtime, **kwargs) -> ChatSession:
     """A session over a snapshot (`*.qspec`, no re-prefill) or over a document's text."""
     if snapshot is not None:

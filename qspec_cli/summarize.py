@@ -53,14 +53,13 @@ def summarize(
     check_kv_group_size(group_size, gamma=spec_gamma)
     common.check_run_options(dtype, threads, target_weights)
     snapshot, text = common.read_input(file)
-    runtime = common.load(
-        model, dtype, threads, need_draft=mode == "quantspec", target_weights=target_weights
-    )
-    common.check_group_size(group_size, runtime, spec_gamma)
-    session = common.open_session(
+    session = common.load_session(
+        model,
+        dtype,
+        threads,
+        target_weights,
         snapshot,
         text,
-        runtime,
         params=params,
         seed=seed,
         max_new_tokens=max_new_tokens,
@@ -69,6 +68,7 @@ def summarize(
         gamma=drafts,
         group_size=group_size,
     )
+    runtime = session.runtime
     if session.truncated_tokens:
         common.warn(
             f"document truncated: dropped its last {session.truncated_tokens} "
