@@ -24,7 +24,7 @@ import time
 import torch
 
 from kernels.cpu import linear as cpu_linear
-from qspec_core.backend import cpu_stack as cpu_step
+from qspec_core.backend import cpu_stack
 from qspec_core.cache.full import FullPrecisionCache
 from qspec_core.cache.hierarchical import HierarchicalKVCache
 from qspec_core.engine.generate import prefill
@@ -32,7 +32,7 @@ from qspec_core.precision import DRAFT, FP, TARGET
 from qspec_core.registry.runtime import prepare_and_load
 
 # --compare name -> the gates that, answering False (None), switch the C++ path off
-STACK = (cpu_step, "stack_for")
+STACK = (cpu_stack, "stack_for")
 SWITCHES = {
     "linear": [(cpu_linear, "usable"), STACK],
     "w4a8": [(cpu_linear, "int4_usable"), STACK],

@@ -318,15 +318,15 @@ def test_fused_attention_equals_the_reference_through_rounds_with_late_queries(m
     exact = _Float64Reference(model, monkeypatch)
     fused = _cache(model, 256)
     kernel_runs = []  # forwards of `fused` through the C++ kernels (a step or a layer's call)
-    cpu_step = fused.cpu_step
+    step_plan = fused.step_plan
 
     def counted_step(*args):
-        run = cpu_step(*args)
-        if run is not None:
+        plan = step_plan(*args)
+        if plan is not None:
             kernel_runs.append("step")
-        return run
+        return plan
 
-    fused.cpu_step = counted_step
+    fused.step_plan = counted_step
     attend_cpu = dispatch.cpu_attention.hier_attention_cpu
     monkeypatch.setattr(
         dispatch.cpu_attention,

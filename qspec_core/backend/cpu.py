@@ -4,7 +4,7 @@ Three things, chosen here and nowhere else:
 
 - a decode or verify step (at most `MAX_ROWS` = gamma + 1 <= 17 rows) in fp32 runs every
   decoder layer in one C++ call (`DecoderStack`, built per weight set by `cpu_stack.py`) when
-  the cache offers `cpu_step`;
+  the cache offers a `step_plan` (what the stack reads of it: `FullStep`, `HierStep`);
 - otherwise the layers run in the Python loop below: the same math as
   `model/transformer.py`, with RMSNorm, the residual add and RoPE in C++ when fp32
   (`kernels/cpu/decode.cpp`), and no `nn.Module.__call__` bookkeeping (a few microseconds,
@@ -33,6 +33,7 @@ from torch.nn.modules import module as _module_hooks
 from kernels.cpu import build
 from kernels.cpu import linear as rows_kernels
 from qspec_core.backend import cpu_stack
+from qspec_core.cache.protocol import FullStep, HierStep
 from qspec_core.precision import Precision
 from qspec_core.quant.int4 import Int4Linear
 from qspec_core.quant.int8 import Int8Linear
@@ -62,14 +63,21 @@ class CpuBackend:
         x = model.embed_tokens(tokens)
         cos, sin = model.rotary_emb(input_pos, x.dtype)
         B, T = tokens.shape
-        run = stack = None
+        plan = stack = None
         if B * T <= MAX_ROWS and x.dtype == torch.float32:
             stack = cpu_stack.stack_for(model, path.weights)
-            step = getattr(cache, "cpu_step", None)
-            if stack is not None and step is not None:
-                run = step(input_pos, path, T)  # the cache's bookkeeping for all layers, now
-        if run is not None:
-            x = run(stack, x, cos, sin)
+            step_plan = getattr(cache, "step_plan", None)
+            if stack is not None and step_plan is not None:
+                plan = step_plan(input_pos, path, T)  # the cache's bookkeeping, all layers
+        if isinstance(plan, HierStep):
+            p = plan
+            x = stack.run_hier(
+                x, cos, sin, p.buffers, p.lo, p.hi, p.n_quant, p.n_quant_q, p.shift,
+                p.input_pos, p.int8, p.group_size, p.chunk_size,
+            )  # fmt: skip
+        elif isinstance(plan, FullStep):
+            p = plan
+            x = stack.run_full(x, cos, sin, p.k, p.v, p.start, p.end, p.mask, p.is_causal)
         else:
             x = self._layers(model, x, cos, sin, input_pos, cache, path)
         if last_only:

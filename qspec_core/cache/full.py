@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from kernels.reference import causal_attention, causal_mask
-from qspec_core.cache.protocol import KVCache
+from qspec_core.cache.protocol import FullStep, KVCache
 from qspec_core.config import ModelConfig
 from qspec_core.precision import FP, Precision
 
@@ -66,11 +66,10 @@ class FullPrecisionCache(torch.nn.Module):
             self._mask = (key, causal_mask(input_pos, end))
         return start, end
 
-    def cpu_step(self, input_pos: torch.Tensor, path: Precision, n_tokens: int):
-        """For a decode-sized forward on CPU: `run(stack, x, cos, sin)`, all layers in one C++
-        call (`qspec_core/backend/cpu_stack.py`) with the attention `causal_attention`
-        computes; None when this forward goes layer by layer (a cache not fp32 on CPU, a KV
-        view other than "fp")."""
+    def step_plan(self, input_pos: torch.Tensor, path: Precision, n_tokens: int):
+        """For a decode-sized forward on CPU: the `FullStep` the C++ stack reads (the
+        attention `causal_attention` computes), its length bookkeeping done; None when this
+        forward goes layer by layer (a cache not fp32 on CPU, a KV view other than "fp")."""
         if path.kv != "fp":
             return None  # (`attend` raises)
         if self.k.dtype != torch.float32 or self.k.device.type != "cpu":
@@ -81,12 +80,7 @@ class FullPrecisionCache(torch.nn.Module):
         # the newest position sees every key (no mask); else the mask
         is_causal = n_tokens == end and start == 0
         mask = None if is_causal else self._mask[1]
-        k, v = self.k, self.v
-
-        def run(stack, x, cos, sin):
-            return stack.run_full(x, cos, sin, k, v, start, end, mask, is_causal)
-
-        return run
+        return FullStep(self.k, self.v, start, end, mask, is_causal)
 
     def truncate(self, length: int) -> None:
         if not 0 <= length <= self.seq_len:

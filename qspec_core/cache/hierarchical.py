@@ -47,6 +47,7 @@ from kernels.planes import (
     quantize_values,
 )
 from kernels.triton.kv_pack import quantize_keys_triton, quantize_values_triton
+from qspec_core.cache.protocol import HierStep
 from qspec_core.config import ModelConfig
 from qspec_core.precision import Precision
 
@@ -253,11 +254,11 @@ class HierarchicalKVCache(torch.nn.Module):
         self.fp_len[layer] = hi
         return lo, hi
 
-    def cpu_step(self, input_pos: torch.Tensor, path: Precision, n_tokens: int):
+    def step_plan(self, input_pos: torch.Tensor, path: Precision, n_tokens: int):
         """For a decode-sized forward on CPU: does every layer's bookkeeping of `attend` now
-        and returns `run(stack, x, cos, sin)`, which runs all layers in one C++ call
-        (`qspec_core/backend/`); None when this forward must go layer by layer (layers out
-        of step, no fused kernel, a forward longer than G, a bad path: `attend` raises)."""
+        and returns the `HierStep` the C++ stack reads (the CPU backend runs all layers in one
+        call); None when this forward must go layer by layer (layers out of step, no fused
+        kernel, a forward longer than G, a bad path: `attend` raises)."""
         kv = getattr(path, "kv", None)
         L, G = len(self.n_quant), self.group_size
         if (
@@ -291,14 +292,8 @@ class HierarchicalKVCache(torch.nn.Module):
             self.fp_k,
             self.fp_v,
         ]
-        target, chunk = kv == "int8", self.chunk_size  # (target: both planes)
-
-        def run(stack, x, cos, sin):
-            return stack.run_hier(
-                x, cos, sin, buffers, lo, hi, nq, n_quant_q, shift, input_pos, target, G, chunk
-            )
-
-        return run
+        int8 = kv == "int8"  # (the target's view: both planes)
+        return HierStep(buffers, lo, hi, nq, n_quant_q, shift, input_pos, int8, G, self.chunk_size)
 
     def attend(self, layer, q, k, v, input_pos, path: Precision):
         """Store k/v [B, n_kv, T, D] at input_pos [T] in F2; attend q [B, H, T, D] in the KV

@@ -6,14 +6,15 @@ the KV view the forward's `Precision.kv` names ("fp", "int8", "int4"). That call
 where the hierarchical INT4/INT8 cache plugs in: it decides what it stores (full precision,
 packed planes) and which planes the attention reads.
 
-A cache may also offer `cpu_step(input_pos, path, n_tokens)`: for a decode-sized forward on
-CPU it does every layer's bookkeeping at once and returns `run(stack, x, cos, sin)`, which runs
-all layers in one C++ call (`qspec_core/backend/cpu_stack.py`), or None to go layer by layer
-through `attend`.
+A cache may also offer `step_plan(input_pos, path, n_tokens)`: for a decode-sized forward
+on CPU it does every layer's bookkeeping at once and returns what the C++ stack reads of it
+(`FullStep`, `HierStep`), so that the CPU backend runs all layers in one C++ call
+(`qspec_core/backend/cpu.py`); or None to go layer by layer through `attend`.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -51,3 +52,35 @@ class KVCache(Protocol):
     def nbytes(self) -> dict[str, int]:
         """Bytes held, split by kind (payload, scales, full-precision buffer)."""
         ...
+
+
+@dataclass(frozen=True)
+class FullStep:
+    """A full-precision cache for one step: k/v [L, B, n_kv, S, D] fp32, the step's positions
+    [start, end), and its attention mask (None with `is_causal`, or for one newest query)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    start: int
+    end: int
+    mask: torch.Tensor | None
+    is_causal: bool
+
+
+@dataclass(frozen=True)
+class HierStep:
+    """A hierarchical cache for one step, as `DecoderStack.run_hier` reads it: the buffers
+    (planes, scales, zeros of K then V, then fp_k, fp_v; all layers), where the step's tokens
+    sit in the full-precision region [lo, hi), the quantized length, each query's quantized
+    length and F1 shift (late queries, see `cache/hierarchical.py`), and the view."""
+
+    buffers: list[torch.Tensor]
+    lo: int
+    hi: int
+    n_quant: int
+    n_quant_q: torch.Tensor  # [T] int64
+    shift: torch.Tensor  # [T] int64
+    input_pos: torch.Tensor  # [T]
+    int8: bool  # both planes (the target's view), else the upper plane only
+    group_size: int
+    chunk_size: int
