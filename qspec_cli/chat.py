@@ -9,7 +9,6 @@ from typing import Annotated
 import typer
 
 from qspec_cli import common
-from qspec_core.config import check_kv_group_size
 from qspec_core.documents import is_stdin
 from qspec_core.errors import QspecError, user_errors
 
@@ -59,12 +58,9 @@ def chat(
             "--document -: chat reads its questions from standard input, which already holds "
             "the document; pass the document as a file (or use qspec summarize -)"
         )
-    params = common.sampling_params(temperature, top_p, top_k)
-    common.check_mode(mode)
-    drafts = common.parse_gamma(gamma)
-    spec_gamma = drafts if mode == "quantspec" else None
-    check_kv_group_size(group_size, gamma=spec_gamma)
-    common.check_run_options(dtype, threads, target_weights)
+    params, drafts = common.check_session_options(
+        mode, gamma, group_size, temperature, top_p, top_k, dtype, threads, target_weights
+    )
     if snapshot is not None:
         common.read_input(snapshot)  # checks it is a readable snapshot before any model loads
     text = common.read_text(document) if document is not None else None

@@ -130,6 +130,27 @@ def check_mode(mode: str) -> None:
         raise QspecError(f"mode {mode!r} is not available (have: {', '.join(MODES)})")
 
 
+def check_session_options(
+    mode: str,
+    gamma: str,
+    group_size: int | None,
+    temperature: float,
+    top_p: float,
+    top_k: int,
+    dtype: str,
+    threads: int | None,
+    target_weights: str,
+) -> tuple[SamplingParams, int | str]:
+    """Every option of a session command (chat, summarize), checked before any input is read
+    or any model loads: returns (sampling parameters, gamma)."""
+    params = sampling_params(temperature, top_p, top_k)
+    check_mode(mode)
+    drafts = parse_gamma(gamma)
+    check_kv_group_size(group_size, gamma=drafts if mode == "quantspec" else None)
+    check_run_options(dtype, threads, target_weights)
+    return params, drafts
+
+
 def check_run_options(dtype: str, threads: int | None, target_weights: str = "full") -> None:
     """Options `load` uses, checked before anything is read or loaded."""
     from qspec_core.registry.runtime import DTYPES

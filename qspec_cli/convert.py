@@ -72,7 +72,7 @@ def convert(
     draft_path = resolve_model(draft_from, common.log) if draft_from else None
     label = "import" if draft_path else f"{method} 4-bit"
     with common.step_progress(f"{label} + INT8 verifier", disable=as_json) as progress:
-        on_layer = progress(convert_steps(runtime.model, draft_path is not None))
+        on_layer = progress(convert_steps(runtime.model, draft=draft_path is None))
         report = run_convert(
             runtime.folder,
             output,

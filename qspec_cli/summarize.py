@@ -9,7 +9,6 @@ from typing import Annotated
 import typer
 
 from qspec_cli import common
-from qspec_core.config import check_kv_group_size
 from qspec_core.engine.session import SUMMARY_REQUEST
 
 
@@ -46,12 +45,9 @@ def summarize(
     from qspec_core.engine.summary import summary_record
 
     # every option, then the input, before any model loads
-    params = common.sampling_params(temperature, top_p, top_k)
-    common.check_mode(mode)
-    drafts = common.parse_gamma(gamma)
-    spec_gamma = drafts if mode == "quantspec" else None
-    check_kv_group_size(group_size, gamma=spec_gamma)
-    common.check_run_options(dtype, threads, target_weights)
+    params, drafts = common.check_session_options(
+        mode, gamma, group_size, temperature, top_p, top_k, dtype, threads, target_weights
+    )
     snapshot, text = common.read_input(file)
     session = common.load_session(
         model,

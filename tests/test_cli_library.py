@@ -58,7 +58,7 @@ def _counted_convert(source, out, **kwargs) -> tuple[int, int, DraftReport, torc
     """(on_layer calls, convert_steps counted first, report, the model now carrying its
     drafts) of one conversion of a fresh model."""
     model = load_model(source, dtype=torch.float32)
-    steps = convert_steps(model, "draft_from" in kwargs)  # as the CLI does: before converting
+    steps = convert_steps(model, draft="draft_from" not in kwargs)  # as the CLI: before converting
     calls = []
     report = convert(source, out, model, "rtn", 32, on_layer=calls.append, **kwargs)
     return len(calls), steps, report, model

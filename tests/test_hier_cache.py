@@ -9,7 +9,15 @@ from error_model import assert_within_error_model, attention64, dequantize64, hi
 from hf_tiny import ours_from_hf, tiny_hf
 
 from kernels import attention as dispatch
-from kernels.planes import HierLayerView, QueryRows, quantize_keys, quantize_values
+from kernels.planes import (
+    HierLayerView,
+    QuantizedGroupTensor,
+    QueryRows,
+    dequantize_keys,
+    dequantize_values,
+    quantize_keys,
+    quantize_values,
+)
 from kernels.reference import hier_attention_ref
 from qspec_core.cache import hierarchical as hier_cache
 from qspec_core.cache.full import FullPrecisionCache
@@ -79,6 +87,20 @@ def _tokens(n, seed=0):
     return torch.randint(0, 101, (n,), generator=_gen(seed)).tolist()
 
 
+def _history(cache, layer: int, end: int, view: str):
+    """The first `end` history positions (a multiple of G) of one layer as fp32 (k, v) in
+    `view`, dequantized by the plane format's reference."""
+    G, v = cache.group_size, cache.layer_view(layer)
+    k = QuantizedGroupTensor(
+        v.k_upper[:, :, :end], v.k_lower[:, :, :end], v.k_scale[:, :, : end // G],
+        v.k_zero[:, :, : end // G],
+    )  # fmt: skip
+    vals = QuantizedGroupTensor(
+        v.v_upper[:, :, :end], v.v_lower[:, :, :end], v.v_scale[:, :, :end], v.v_zero[:, :, :end]
+    )
+    return dequantize_keys(k, G, view), dequantize_values(vals, G, view)
+
+
 def test_cache_attention_equals_dense_over_dequantized_view():
     model = _tiny()
     cache = _cache(model)
@@ -90,7 +112,7 @@ def test_cache_attention_equals_dense_over_dequantized_view():
     k_new, v_new = torch.randn(1, 2, 3, 16, generator=g), torch.randn(1, 2, 3, 16, generator=g)
     for path in (TARGET, DRAFT_KV4):
         cache.truncate(70)
-        hist_k, hist_v = cache.dequantize(layer, 0, 48, path.kv)
+        hist_k, hist_v = _history(cache, layer, 48, path.kv)
         fp_k = torch.cat([cache.fp_k[layer, :, :, :22], k_new], 2)
         fp_v = torch.cat([cache.fp_v[layer, :, :, :22], v_new], 2)
         pos = torch.arange(70, 73)

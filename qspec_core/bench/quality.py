@@ -14,6 +14,7 @@ import torch
 
 from qspec_core.cache.full import FullPrecisionCache
 from qspec_core.cache.hierarchical import HierarchicalKVCache
+from qspec_core.cache.sizes import full_kv_bytes
 from qspec_core.model.transformer import Transformer, forward_logits, has_int8
 from qspec_core.precision import DRAFT_KV4, FP, TARGET, W8, W8_TARGET
 
@@ -61,7 +62,6 @@ def measure_kv_quality(
     kl = {p: float((p_fp * (logp["fp"] - logp[p])).sum(-1).mean()) for p in others}
     argmax = {p: x.argmax(-1) for p, x in logits.items()}
     top1 = {p: float((argmax[p] == argmax["fp"]).float().mean()) for p in others}
-    fp_bytes = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim
     probe = HierarchicalKVCache(config, G, G, dtype=model.dtype, device=model.device)
     return KVQuality(
         tokens=len(ids),
@@ -71,8 +71,8 @@ def measure_kv_quality(
         top1_vs_fp=top1,
         top1_draft_vs_target=float((argmax["draft"] == argmax["target"]).float().mean()),
         bytes_per_token={
-            "bf16": fp_bytes * 2.0,
-            "fp32": fp_bytes * 4.0,
+            "bf16": float(full_kv_bytes(config, 1, 2)),
+            "fp32": float(full_kv_bytes(config, 1, 4)),
             "target": probe.bytes_per_token(TARGET.kv),
             "draft": probe.bytes_per_token(DRAFT_KV4.kv),
         },

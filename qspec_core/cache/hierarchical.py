@@ -38,10 +38,7 @@ from kernels.attention import backend, hier_attention
 from kernels.planes import (
     VIEWS,
     HierLayerView,
-    QuantizedGroupTensor,
     QueryRows,
-    dequantize_keys,
-    dequantize_values,
     kv_bytes_per_token,
     quantize_keys,
     quantize_values,
@@ -366,24 +363,6 @@ class HierarchicalKVCache(torch.nn.Module):
         self.v_scale[layer, :, :, nq : nq + G] = v.scale
         self.v_zero[layer, :, :, nq : nq + G] = v.zero
         self._staged[layer] = nq
-
-    def dequantize(self, layer: int, start: int, end: int, view: str):
-        """History positions [start, end) (multiples of G) of one layer as fp32 (k, v) in the
-        KV view `view` ("int8" or "int4")."""
-        G = self.group_size
-        k = QuantizedGroupTensor(
-            self.k_upper[layer, :, :, start:end],
-            self.k_lower[layer, :, :, start:end],
-            self.k_scale[layer, :, :, start // G : end // G],
-            self.k_zero[layer, :, :, start // G : end // G],
-        )
-        v = QuantizedGroupTensor(
-            self.v_upper[layer, :, :, start:end],
-            self.v_lower[layer, :, :, start:end],
-            self.v_scale[layer, :, :, start:end],
-            self.v_zero[layer, :, :, start:end],
-        )
-        return dequantize_keys(k, G, view), dequantize_values(v, G, view)
 
     def load_full_precision(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Bulk load after a full-precision prefill: k/v [L, B, n_kv, T, D], all confirmed.

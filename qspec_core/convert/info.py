@@ -12,10 +12,11 @@ from qspec_core.errors import QspecError
 from qspec_core.model.transformer import Transformer, linear_layers
 
 
-def convert_steps(model: Transformer, importing: bool = False) -> int:
-    """How many times `convert(..., on_layer=...)` calls `on_layer`: once per linear layer
-    for its INT8 weights, and once more for its 4-bit draft unless the draft is imported."""
-    return len(linear_layers(model)) * (1 if importing else 2)
+def convert_steps(model: Transformer, draft: bool = True) -> int:
+    """How many times `convert(..., on_layer=...)` (or `add_int8_weights`) calls `on_layer`:
+    once per linear layer for its INT8 weights, and once more for its 4-bit draft when one is
+    made (not when it is imported, nor when only the INT8 weights are)."""
+    return len(linear_layers(model)) * (2 if draft else 1)
 
 
 def read_draft_meta(folder: Path) -> dict:

@@ -11,10 +11,10 @@ import torch
 
 from qspec_core.convert.convert import INT8_METHOD, add_int8_weights, convert
 from qspec_core.convert.folder import DRAFT_META
+from qspec_core.convert.info import convert_steps
 from qspec_core.documents import read_document
 from qspec_core.model.checkpoint import load_model
 from qspec_core.model.tokenizer import Tokenizer
-from qspec_core.model.transformer import linear_layers
 from qspec_core.paths import BUNDLED_TEXTS, models_dir
 from qspec_core.registry.sources import (
     DEFAULT_MODEL,
@@ -67,13 +67,23 @@ def prepare_named(
         log(f"making {model.name}'s 4-bit draft and INT8 verifier weights (GPTQ, once) in {target}")
     weights = load_model(folder, dtype=torch.float32)
     ids = Tokenizer(folder).encode(read_document(calib))[:CALIB_TOKENS]
-    steps = len(linear_layers(weights)) * (1 if upgrade else 2)  # (draft and INT8 per layer)
-    on_layer = progress(steps) if progress else None
+    on_layer = progress(convert_steps(weights, draft=not upgrade)) if progress else None
     if upgrade:
         add_int8_weights(target, weights, ids, calib_source, on_layer)
     else:
         convert(folder, target, weights, "gptq", None, ids, calib_source, True, on_layer)
     return target
+
+
+def converted_model_for(
+    spec: str | None, need_draft: bool, target_weights: str = "full"
+) -> RegistryModel | None:
+    """The named model (the default included) whose converted folder a run of `spec` needs:
+    one that runs the 4-bit draft or the INT8 weights; None for anything else (a folder, a
+    file, a hub id, or a run that needs neither)."""
+    if not (need_draft or target_weights == "int8"):
+        return None
+    return DEFAULT_MODEL if spec in (None, "default") else find_named_model(spec)
 
 
 def prepare_for(
@@ -86,7 +96,5 @@ def prepare_for(
     """The explicit step before `load_runtime(spec, need_draft=..., target_weights=...)`: a
     named model (the default included) that needs its converted folder gets it made now.
     None when `spec` needs nothing made (a folder, a file, a hub id, or no draft needed)."""
-    named = DEFAULT_MODEL if spec in (None, "default") else find_named_model(spec)
-    if named is None or not (need_draft or target_weights == "int8"):
-        return None
-    return prepare_named(named, log, progress)
+    named = converted_model_for(spec, need_draft, target_weights)
+    return None if named is None else prepare_named(named, log, progress)

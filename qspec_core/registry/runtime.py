@@ -13,8 +13,14 @@ from qspec_core.model.checkpoint import load_model
 from qspec_core.model.tokenizer import Tokenizer
 from qspec_core.model.transformer import Transformer, has_int8
 from qspec_core.precision import FP, TARGET, Precision
-from qspec_core.registry.prepare import Progress, conversion_needed, converted_folder, prepare_for
-from qspec_core.registry.sources import DEFAULT_MODEL, find_named_model, resolve_model
+from qspec_core.registry.prepare import (
+    Progress,
+    conversion_needed,
+    converted_folder,
+    converted_model_for,
+    prepare_for,
+)
+from qspec_core.registry.sources import resolve_model
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -90,8 +96,8 @@ def load_runtime(
         raise QspecError(f"--target-weights must be full or int8, not {target_weights!r}")
     if dtype == "auto":
         dtype = default_dtype(device)
-    named = DEFAULT_MODEL if spec in (None, "default") else find_named_model(spec)
-    if named is not None and (need_draft or target_weights == "int8"):
+    named = converted_model_for(spec, need_draft, target_weights)
+    if named is not None:
         why = conversion_needed(named)
         if why is not None:
             raise QspecError(
