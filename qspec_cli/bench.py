@@ -50,7 +50,7 @@ def bench(
         typer.Option(help="Draw tokens/s vs context and the stage shares to this PNG."),
     ] = None,
     warmup: Annotated[bool, typer.Option(help="One short unmeasured run per mode first.")] = True,
-    target_weights: common.TargetWeightsOpt = "full",
+    target_weights: common.TargetWeightsOpt = "auto",
     dtype: common.DtypeOpt = "auto",
     threads: common.ThreadsOpt = None,
 ):
@@ -68,6 +68,7 @@ def bench(
         parse_modes,
         run_bench,
     )
+    from qspec_core.registry.runtime import wanted_target_weights
 
     config = BenchConfig(
         contexts=parse_contexts(context),
@@ -79,7 +80,7 @@ def bench(
         seed=seed,
         group_size=group_size,
         warmup=warmup,
-        target_weights=target_weights,
+        target_weights=wanted_target_weights(target_weights, "cpu"),
     )
     # gamma meets G only where a speculative mode verifies on the hierarchical cache (the
     # cache of a target KV view other than fp)
@@ -102,7 +103,13 @@ def bench(
         check_output_file(plot, "--plot")
     # a named model's converted folder (made once) only when a mode needs the draft or INT8
     need = needs_converted_model(config)
-    runtime = common.load(model, dtype, threads, need_draft=need)  # modes pick their weights
+    # modes pick their weights; auto settles here (full where the model has no W8A8 weights)
+    runtime = common.load(
+        model, dtype, threads, need_draft=need,
+        target_weights="auto" if need and target_weights == "auto" else "full",
+    )  # fmt: skip
+    if target_weights == "auto":
+        config.target_weights = runtime.target_weights
     common.check_group_size(group_size, runtime, spec_gamma)
     with common.err.status("bench") as status:
         report = run_bench(

@@ -36,7 +36,7 @@ def chat(
     seed: common.SeedOpt = 0,
     truncate: common.TruncOpt = False,
     group_size: common.GroupOpt = None,
-    target_weights: common.TargetWeightsOpt = "full",
+    target_weights: common.TargetWeightsOpt = "auto",
     dtype: common.DtypeOpt = "auto",
     threads: common.ThreadsOpt = None,
 ):

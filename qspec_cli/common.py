@@ -17,7 +17,6 @@ from qspec_core.config import check_kv_group_size
 from qspec_core.documents import is_stdin, read_document
 from qspec_core.engine.sampling import MIN_TEMPERATURE, SamplingParams
 from qspec_core.engine.session import MODES, ChatSession
-from qspec_core.engine.summary import TARGET_DISTRIBUTION
 from qspec_core.errors import QspecError
 
 # emoji=False: a file named `a:cat:b.txt` keeps its name. User strings (paths, model names,
@@ -97,9 +96,12 @@ ThreadsOpt = Annotated[int | None, typer.Option(min=1, help="CPU threads (defaul
 TargetWeightsOpt = Annotated[
     str,
     typer.Option(
-        help="Weights of the target (verify) path: full (the checkpoint) or int8 (per-channel "
-        "INT8, Quasar-style; output then follows the INT8-weight model). int8 needs a folder "
-        "from qspec convert (the default model's is made on first use)."
+        help="Weights of the target (verify) path, whose output the run follows: auto (w8a8 on "
+        "a CPU when the model has INT8 weights, else full; a snapshot's own), full (the "
+        "checkpoint's), int8 (per-channel INT8, W8A16) or w8a8 (the same INT8 weights with "
+        "activations rounded to int8 per 64 inputs: integer dot products, the fast CPU path). "
+        "int8 and w8a8 need a folder from qspec convert (the default model's is made on "
+        "first use)."
     ),
 ]
 
@@ -153,7 +155,7 @@ def check_session_options(
 
 def check_run_options(dtype: str, threads: int | None, target_weights: str = "full") -> None:
     """Options `load` uses, checked before anything is read or loaded."""
-    from qspec_core.registry.runtime import DTYPES
+    from qspec_core.registry.runtime import DTYPES, TARGET_WEIGHTS
 
     if dtype != "auto" and dtype not in DTYPES:
         raise QspecError(f"--dtype must be auto or one of {', '.join(DTYPES)}, not {dtype!r}")
@@ -161,9 +163,9 @@ def check_run_options(dtype: str, threads: int | None, target_weights: str = "fu
     if threads is not None and not 1 <= threads <= cpus:
         # more threads than CPUs only slows a CPU-bound step; far more crashes the kernels
         raise QspecError(f"--threads must be in 1..{cpus} (the CPUs here), not {threads}")
-    if target_weights not in TARGET_DISTRIBUTION:
+    if target_weights not in TARGET_WEIGHTS:
         raise QspecError(
-            f"--target-weights must be {' or '.join(TARGET_DISTRIBUTION)}, not {target_weights!r}"
+            f"--target-weights must be one of {', '.join(TARGET_WEIGHTS)}, not {target_weights!r}"
         )
 
 
@@ -247,6 +249,11 @@ def load_session(
     `whole_context`: the cache takes the model's whole context up front (a chat grows)."""
     mode, gamma = kwargs["mode"], kwargs.get("gamma")
     need_draft = mode == "quantspec"
+    if target_weights == "auto" and snapshot is not None:
+        from qspec_core.store.snapshot import read_manifest
+
+        # a snapshot holds KV its target weights computed: auto continues on those
+        target_weights = read_manifest(snapshot).get("target_weights", "full")
     runtime = load(model, dtype, threads, need_draft=need_draft, target_weights=target_weights)
     check_group_size(kwargs.get("group_size"), runtime, gamma if need_draft else None)
     if whole_context:

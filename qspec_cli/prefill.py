@@ -33,7 +33,7 @@ def prefill(
     group_size: common.GroupOpt = None,
     force: Annotated[bool, typer.Option("--force", help="Overwrite an existing snapshot.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the manifest as JSON.")] = False,
-    target_weights: common.TargetWeightsOpt = "full",
+    target_weights: common.TargetWeightsOpt = "auto",
     dtype: common.DtypeOpt = "auto",
     threads: common.ThreadsOpt = None,
 ):
@@ -102,7 +102,7 @@ def prefill(
         extra={
             "prefill_seconds": round(seconds, 3),
             "compute_dtype": str(runtime.model.dtype),
-            "target_weights": target_weights,
+            "target_weights": runtime.target_weights,
         },
     )
     size = output.stat().st_size

@@ -69,11 +69,18 @@ def quality(
     table.add_row(
         "full precision", f"{result.perplexity['fp']:.4f}", "", "", f"{fp_bytes:,.0f} (bf16)"
     )
+
+    def kv_bytes(p: str) -> str:  # the target's and the draft's KV views; fp KV: none given
+        view = p.removeprefix("w8a8-").removeprefix("w8-")
+        return f"{result.bytes_per_token[view]:,.0f}" if view in ("target", "draft") else ""
+
     labels = {
         "target": "target (INT8)",
         "draft": "draft (INT4)",
         "w8": "INT8 weights, fp KV",
         "w8-target": "INT8 weights + INT8 KV",
+        "w8a8": "W8A8 (INT8 weights, int8 activations), fp KV",
+        "w8a8-target": "W8A8 + INT8 KV (the CPU default target)",
     }
     for p, label in labels.items():
         if p not in result.perplexity:
@@ -83,7 +90,7 @@ def quality(
             f"{result.perplexity[p]:.4f}",
             f"{result.kl_vs_fp[p]:.5f}",
             f"{result.top1_vs_fp[p]:.2%}",
-            f"{result.bytes_per_token[p.removeprefix('w8-')]:,.0f}" if p != "w8" else "",
+            kv_bytes(p),
         )
     common.out.print(table)
     common.out.print(f"top-1 agreement draft vs target: {result.top1_draft_vs_target:.2%}")

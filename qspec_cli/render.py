@@ -153,7 +153,31 @@ def bench_tables(report: dict) -> list[Table]:
             )
         tables.append(table)
         tables.append(_stage_table(ctx))
+        if report.get("read_bandwidth_gb_s"):
+            tables.append(_traffic_table(ctx, report["read_bandwidth_gb_s"]))
     return tables
+
+
+def _traffic_table(ctx: dict, gb_s: float) -> Table:
+    """Per step kind: time, bytes it must read, and that rate against the measured bandwidth."""
+    table = Table(
+        title=f"context {_size(ctx['context'])} · steps against the memory limit "
+        f"(read bandwidth measured in this run: {gb_s:.1f} GB/s)",
+        title_justify="left",
+        show_edge=False,
+        pad_edge=False,
+    )
+    for col in ("mode", "step", "weights", "steps", "ms/step", "MB read/step", "GB/s", "of limit"):
+        table.add_column(col, justify="left" if col in ("mode", "step", "weights") else "right")
+    for name, r in ctx["modes"].items():
+        for kind, s in r.get("steps", {}).items():
+            rate = s["mb_read"] / s["ms"] if s["ms"] else 0.0  # MB/ms = GB/s
+            share = s["fraction_of_bandwidth"]
+            table.add_row(
+                Text(name), kind, s["weights"], f"{s['steps']}", f"{s['ms']:.2f}",
+                f"{s['mb_read']:.1f}", f"{rate:.1f}", f"{share:.0%}" if share else "",
+            )  # fmt: skip
+    return table
 
 
 def _stage_table(ctx: dict) -> Table:

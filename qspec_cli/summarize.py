@@ -33,7 +33,7 @@ def summarize(
         bool, typer.Option("--json", help="Print one JSON object on stdout.")
     ] = False,
     group_size: common.GroupOpt = None,
-    target_weights: common.TargetWeightsOpt = "full",
+    target_weights: common.TargetWeightsOpt = "auto",
     dtype: common.DtypeOpt = "auto",
     threads: common.ThreadsOpt = None,
 ):
@@ -78,7 +78,8 @@ def summarize(
     finally:
         progress.stop()
     if as_json:
-        print(json.dumps(summary_record(session, runtime.name, target_weights), ensure_ascii=False))
+        record = summary_record(session, runtime.name, runtime.target_weights)
+        print(json.dumps(record, ensure_ascii=False))
     else:
         common.out.print()
         common.out.print()

@@ -4,6 +4,8 @@ QuantSpec runs one model two ways over one cache. A forward's `Precision` names 
 
     weights  "full"  the checkpoint's weights (fp32/bf16/fp16, as loaded)
              "int8"  every linear's INT8 twin (W8A16 per-channel; `qspec convert` makes them)
+             "w8a8"  the same INT8 twins with the activations rounded to int8 per 64 inputs
+                     (W8A8; `kernels.formats.quantize_activations`): integer dot products
              "int4"  each linear's 4-bit twin (the draft; `qspec convert` gives every linear one,
                      lm_head included; a layer without one, as in some imported drafts,
                      runs its full weight)
@@ -20,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-WEIGHTS = ("full", "int8", "int4")
+WEIGHTS = ("full", "int8", "w8a8", "int4")
 KV_VIEWS = ("fp", "int8", "int4")
 
 

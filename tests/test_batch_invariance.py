@@ -63,6 +63,42 @@ def test_step_linears_are_batch_invariant_and_within_the_fp32_bound(wdtype, K, N
     assert (err <= _bound(x.double(), w64, K) + 2.0**-24 * bias.double().abs()).all()
 
 
+@pytest.mark.parametrize("K,N", [(64, 40), (576, 96), (1536, 23)])
+def test_w8a8_step_linear_is_batch_invariant_and_exact_in_its_integers(K, N):
+    """W8A8 (`int_dot.cpp`): every row's bits are the same alone and inside any block shape,
+    and the result is the exact integer dot per 64 inputs times the steps, to fp32 rounding of
+    the few float operations per chunk (nothing like K ulps of an fp32 dot)."""
+    g = _gen(K * 7 + N)
+    x = torch.randn(17, K, generator=g) * torch.logspace(-3, 2, K)  # chunks of every scale
+    x[3, :64] = 0  # an all-zero chunk: step 0
+    q, scale = quantize_int8(torch.randn(N, K, generator=g) * 0.1)
+    q[0, :64] = -128  # the most negative code, which the unsigned-weight trick must survive
+    bias = torch.randn(N, generator=g)
+
+    def run(rows):
+        return cpu_linear.w8a8_linear(rows, q, scale, bias)
+
+    whole = run(x)
+    for M in (1, 2, 3, 5, 8, 9, 12, 17):
+        assert torch.equal(run(x[:M]), whole[:M]), M
+    for m in range(17):
+        assert torch.equal(run(x[m : m + 1])[0], whole[m]), m
+    # exact: int64 dots per chunk, steps and scales in float64
+    chunks = x.reshape(17, -1, 64)
+    amax = chunks.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, 0.0)  # (one division)
+    codes = torch.round(chunks * inv).long()
+    dots = torch.einsum("mck,nck->mnc", codes, q.long().reshape(N, -1, 64))
+    step = (amax / 127.0).double()[..., 0]  # [17, C], as the kernel rounds it (fp32)
+    exact = (dots.double() * step[:, None, :]).sum(-1) * scale.double() + bias.double()
+    # fp32 roundings on the way: the step, one multiply-add per chunk, four in the 16-lane sum
+    # of partial dots, the scale, the bias: (C + 8) u of the sum of |products| (u = 2^-24)
+    adots = torch.einsum("mck,nck->mnc", codes.abs(), q.long().abs().reshape(N, -1, 64))
+    terms = (adots.double() * step[:, None, :]).sum(-1) * scale.double()
+    bound = (K // 64 + 8) * 2.0**-24 * terms + 2.0**-24 * bias.double().abs()
+    assert ((whole.double() - exact).abs() <= bound).all()
+
+
 def test_step_linears_take_low_precision_activations_exactly():
     """bf16 activations are upcast exactly; the result is rounded once to bf16."""
     g = _gen(3)
@@ -74,9 +110,11 @@ def test_step_linears_take_low_precision_activations_exactly():
 
 
 def _tiny_model(dtype: torch.dtype, weights: str):
-    # head_dim 64: the CPU attention kernel's vectorized path (16 would take the portable one)
+    # head_dim 64: the CPU attention kernel's vectorized path (16 would take the portable one);
+    # w8a8 needs every linear's inputs in whole 64-input chunks
     hf = tiny_hf(
         "llama",
+        **({"intermediate_size": 192} if weights == "w8a8" else {}),
         hidden_size=128,
         num_attention_heads=2,
         num_key_value_heads=1,
@@ -84,14 +122,14 @@ def _tiny_model(dtype: torch.dtype, weights: str):
         max_position_embeddings=512,
     )
     model = ours_from_hf(hf)
-    if weights == "int8":
+    if weights in ("int8", "w8a8"):
         attach_int8(
             model, {n: Int8Linear.from_linear(layer) for n, layer in linear_layers(model).items()}
         )
     return model.to(dtype)
 
 
-@pytest.mark.parametrize("weights", ["full", "int8"])
+@pytest.mark.parametrize("weights", ["full", "int8", "w8a8"])
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_verify_logits_equal_one_token_at_a_time(dtype, weights):
     """The target path over M tokens in one forward == the same tokens fed one by one, bit

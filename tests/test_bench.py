@@ -7,6 +7,7 @@ import statistics
 import pytest
 from test_cli import assert_user_error, run_qspec
 
+from qspec_core.bench.bandwidth import path_weight_bytes, read_bandwidth
 from qspec_core.bench.runner import (
     MODES,
     BenchConfig,
@@ -17,6 +18,7 @@ from qspec_core.bench.runner import (
     summarize_mode,
 )
 from qspec_core.errors import QspecError
+from qspec_core.model.transformer import linear_layers
 from qspec_core.registry.runtime import load_runtime
 
 MODE_KEYS = {
@@ -35,7 +37,9 @@ def test_parse_contexts():
 
 
 def test_parse_modes():
-    assert parse_modes(None) == tuple(MODES)
+    # the default: every mode but the opt-in ones that force the checkpoint's weights
+    assert parse_modes(None) == tuple(m for m in MODES if not m.endswith("-full"))
+    assert "quantspec-full" in MODES and parse_modes("quantspec-full") == ("quantspec-full",)
     assert parse_modes("ar,quantspec,ar") == ("ar", "quantspec")
     with pytest.raises(QspecError, match="unknown nope"):
         parse_modes("ar,nope")
@@ -98,10 +102,34 @@ def test_tiny_bench_interleaves_and_reports_consistent_numbers(tiny_runtime):
                 assert r["stages"].keys() >= {"draft", "verify", "accept"}
             else:
                 assert "spec" not in r and set(r["stages"]) == {"decode"}
+            # the steps against the memory limit: each step kind, its bytes and its share
+            kinds = {"draft", "verify"} if MODES[name].speculative else {"decode"}
+            assert set(r["steps"]) == kinds, name
+            for s in r["steps"].values():
+                assert s["steps"] > 0 and s["ms"] > 0 and s["mb_read"] > 0
+                assert s["fraction_of_bandwidth"] == pytest.approx(
+                    s["mb_read"] * 1e6 / (s["ms"] / 1000) / (report["read_bandwidth_gb_s"] * 1e9),
+                    rel=0.01,
+                )
+        steps = {m: r["steps"] for m, r in ctx["modes"].items()}
+        assert steps["quantspec"]["draft"]["mb_read"] < steps["quantspec"]["verify"]["mb_read"]
+        assert steps["quantspec"]["draft"]["weights"] == "int4"
         assert ctx["modes"]["ar"]["speedup_vs_ar"]["median"] == pytest.approx(1.0)
         kv = {m: r["kv_bytes_per_token"] for m, r in ctx["modes"].items()}
         assert kv["quantspec"]["draft"] < kv["quantspec"]["target"] < kv["ar"]["ar"]
         assert kv["draft-w4"]["draft"] == kv["ar"]["ar"]
+
+
+def test_step_bytes_follow_the_weight_set(tiny_runtime):
+    """What a step must read: every linear's weights in the path's set, lm_head included."""
+    model = tiny_runtime.model
+    layers = linear_layers(model).values()
+    full = sum(t.numel() * t.element_size() for m in layers for t in m.parameters(recurse=False))
+    assert path_weight_bytes(model, "full") == full
+    int8 = sum(m.int8.weight_int8.numel() + 4 * m.int8.weight_scale.numel() for m in layers)
+    assert path_weight_bytes(model, "int8") >= int8  # (+ biases, where there are)
+    assert path_weight_bytes(model, "int4") < path_weight_bytes(model, "int8") < full
+    assert 1e8 < read_bandwidth(mib=8, repeats=2)  # bytes/s: no machine reads under 100 MB/s
 
 
 def test_speedup_pairs_repeat_i_with_repeat_i():

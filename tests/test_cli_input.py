@@ -140,7 +140,7 @@ SAMPLING = [
 RUN = [
     (["--threads", "100000"], "--threads must be in 1.."),
     (["--dtype", "fp8"], "--dtype must be auto or one of"),
-    (["--target-weights", "int4"], "--target-weights must be full or int8"),
+    (["--target-weights", "int4"], "--target-weights must be one of auto, full, int8, w8a8"),
 ]
 
 

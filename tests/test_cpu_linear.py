@@ -1,4 +1,4 @@
-"""The few-row CPU linear (`kernels/cpu/linear.cpp`) against its twin, F.linear."""
+"""The few-row CPU linears (`kernels/cpu/linear.cpp`, `int_dot.cpp`) against their twins."""
 
 import pytest
 import torch
@@ -6,6 +6,7 @@ import torch.nn.functional as F
 
 from kernels.cpu import build as cpu_ext
 from kernels.cpu import linear as cpu_linear
+from kernels.formats import quantize_int8
 from qspec_core.backend.cpu import CPU_BACKEND
 from qspec_core.model.transformer import Linear
 from qspec_core.precision import DRAFT
@@ -60,6 +61,37 @@ def test_int4_rows_match_their_twin(rows, k, n, group):
     want = cpu_linear.int4_linear_ref(x, *args)
     assert got.shape == (1, rows, n)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("rows", [1, 2, 4, 5, 8, 9, 17])
+@pytest.mark.parametrize("k, n", [(576, 192), (1536, 37), (64, 9)])
+def test_w8a8_rows_match_their_twin(rows, k, n):
+    """W8A8: the kernel equals the twin (the same int8 activation rounding, then a dense
+    matmul) to fp32 rounding, bf16 activations included, for every block shape."""
+    g = torch.Generator().manual_seed(rows * 31 + k + n)
+    q, scale = quantize_int8(torch.randn(n, k, generator=g))
+    x = torch.randn(1, rows, k, generator=g)
+    if k > 64:
+        x[..., 0, -64:] = 0  # an all-zero chunk
+    b = torch.randn(n, generator=g)
+    for xs in (x, x.bfloat16()):
+        got = cpu_linear.w8a8_linear(xs, q, scale, b)
+        want = cpu_linear.w8a8_linear_ref(xs.float(), q, scale, b).to(xs.dtype)
+        assert got.shape == (1, rows, n) and got.dtype == xs.dtype
+        tol = 1e-5 if xs.dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol * want.abs().max().item())
+    # the rounding is real: fp32 activations give a different, close result
+    exact = F.linear(x, q.float() * scale[:, None], b)
+    got = cpu_linear.w8a8_linear(x, q, scale, b)
+    assert not torch.equal(got, exact)
+    assert (got - exact).norm() < 0.02 * exact.norm()  # (about 0.6% at unit-normal inputs)
+
+
+def test_w8a8_usable_needs_whole_chunks():
+    q = torch.zeros(8, 128, dtype=torch.int8)
+    assert cpu_linear.w8a8_usable(torch.randn(3, 128), q)
+    assert not cpu_linear.w8a8_usable(torch.randn(3, 96), torch.zeros(8, 96, dtype=torch.int8))
+    assert not cpu_linear.w8a8_usable(torch.randn(cpu_linear.MAX_ROWS + 1, 128), q)
 
 
 def test_int4_activation_rounding_is_small_and_has_teeth():

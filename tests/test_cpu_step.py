@@ -83,11 +83,13 @@ STEPS += [(130, 135), (135, 136), (136, 141), (141, 149), (149, 150)]
         ("hier", DRAFT_KV4),
         ("full", W8),
         ("hier", W8_TARGET),
+        ("hier", W8_TARGET.with_weights("w8a8")),
+        ("full", W8.with_weights("w8a8")),
     ],
 )
 def test_stack_gives_the_python_loops_bits(cache_kind, path, python_loop):
     model = _model()
-    if path.weights == "int8":
+    if path.weights in ("int8", "w8a8"):
         layers = linear_layers(model)
         attach_int8(model, {n: Int8Linear.from_linear(m) for n, m in layers.items()})
     ids = torch.randint(0, 101, (1, 150), generator=torch.Generator().manual_seed(1))

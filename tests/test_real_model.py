@@ -128,10 +128,10 @@ def _greedy_answers(runtime, text: str, question: str, new_tokens: int):
     return answers, stats
 
 
-@pytest.mark.parametrize("weights", ["full", "int8"])
+@pytest.mark.parametrize("weights", ["full", "int8", "w8a8"])
 def test_greedy_quantspec_equals_target_ar_on_a_real_document(draft_runtime, weights):
     """128 new tokens after ~3,000 tokens of a real text: token for token identical, with the
-    checkpoint's weights and with the INT8 verifier weights."""
+    checkpoint's weights, the INT8 verifier weights and W8A8 (the CPU default)."""
     runtime = dataclasses.replace(draft_runtime, target_weights=weights)
     tok = runtime.tokenizer
     text = tok.decode(tok.encode((DATA / "gpl-3.0.txt").read_text())[:3000])
@@ -163,7 +163,7 @@ def test_real_verify_logits_equal_one_token_at_a_time(default_converted, dtype):
     rt = load_runtime(None, dtype=dtype, log=lambda m: None, need_draft=True)
     ids = rt.tokenizer.encode((DATA / "apache-2.0.txt").read_text())[:300]
     prompt, following = ids[:283], ids[283:300]  # 17 = gamma + 1 for gamma 16
-    for weights in ("full", "int8"):
+    for weights in ("full", "int8", "w8a8"):
         path = TARGET.with_weights(weights)
         caches = []
         for _ in range(2):

@@ -1,7 +1,8 @@
 """Builds qspec's C++ CPU kernels once, as one extension module, into qspec's cache.
 
 Sources: `hier_attention.cpp` (attention over the hierarchical cache), `linear.cpp`
-(x W^T for the few rows of a decode or verify step), `decode.cpp` (the small ops around
+(x W^T for the few rows of a decode or verify step), `int_dot.cpp` (the same on int8
+activations: the INT8 target's W8A8 and the draft's W4A8), `decode.cpp` (the small ops around
 them: RMSNorm, RoPE, the int4 linear's casts), `step.cpp` (all decoder layers of a
 decode step in one call) and `module.cpp` (the bindings). The build runs on first use
 with the system C++ compiler (about two minutes), per source, per instruction set and, for
@@ -47,6 +48,7 @@ SOURCES = tuple(
     for n in (
         "hier_attention.cpp",
         "linear.cpp",
+        "int_dot.cpp",
         "decode.cpp",
         "step.cpp",
         "module.cpp",

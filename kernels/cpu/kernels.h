@@ -3,6 +3,34 @@
 #pragma once
 #include <torch/extension.h>
 
+#include <algorithm>
+#include <cstdint>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define QSPEC_AVX2 1  // the sources' AVX2 intrinsics paths (else: portable C++)
+#endif
+#if defined(QSPEC_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__) && \
+    defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#define QSPEC_AVX512_VNNI 1  // the integer-dot linears' 512-bit vpdpbusd paths (int_dot.cpp)
+#endif
+
+// Rows per thread at the least: waking the thread pool costs tens of microseconds on a small
+// VM, more than a layer of a 135M model takes on one core, so only large matrices (lm_head)
+// are split. `row_bytes`: weight bytes per unit of work.
+inline int64_t grain_rows(int64_t row_bytes) {
+  constexpr int64_t MIN_BYTES_PER_THREAD = 256 << 10;
+  return std::max<int64_t>(1, MIN_BYTES_PER_THREAD / std::max<int64_t>(row_bytes, 1));
+}
+
+#ifdef QSPEC_AVX2
+inline float hsum(__m256 v) {  // one fixed order of the eight lanes
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+#endif
+
 // hier_attention.cpp
 torch::Tensor hier_attention_cpu(torch::Tensor q, torch::Tensor k_upper, torch::Tensor k_lower,
                                  torch::Tensor k_scale, torch::Tensor k_zero,
@@ -16,6 +44,9 @@ torch::Tensor hier_attention_cpu(torch::Tensor q, torch::Tensor k_upper, torch::
 constexpr int64_t kMaxStepRows = 17;
 torch::Tensor linear_rows_cpu(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> b);
 torch::Tensor int8_rows_cpu(torch::Tensor x, torch::Tensor w, torch::Tensor scale,
+                            c10::optional<torch::Tensor> b);
+// int_dot.cpp
+torch::Tensor w8a8_rows_cpu(torch::Tensor x, torch::Tensor w, torch::Tensor scale,
                             c10::optional<torch::Tensor> b);
 torch::Tensor int4_rows_cpu(torch::Tensor x, torch::Tensor packed, torch::Tensor scale,
                             torch::Tensor zero, int64_t group_size, c10::optional<torch::Tensor> b);

@@ -1,13 +1,14 @@
-"""The few-row linears of a decode or verify step on CPU: `linear.cpp`.
+"""The few-row linears of a decode or verify step on CPU: `linear.cpp`, `int_dot.cpp`.
 
 `linear(x, weight, bias)` equals `F.linear` (its twin, which the tests compare it against)
 to rounding; `int8_linear(x, q, scale, bias)` equals `kernels.formats.dequantize_int8` then
-`F.linear` to rounding. Both serve inputs of at most `MAX_ROWS` rows (a draft step's 1, a
-verify's gamma + 1 <= 17) and are **batch-invariant**: a row's result does
+`F.linear` to rounding; `w8a8_linear` the same with the activations rounded to int8 per 64
+inputs first (`w8a8_linear_ref`, its twin). All serve inputs of at most `MAX_ROWS` rows (a
+draft step's 1, a verify's gamma + 1 <= 17) and are **batch-invariant**: a row's result does
 not depend on how many rows share the call, so a token's target logits inside a verify are
 bit for bit those of the same token decoded alone (what greedy QuantSpec == target-ar rests
 on). Activations of any float dtype are upcast to fp32 exactly; the result is cast back.
-`usable` / `int8_usable` say when they apply, else callers use PyTorch.
+`usable` / `int8_usable` / `w8a8_usable` say when they apply, else callers use PyTorch.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from kernels.cpu import build as cpu_ext
-from kernels.formats import dequantize_int4, unpack_int4
+from kernels.formats import ACT_CHUNK, dequantize_int4, quantize_activations, unpack_int4
 
 MAX_ROWS = 17  # gamma + 1 for gamma <= 16 (`kMaxStepRows` in kernels.h)
 INT4_MAX_ROWS = 8  # the draft's W4A8 kernel: draft steps are one token
@@ -76,8 +77,28 @@ def int8_linear(x, weight_int8, scale, bias=None) -> torch.Tensor:
     return out.to(x.dtype).view(*x.shape[:-1], weight_int8.shape[0])
 
 
-# ------------------------------------------------------------------ the draft's 4-bit linear
-CHUNK = 64  # inputs per int8 activation step (and the weight groups' granularity)
+# ------------------------------------------------------------- int8 activations (int_dot.cpp)
+CHUNK = ACT_CHUNK  # inputs per int8 activation step (and the weight groups' granularity)
+
+
+def w8a8_usable(x: torch.Tensor, weight_int8: torch.Tensor) -> bool:
+    return int8_usable(x, weight_int8) and weight_int8.shape[-1] % CHUNK == 0
+
+
+def w8a8_linear(x, weight_int8, scale, bias=None) -> torch.Tensor:
+    """x [..., K] (at most MAX_ROWS rows, K % 64 == 0) rounded to int8 per 64 inputs, through
+    int8 weights [N, K] with an fp32 scale per row: integer dot products per 64 inputs, summed
+    with the activations' steps, then scale and bias; in x.dtype. Batch-invariant."""
+    flat = x.reshape(-1, x.shape[-1]).float()
+    out = _module().w8a8_rows_cpu(flat, weight_int8, scale, bias)
+    return out.to(x.dtype).view(*x.shape[:-1], weight_int8.shape[0])
+
+
+def w8a8_linear_ref(x, weight_int8, scale, bias=None) -> torch.Tensor:
+    """`w8a8_linear`'s twin: the same activation rounding, then a dense fp32 matmul."""
+    w = weight_int8.float() * scale.float()[:, None]
+    out = torch.nn.functional.linear(quantize_activations(x), w, bias)
+    return out.to(x.dtype)
 
 
 def int4_usable(x: torch.Tensor, in_features: int, group_size: int) -> bool:
@@ -97,16 +118,6 @@ def int4_linear(x, packed, scale, zero, group_size: int, bias=None) -> torch.Ten
     flat = x.reshape(-1, x.shape[-1])
     out = _module().int4_rows_cpu(flat, packed, scale, zero, group_size, bias)
     return out.view(*x.shape[:-1], packed.shape[0])
-
-
-def quantize_activations(x: torch.Tensor) -> torch.Tensor:
-    """The activations `int4_linear` multiplies: x rounded to int8 per 64 inputs (symmetric,
-    step max|x| / 127, ties to even), returned dequantized, fp32."""
-    chunks = x.float().reshape(*x.shape[:-1], -1, CHUNK)
-    amax = chunks.abs().amax(-1, keepdim=True)
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
-    codes = torch.round(chunks * inv)
-    return (codes * (amax / 127.0)).reshape(x.shape)
 
 
 def int4_linear_ref(x, packed, scale, zero, group_size: int, bias=None) -> torch.Tensor:

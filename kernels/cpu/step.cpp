@@ -25,14 +25,17 @@ namespace {
 
 // One linear layer, x [M, K] -> [M, N]: fp32 weight [N, K]; or the W4A8 draft twin (packed
 // [N, K/2], scale/zero [N, K/G]); or the INT8 target twin (int8 [N, K], fp32 scale [N]), run
-// as `Int8Linear` runs a step's rows: `int8_rows_cpu`.
+// as `Int8Linear` runs a step's rows: `int8_rows_cpu` (W8A32) or, with int8 activations
+// (`a8`), `w8a8_rows_cpu`.
 struct Projection {
   torch::Tensor weight, packed, scale, zero, int8;
   c10::optional<torch::Tensor> bias;
   int64_t group_size = 0;
+  bool a8 = false;
 
   torch::Tensor operator()(const torch::Tensor& x) const {
     if (packed.defined()) return int4_rows_cpu(x, packed, scale, zero, group_size, bias);
+    if (int8.defined() && a8) return w8a8_rows_cpu(x, int8, scale, bias);
     if (int8.defined()) return int8_rows_cpu(x, int8, scale, bias);
     return linear_rows_cpu(x, weight, bias);
   }
@@ -70,11 +73,12 @@ class DecoderStack {
     pending_.push_back(p);
   }
 
+  // int8_activations: round x to int8 per 64 inputs (W8A8) instead of keeping it fp32 (W8A32)
   void add_int8_linear(torch::Tensor weight_int8, torch::Tensor weight_scale,
-                       c10::optional<torch::Tensor> bias) {
+                       c10::optional<torch::Tensor> bias, bool int8_activations) {
     TORCH_CHECK(weight_scale.scalar_type() == torch::kFloat, "fp32 INT8 scales only");
     Projection p;
-    p.int8 = weight_int8, p.scale = weight_scale, p.bias = bias;
+    p.int8 = weight_int8, p.scale = weight_scale, p.bias = bias, p.a8 = int8_activations;
     pending_.push_back(p);
   }
 

@@ -9,7 +9,8 @@ Three things, chosen here and nowhere else:
   `model/transformer.py`, with RMSNorm, the residual add and RoPE in C++ when fp32
   (`kernels/cpu/decode.cpp`), and no `nn.Module.__call__` bookkeeping (a few microseconds,
   211 times a step) unless hooks are registered (calibration registers them on linears);
-- every linear of a step runs a batch-invariant few-row kernel (`kernels/cpu/linear.cpp`):
+- every linear of a step runs a batch-invariant few-row kernel (`kernels/cpu/linear.cpp`,
+  and `int_dot.cpp` for the int8-activation sets "w8a8" and the draft's "int4"):
   a row's result does not depend on how many rows share the call, so a token's logits inside
   a verify are bit for bit those of the same token decoded alone, in every dtype and weight
   set (greedy QuantSpec == target-ar rests on it). Longer inputs (prefill) run PyTorch's GEMM,
@@ -32,6 +33,7 @@ from torch.nn.modules import module as _module_hooks
 
 from kernels.cpu import build
 from kernels.cpu import linear as rows_kernels
+from kernels.formats import quantize_activations
 from qspec_core.backend import cpu_stack
 from qspec_core.cache.protocol import FullStep, HierStep
 from qspec_core.precision import Precision
@@ -135,10 +137,15 @@ class CpuBackend:
             return F.linear(x, weight, bias)
         buffers = twin._buffers
         if isinstance(twin, Int8Linear):
-            if rows_kernels.int8_usable(x, buffers["weight_int8"]):
-                # (a model cast with .to(bf16) casts the scale too: the kernel takes fp32)
+            w8a8 = path.weights == "w8a8"
+            usable = rows_kernels.w8a8_usable if w8a8 else rows_kernels.int8_usable
+            if usable(x, buffers["weight_int8"]):
+                # (a model cast with .to(bf16) casts the scale too: the kernels take fp32)
                 scale = buffers["weight_scale"].float().contiguous()
-                return rows_kernels.int8_linear(x, buffers["weight_int8"], scale, buffers["bias"])
+                run = rows_kernels.w8a8_linear if w8a8 else rows_kernels.int8_linear
+                return run(x, buffers["weight_int8"], scale, buffers["bias"])
+            if w8a8:  # (prefill: the same rounding, then the twin's own kernel)
+                return twin.forward(quantize_activations(x).to(x.dtype))
         elif isinstance(twin, Int4Linear):
             args = twin.w4a8_args()
             if args and rows_kernels.int4_usable(x, twin.in_features, twin.group_size):

@@ -128,7 +128,7 @@ def _add_linear(stack, linear, weights: str, entry: _Entry) -> bool:
             return False
         stack.add_int4_linear(*args, twin_bias)
         return True
-    if weights == "int8":
+    if weights in ("int8", "w8a8"):
         int8 = modules["int8"]
         entry.hooked.append(int8)
         if not isinstance(int8, Int8Linear):
@@ -138,7 +138,10 @@ def _add_linear(stack, linear, weights: str, entry: _Entry) -> bool:
         entry.checks += [(int8._buffers, n, t) for n, t in zip(names, tensors, strict=True)]
         if not cpu_linear.int8_weight_ok(tensors[0]) or tensors[1].dtype != torch.float32:
             return False
-        stack.add_int8_linear(*tensors)
+        w8a8 = weights == "w8a8"
+        if w8a8 and tensors[0].shape[1] % cpu_linear.CHUNK:
+            return False
+        stack.add_int8_linear(*tensors, w8a8)  # (w8a8: activations rounded to int8)
         return True
     entry.checks += [(params, "weight", weight), (params, "bias", bias)]
     if not _fp32(weight) or (bias is not None and not _fp32(bias)):
@@ -147,7 +150,8 @@ def _add_linear(stack, linear, weights: str, entry: _Entry) -> bool:
     return True
 
 
-weights_module = {"int4": "draft", "int8": "int8"}  # `model.Linear`'s twin per weight set
+# `model.Linear`'s twin per weight set
+weights_module = {"int4": "draft", "int8": "int8", "w8a8": "int8"}
 
 
 def _fp32(t: torch.Tensor) -> bool:

@@ -23,7 +23,8 @@ from qspec_core.precision import DRAFT_KV4, FP, TARGET, W8, W8_TARGET
 class KVQuality:
     tokens: int
     group_size: int
-    perplexity: dict[str, float]  # per path: fp, target, draft (+ w8, w8-target: INT8 weights)
+    perplexity: dict[str, float]  # per path: fp, target, draft (+ w8, w8-target: INT8 weights;
+    # w8a8, w8a8-target: the same with int8 activations)
     kl_vs_fp: dict[str, float]  # mean KL(p_fp || p_path) per position, nats
     top1_vs_fp: dict[str, float]  # share of positions whose argmax equals the fp argmax
     top1_draft_vs_target: float
@@ -47,6 +48,8 @@ def measure_kv_quality(
     runs = {"fp": FP, "target": TARGET, "draft": DRAFT_KV4}
     if has_int8(model):
         runs |= {"w8": W8, "w8-target": W8_TARGET}
+    if "w8a8" in model.weight_sets:
+        runs |= {"w8a8": W8.with_weights("w8a8"), "w8a8-target": W8_TARGET.with_weights("w8a8")}
     for name, path in runs.items():
         if on_path:
             on_path(name)

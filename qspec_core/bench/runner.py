@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from qspec_core.bench.bandwidth import path_weight_bytes, read_bandwidth, step_traffic
 from qspec_core.bench.corpus import bench_prompt
 from qspec_core.cache.full import FullPrecisionCache
 from qspec_core.cache.hierarchical import HierarchicalKVCache
@@ -42,7 +43,7 @@ class Mode:
     target: Precision
     draft: Precision | None  # None: autoregressive
     about: str
-    weights: str | None = None  # target weights: None follows --target-weights; "int8" forces
+    weights: str | None = None  # target weights: None follows --target-weights; else forced
 
     @property
     def speculative(self) -> bool:
@@ -52,8 +53,8 @@ class Mode:
 MODES = {
     m.name: m
     for m in (
-        Mode("ar", FP, None, "autoregressive, full-precision weights and KV (baseline)"),
-        Mode("target-ar", TARGET, None, "autoregressive, full weights, INT8 KV"),
+        Mode("ar", FP, None, "autoregressive, target weights, full-precision KV (baseline)"),
+        Mode("target-ar", TARGET, None, "autoregressive, target weights, INT8 KV"),
         Mode("quantspec", TARGET, DRAFT, "draft 4-bit weights + INT4 KV; verify INT8"),
         Mode("draft-w4", FP, DRAFT_W4, "ablation: draft 4-bit weights, full KV"),
         Mode("draft-kv4", TARGET, DRAFT_KV4, "ablation: draft full weights, INT4 KV"),
@@ -65,9 +66,14 @@ MODES = {
             "quantspec verifying with INT8 weights (Quasar)",
             "int8",
         ),
+        # (opt-in: the checkpoint's weights beside a W8A8 default, in the same run)
+        Mode("target-ar-full", TARGET, None, "autoregressive, the checkpoint's weights, INT8 KV",
+             "full"),
+        Mode("quantspec-full", TARGET, DRAFT, "quantspec verifying on the checkpoint's weights",
+             "full"),
     )
-}
-DEFAULT_MODES = tuple(MODES)
+}  # fmt: skip
+DEFAULT_MODES = tuple(m for m in MODES if not m.endswith("-full"))
 SPEC_STAGES = ("draft", "verify", "accept", "rollback", "rotate")
 WARMUP_TOKENS = 8
 
@@ -134,7 +140,7 @@ def needs_converted_model(config: BenchConfig) -> bool:
     """Whether a mode runs the 4-bit draft weights or INT8 weights: only a converted folder
     has them (a named model's is made once, on first need)."""
     return any(
-        (MODES[m].draft or FP).weights == "int4" or config.weights(m) == "int8"
+        (MODES[m].draft or FP).weights == "int4" or config.weights(m) in ("int8", "w8a8")
         for m in config.modes
     )
 
@@ -157,11 +163,17 @@ def check_config(config: BenchConfig, runtime: Runtime) -> None:
         )
     if config.repeats < 1 or config.gen < 2:
         raise QspecError("--repeats must be >= 1 and --gen >= 2")
-    needs_int8 = [m for m in config.modes if config.weights(m) == "int8"]
+    needs_int8 = [m for m in config.modes if config.weights(m) in ("int8", "w8a8")]
     if needs_int8 and not has_int8(runtime.model):
         raise QspecError(
             f"modes {', '.join(needs_int8)} need INT8 verifier weights and {runtime.name} has "
             "none: convert it with qspec convert (which writes them), then --model DIR"
+        )
+    needs_w8a8 = [m for m in config.modes if config.weights(m) == "w8a8"]
+    if needs_w8a8 and "w8a8" not in runtime.model.weight_sets:
+        raise QspecError(
+            f"modes {', '.join(needs_w8a8)} run W8A8, which needs every linear layer's inputs "
+            f"in whole 64-input chunks; {runtime.name} has others: --target-weights int8 or full"
         )
     needs_draft = [m for m in config.modes if (MODES[m].draft or FP).weights == "int4"]
     if needs_draft and not has_draft(runtime.model):
@@ -292,6 +304,39 @@ def _run_once(runtime, mode_name, prompt, gen, config, seed) -> Run:
     )
 
 
+def step_lines(runs: list[Run], model, config: BenchConfig, bandwidth: float) -> dict:
+    """Per step kind of a mode (decode; or draft and verify): ms per step, MB it must read and
+    the fraction of the measured read bandwidth that is (`bench/bandwidth.py`), medians over
+    the repeats. KV read at the run's middle length: the prompt plus half the new tokens."""
+    mode = MODES[runs[0].mode]
+    kinds = {}  # kind -> (weights, KV view key, [(seconds, steps, history tokens, kv B/token)])
+    for r in runs:
+        history = r.prompt_tokens + r.new_tokens / 2
+        weights = config.weights(r.mode)
+        if r.spec is None:
+            key = "ar" if "ar" in r.kv_bytes_per_token else "target"
+            kinds.setdefault("decode", (weights, key, []))[2].append(
+                (r.decode_s, r.new_tokens - 1, history, r.kv_bytes_per_token[key])
+            )
+            continue
+        draft_weights = mode.draft.weights if mode.draft.weights == "int4" else weights
+        for kind, w, steps in (
+            ("draft", draft_weights, r.spec["drafted"]),
+            ("verify", weights, r.spec["rounds"]),
+        ):
+            view = "draft" if kind == "draft" else "target"
+            kinds.setdefault(kind, (w, view, []))[2].append(
+                (r.stages_s.get(kind, 0.0), steps, history, r.kv_bytes_per_token[view])
+            )
+    out = {}
+    for kind, (weights, _, samples) in kinds.items():
+        w = path_weight_bytes(model, weights)
+        lines = [step_traffic(s, n, w, h * kv, bandwidth) for s, n, h, kv in samples]
+        lines.sort(key=lambda line: line["ms"])
+        out[kind] = lines[len(lines) // 2] | {"weights": weights}
+    return out
+
+
 def spread(values: list[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
@@ -390,6 +435,8 @@ def run_bench(
             if on_run:
                 on_run(f"warm-up {mode}")
             run_once(runtime, mode, small, WARMUP_TOKENS, config, config.seed)
+    # the machine's read bandwidth, in this process and on these threads (CPU only)
+    bandwidth = read_bandwidth() if runtime.model.device.type == "cpu" else None
     contexts = []
     for context in config.contexts:
         runs: dict[str, list[Run]] = {m: [] for m in config.modes}
@@ -401,12 +448,12 @@ def run_bench(
                     run_once(runtime, mode, prompts[context], config.gen, config, config.seed)
                 )
         ar_runs = runs.get("ar")
+        modes = {m: summarize_mode(runs[m], ar_runs) for m in config.modes}
+        if bandwidth:
+            for m in config.modes:
+                modes[m]["steps"] = step_lines(runs[m], runtime.model, config, bandwidth)
         contexts.append(
-            {
-                "context": context,
-                "prompt_tokens": len(prompts[context]),
-                "modes": {m: summarize_mode(runs[m], ar_runs) for m in config.modes},
-            }
+            {"context": context, "prompt_tokens": len(prompts[context]), "modes": modes}
         )
     import qspec_core
 
@@ -431,5 +478,6 @@ def run_bench(
             "target_weights": config.target_weights,
             "interleaved": True,
         },
+        "read_bandwidth_gb_s": round(bandwidth / 1e9, 2) if bandwidth else None,
         "contexts": contexts,
     }

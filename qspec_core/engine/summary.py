@@ -7,6 +7,8 @@ from __future__ import annotations
 TARGET_DISTRIBUTION = {
     "full": "the target path: full-precision weights, INT8 KV (ar: full-precision KV)",
     "int8": "the INT8-weight target path: per-channel INT8 weights, INT8 KV (ar: full KV)",
+    "w8a8": "the W8A8 target path: per-channel INT8 weights, activations rounded to int8 per "
+    "64 inputs, INT8 KV (ar: full KV)",
 }
 
 
@@ -14,7 +16,8 @@ def reproduces(mode: str, target_weights: str) -> str:
     """The model whose output a run in `mode` follows (ar runs on full-precision KV)."""
     if mode != "ar":
         return TARGET_DISTRIBUTION[target_weights]
-    return "the full-precision model" + (" with INT8 weights" if target_weights == "int8" else "")
+    with_weights = {"int8": " with INT8 weights", "w8a8": " with INT8 weights and activations"}
+    return "the full-precision model" + with_weights.get(target_weights, "")
 
 
 def summary_record(session, model_name: str, target_weights: str) -> dict:

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.formats import ACT_CHUNK, quantize_activations
 from qspec_core.backend import forget_built, select_backend
 from qspec_core.cache.protocol import KVCache
 from qspec_core.config import ModelConfig
@@ -24,11 +25,13 @@ from qspec_core.model.rope import RotaryEmbedding, apply_rotary
 from qspec_core.precision import FP, Precision
 
 AUTO = "auto"  # `Transformer.backend`: chosen by device at the next forward
+INT8_SETS = ("int8", "w8a8")  # the weight sets that run a linear's INT8 twin
 
 
 class Linear(nn.Linear):
     """nn.Linear with optional quantized twins, one per weight set of `Precision.weights`:
-    `draft` (4-bit, "int4") and `int8` ("int8"). "full" is the layer's own weight."""
+    `draft` (4-bit, "int4") and `int8` ("int8", and "w8a8" with int8 activations). "full" is
+    the layer's own weight."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -41,13 +44,15 @@ class Linear(nn.Linear):
         it has a draft at all); every layer has its INT8 twin once `attach_int8` ran."""
         if weights == "int4":
             return self._modules.get("draft")  # (dict reads: nn.Module.__getattr__ is slow)
-        if weights == "int8":
+        if weights in INT8_SETS:
             return self._modules["int8"]
         return None
 
     def forward(self, x: torch.Tensor, path: Precision = FP) -> torch.Tensor:
         twin = self.twin(path.weights)
         if twin is not None:
+            if path.weights == "w8a8":
+                return twin(quantize_activations(x).to(x.dtype))
             return twin(x)
         return F.linear(x, self.weight, self.bias)
 
@@ -223,6 +228,8 @@ def attach_int8(model: Transformer, layers: dict[str, nn.Module]) -> None:
     _attach(model, layers, "int8")
     if all(m.int8 is not None for m in linear_layers(model).values()):
         model.weight_sets.add("int8")  # "int8" runs every linear on them
+        if all(m.in_features % ACT_CHUNK == 0 for m in linear_layers(model).values()):
+            model.weight_sets.add("w8a8")  # (int8 activations come in whole 64-input chunks)
 
 
 def has_int8(model: Transformer) -> bool:

@@ -79,9 +79,9 @@ def converted_model_for(
     spec: str | None, need_draft: bool, target_weights: str = "full"
 ) -> RegistryModel | None:
     """The named model (the default included) whose converted folder a run of `spec` needs:
-    one that runs the 4-bit draft or the INT8 weights; None for anything else (a folder, a
-    file, a hub id, or a run that needs neither)."""
-    if not (need_draft or target_weights == "int8"):
+    one that runs the 4-bit draft or the INT8 weights (int8, w8a8); None for anything else
+    (a folder, a file, a hub id, or a run that needs neither)."""
+    if not (need_draft or target_weights in ("int8", "w8a8")):
         return None
     return DEFAULT_MODEL if spec in (None, "default") else find_named_model(spec)
 

@@ -55,7 +55,7 @@ class Runtime:
     tokenizer: Tokenizer
     folder: Path
     name: str
-    target_weights: str = "full"  # the weights of every non-draft path: "full" or "int8"
+    target_weights: str = "full"  # the weights of every non-draft path: full, int8 or w8a8
 
     @property
     def target(self) -> Precision:
@@ -90,13 +90,18 @@ def load_runtime(
 
     `need_draft` with a named model (the default, qwen2.5-coder-0.5b) loads its converted
     folder. `target_weights="int8"` makes every non-draft path of the sessions and bench that
-    use this runtime run on the INT8 weights of a converted folder (`Runtime.target`).
+    use this runtime run on the INT8 weights of a converted folder (`Runtime.target`), "w8a8"
+    the same with int8 activations; "auto" picks (`wanted_target_weights`, then
+    `Runtime.target_weights` says what it got).
     """
-    if target_weights not in ("full", "int8"):
-        raise QspecError(f"--target-weights must be full or int8, not {target_weights!r}")
+    if target_weights not in TARGET_WEIGHTS:
+        raise QspecError(
+            f"--target-weights must be one of {', '.join(TARGET_WEIGHTS)}, not {target_weights!r}"
+        )
     if dtype == "auto":
         dtype = default_dtype(device)
-    named = converted_model_for(spec, need_draft, target_weights)
+    wanted = wanted_target_weights(target_weights, device)
+    named = converted_model_for(spec, need_draft, wanted)
     if named is not None:
         why = conversion_needed(named)
         if why is not None:
@@ -112,12 +117,34 @@ def load_runtime(
     tokenizer = Tokenizer(folder)
     model = load_model(folder, dtype=DTYPES[dtype], device=device)
     load_draft(folder, model)  # a converted folder carries its 4-bit draft and INT8 weights
-    if target_weights == "int8" and not has_int8(model):
+    if target_weights in ("int8", "w8a8") and not has_int8(model):
         raise QspecError(
             f"{name} has no INT8 verifier weights: convert it with qspec convert (which "
             "writes them next to the 4-bit draft), then pass the converted folder"
         )
+    if target_weights == "w8a8" and "w8a8" not in model.weight_sets:
+        raise QspecError(
+            f"--target-weights w8a8 needs every linear layer's inputs in whole 64-input chunks; "
+            f"{name} has others: use int8 or full"
+        )
+    if target_weights == "auto":
+        if wanted == "w8a8" and "w8a8" not in model.weight_sets:
+            log(f"target weights: full ({name} has no INT8 weights that W8A8 can run)")
+            wanted = "full"
+        target_weights = wanted
     return Runtime(model, tokenizer, folder, name, target_weights)
+
+
+TARGET_WEIGHTS = ("auto", "full", "int8", "w8a8")  # --target-weights
+
+
+def wanted_target_weights(target_weights: str, device: str) -> str:
+    """What `--target-weights auto` asks for: W8A8 on a CPU (measured faster than the full
+    model's verify at the same exactness, its perplexity within 1% of the full model's: see
+    docs/PERF.md), the full weights elsewhere. Any other value is itself."""
+    if target_weights != "auto":
+        return target_weights
+    return "w8a8" if str(device).startswith("cpu") else "full"
 
 
 def prepare_and_load(spec: str | None, progress: Progress | None = None, **options) -> Runtime:
@@ -125,5 +152,6 @@ def prepare_and_load(spec: str | None, progress: Progress | None = None, **optio
     once, saying so through `log`), then `load_runtime(spec, **options)`. What the CLI and
     scripts call."""
     need_draft, weights = options.get("need_draft", False), options.get("target_weights", "full")
+    weights = wanted_target_weights(weights, options.get("device", "cpu"))
     prepare_for(spec, need_draft, weights, options.get("log", print), progress)
     return load_runtime(spec, **options)

@@ -1,0 +1,68 @@
+"""How far each decode step is from the memory-bandwidth limit, measured in the bench's run.
+
+A decode step of a small model reads every weight of its path once and the KV history of its
+view once; at long context it can do no better than (those bytes) / (the machine's read
+bandwidth). The bench measures that bandwidth in the same process and threads, right before
+its runs (`read_bandwidth`: a STREAM-like read of a buffer far larger than any cache), and
+reports per step kind (an autoregressive step, a draft step, a verify) the bytes it must read,
+its measured time, and bytes / time as a fraction of the probe. A fraction near 1 means the
+step is as fast as memory allows; far below, the step is compute- or overhead-bound.
+
+Bytes per step (`path_weight_bytes` + context x KV bytes per history token): every linear's
+weights in the path's weight set (full: the checkpoint's dtype; int8 and w8a8: the INT8 twins
+with their scales; int4: the 4-bit twins with scales and zero points, the full weight where a
+layer has none), lm_head included, norms and the embedding row left out (under 0.1%). A
+verify of gamma + 1 tokens reads them once, as a single step does.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from qspec_core.model.transformer import Transformer, linear_layers
+
+PROBE_MIB = 512  # far past the last-level cache of any CPU we run on
+PROBE_REPEATS = 5
+
+
+def read_bandwidth(mib: int = PROBE_MIB, repeats: int = PROBE_REPEATS) -> float:
+    """The best of `repeats` timed reads of a `mib` MiB fp32 buffer on torch's current CPU
+    threads, in bytes/s (a reduction: each byte read once, nothing written back)."""
+    buf = torch.ones(mib * 2**20 // 4)  # (written once: the pages exist before timing)
+    buf.sum()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        buf.sum()
+        best = min(best, time.perf_counter() - start)
+    return buf.numel() * buf.element_size() / best
+
+
+def _nbytes(module: torch.nn.Module) -> int:
+    tensors = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def path_weight_bytes(model: Transformer, weights: str) -> int:
+    """Weight bytes a step on `weights` reads: each linear's twin for that set (see above)."""
+    total = 0
+    for layer in linear_layers(model).values():
+        twin = layer.twin(weights)
+        total += _nbytes(twin) if twin is not None else _nbytes(layer)
+    return total
+
+
+def step_traffic(
+    seconds: float, steps: int, weight_bytes: int, kv_bytes: float, bandwidth: float
+) -> dict:
+    """One step kind's line: ms per step, MB read per step, and the fraction of `bandwidth`."""
+    ms = 1000 * seconds / steps if steps else 0.0
+    nbytes = weight_bytes + kv_bytes
+    return {
+        "steps": steps,
+        "ms": round(ms, 4),
+        "mb_read": round(nbytes / 1e6, 3),
+        "fraction_of_bandwidth": round(nbytes / (ms / 1000) / bandwidth, 4) if ms else None,
+    }
