@@ -100,6 +100,7 @@ def run_peers(
     hf_cache: str = "static",
     budget_s: float = 600.0,
     qspec_modes: tuple[str, ...] = (),
+    target_weights: str = "auto",
     log=print,
 ) -> dict:
     """Time the peers on qspec-style prompts; returns settings, machine, notes and rows.
@@ -131,7 +132,9 @@ def run_peers(
     if model is None and gguf is None:
         gguf = _registry_gguf(DEFAULT_MODEL, log)
 
-    runners = load_qspec_peers(model, qspec_modes, gen, notes) if qspec_modes else []
+    runners = []
+    if qspec_modes:
+        runners = load_qspec_peers(model, qspec_modes, gen, notes, target_weights)
     runners += load_hf_peers(folder, peers, hf_dtypes, lookup_tokens, hf_cache, notes)
     if "llama.cpp" in peers and prompts:
         llama_args = {"gguf": gguf, "threads": threads, "flash_attn": llama_flash_attn}
@@ -244,6 +247,12 @@ def main():
         default="ar,quantspec",
         help="qspec bench modes to run as rows of the same table ('' for none)",
     )
+    ap.add_argument(
+        "--target-weights",
+        default="auto",
+        choices=("auto", "full", "int8", "w8a8"),
+        help="qspec's target weights, as qspec bench's option (auto: w8a8 on a CPU)",
+    )
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
 
@@ -267,6 +276,7 @@ def main():
         hf_cache=args.hf_cache,
         budget_s=args.budget_s,
         qspec_modes=tuple(m.strip() for m in args.qspec_modes.split(",") if m.strip()),
+        target_weights=args.target_weights,
         log=lambda msg: print(msg, file=sys.stderr, flush=True),
     )
     render_table(result)

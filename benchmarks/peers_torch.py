@@ -145,15 +145,29 @@ class QspecPeer:
         pass
 
 
-def load_qspec_peers(model: str | None, modes: tuple[str, ...], gen: int, notes) -> list:
+def load_qspec_peers(
+    model: str | None, modes: tuple[str, ...], gen: int, notes, target_weights: str = "auto"
+) -> list:
     from qspec_core.bench.runner import MODES, BenchConfig, needs_converted_model
-    from qspec_core.registry.runtime import prepare_and_load
+    from qspec_core.registry.runtime import prepare_and_load, wanted_target_weights
 
     unknown = [m for m in modes if m not in MODES]
     if unknown:
         raise SystemExit(f"--qspec-modes: unknown {unknown} (have: {', '.join(MODES)})")
-    config = BenchConfig(contexts=[], gen=gen, modes=modes)
+    wanted = wanted_target_weights(target_weights, "cpu")
+    config = BenchConfig(contexts=[], gen=gen, modes=modes, target_weights=wanted)
     need = needs_converted_model(config)
-    runtime = prepare_and_load(model, dtype="fp32", log=lambda m: None, need_draft=need)
-    notes.append(f"qspec modes {', '.join(modes)}: fp32, greedy, gamma {config.gamma}")
+    runtime = prepare_and_load(
+        model,
+        dtype="fp32",
+        log=lambda m: None,
+        need_draft=need,
+        target_weights="auto" if need and target_weights == "auto" else "full",
+    )
+    if target_weights == "auto":
+        config.target_weights = runtime.target_weights
+    notes.append(
+        f"qspec modes {', '.join(modes)}: fp32, greedy, gamma {config.gamma}, target weights "
+        f"{config.target_weights}"
+    )
     return [QspecPeer(runtime, m, config) for m in modes]

@@ -324,3 +324,41 @@ def test_wrapper_falls_back_on_cpu(monkeypatch, dtype):
     assert not w8a16.triton_usable(x)
     y = w8a16_matmul(x, layer.weight_int8, layer.weight_scale, layer.bias)
     assert torch.equal(y, w8a16_ref(x, layer.weight_int8, layer.weight_scale, layer.bias))
+
+
+@pytest.mark.skipif(not cpu_ext.available(), reason="no C++ compiler here")
+@pytest.mark.parametrize("m", [1, 5, PREFILL_ROWS])
+def test_w8a8_rows_and_prefill_round_the_activations_alike(m, op_calls):
+    """W8A8 (the CPU default target): a step's rows run the integer-dot kernel, a prefill the
+    same activation rounding then the int8 weight kernel; both within bf16 rounding of
+    `quantize_activations` then dequantize-then-matmul, and visibly not W8A16."""
+    from kernels.formats import quantize_activations
+
+    k, n = 576, 96
+    layer = make_layer(k, n, bias=True, seed=m)
+    outer = Linear(k, n, bias=True)
+    outer.int8 = layer
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    with torch.no_grad():
+        y = CPU_BACKEND.linear(outer, x, W8.with_weights("w8a8"))
+        ref = w8a16_ref(quantize_activations(x), layer.weight_int8, layer.weight_scale, layer.bias)
+        w8a16 = w8a16_ref(x, layer.weight_int8, layer.weight_scale, layer.bias)
+    assert (op_calls == []) == (m <= cpu_linear.MAX_ROWS)  # the step kernel; else PyTorch's
+    bound = 2 * BF16_U * magnitude(x, layer) if m > cpu_linear.MAX_ROWS else 1e-4
+    assert bool(((y.double() - ref.double()).abs() <= bound).all())
+    if m <= cpu_linear.MAX_ROWS:  # (a prefill's bf16 rounding is of the activations' size)
+        assert (y - w8a16).abs().max() > 10 * (y - ref).abs().max()
+
+
+def test_w8a8_needs_whole_64_input_chunks():
+    """A model has the w8a8 weight set only when every linear's inputs are whole 64-input
+    chunks (the activation steps); otherwise a forward on it is refused, not approximated."""
+    from hf_tiny import ours_from_hf, tiny_hf
+
+    from qspec_core.model.transformer import attach_int8, linear_layers
+
+    for inter, ok in ((192, True), (96, False)):
+        model = ours_from_hf(tiny_hf("llama", hidden_size=128, intermediate_size=inter))
+        layers = linear_layers(model)
+        attach_int8(model, {name: Int8Linear.from_linear(m) for name, m in layers.items()})
+        assert "int8" in model.weight_sets and ("w8a8" in model.weight_sets) == ok
