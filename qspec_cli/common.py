@@ -58,7 +58,8 @@ ModeOpt = Annotated[
     typer.Option(
         help="quantspec: self-speculative (4-bit draft, INT8-KV verify; needs a converted model, "
         "the default one is converted on first use); target-ar: autoregressive on the "
-        "target path (the distribution quantspec reproduces); ar: full-precision baseline."
+        "target path (the distribution quantspec reproduces); ar: the target weights over "
+        "full-precision KV (the baseline)."
     ),
 ]
 GammaOpt = Annotated[
@@ -249,12 +250,21 @@ def load_session(
     `whole_context`: the cache takes the model's whole context up front (a chat grows)."""
     mode, gamma = kwargs["mode"], kwargs.get("gamma")
     need_draft = mode == "quantspec"
-    if target_weights == "auto" and snapshot is not None:
+    adopted = target_weights == "auto" and snapshot is not None
+    if adopted:
         from qspec_core.store.snapshot import read_manifest
 
         # a snapshot holds KV its target weights computed: auto continues on those
         target_weights = read_manifest(snapshot).get("target_weights", "full")
-    runtime = load(model, dtype, threads, need_draft=need_draft, target_weights=target_weights)
+    try:
+        runtime = load(model, dtype, threads, need_draft=need_draft, target_weights=target_weights)
+    except QspecError as e:
+        if not adopted:
+            raise
+        raise QspecError(
+            f"{snapshot.name} was made with --target-weights {target_weights}, which this run "
+            f"cannot use ({e}); prefill the document again"
+        ) from None
     check_group_size(kwargs.get("group_size"), runtime, gamma if need_draft else None)
     if whole_context:
         kwargs["capacity"] = runtime.context_limit

@@ -3,7 +3,9 @@
 
 `generic` builds the portable C++ loops (`QSPEC_AVX2` undefined) that CPUs without AVX2 take;
 `avx2` builds the AVX2/FMA intrinsics with 256-bit auto-vectorization, which is what AVX2
-CPUs run, and differs from `native` only where the CPU has AVX-512. Each variant is built
+CPUs run, and differs from `native` only where the CPU has AVX-512 or AVX-VNNI; `avxvnni`
+adds the integer-dot linears' 256-bit VNNI instructions (CPUs with AVX-VNNI but no AVX-512
+VNNI run those). Each variant is built
 once into the user's qspec cache (1-2 minutes on 2 cores) and reused by later runs.
 """
 
@@ -22,6 +24,7 @@ CPU_TESTS = [
     "tests/test_cpu_linear.py",
     "tests/test_cpu_decode.py",
     "tests/test_cpu_step.py",
+    "tests/test_batch_invariance.py",
     "tests/test_hier_cache.py::test_fused_attention_equals_the_reference_through_rounds_with_late_queries",
     # (its [False] case runs no C++ kernel)
     "tests/test_hier_cache.py::test_speculative_like_rounds_equal_a_replay_of_the_committed_tokens[None]",
@@ -32,17 +35,20 @@ def _skip_reason(isa: str) -> str | None:
     current = cpu_ext.requested_isa()
     if isa == current:
         return f"the default run covers {isa}"
-    if isa == "avx2":
+    if isa in cpu_ext.ISA_NEEDS:
         flags = cpu_ext.cpu_flags()
-        missing = [f for f in cpu_ext.ISA_NEEDS["avx2"] if f not in flags]
+        missing = [f for f in cpu_ext.ISA_NEEDS[isa] if f not in flags]
         if not cpu_ext._X86 or missing:
-            return f"this CPU cannot run avx2 code (lacks {', '.join(missing) or 'x86-64'})"
-        if current == "native" and "avx512f" not in flags:
-            return "without AVX-512, native builds the same AVX2 paths"
+            return f"this CPU cannot run {isa} code (lacks {', '.join(missing) or 'x86-64'})"
+        if isa == "avx2" and current == "native" and "avx512f" not in flags:
+            if "avx_vnni" not in flags:
+                return "without AVX-512 or AVX-VNNI, native builds the same AVX2 paths"
+        if isa == "avxvnni" and current == "native" and "avx512_vnni" not in flags:
+            return "without AVX-512 VNNI, native builds the same AVX-VNNI paths"
     return None
 
 
-@pytest.mark.parametrize("isa", ["avx2", "generic"])
+@pytest.mark.parametrize("isa", ["avx2", "avxvnni", "generic"])
 def test_cpu_kernel_tests_pass_on_every_isa_variant(isa):
     reason = _skip_reason(isa)
     if reason:

@@ -87,6 +87,27 @@ def test_w8a8_rows_match_their_twin(rows, k, n):
     assert (got - exact).norm() < 0.02 * exact.norm()  # (about 0.6% at unit-normal inputs)
 
 
+def test_int8_activations_of_tiny_and_nan_chunks_match_the_twins():
+    """A chunk of activations below 1e-30 rounds to zeros (127 / max|x| would overflow to inf,
+    which the prefill's twin would write into the KV); a NaN reaches the output, not hidden."""
+    g = torch.Generator().manual_seed(7)
+    q, scale = quantize_int8(torch.randn(16, 128, generator=g))
+    layer = Int4Linear.from_linear(torch.nn.Linear(128, 16), 64)
+    x = torch.randn(3, 128, generator=g)
+    x[0, :64] = 1e-38
+    x[1, 5] = float("nan")
+    for got, want in (
+        (cpu_linear.w8a8_linear(x, q, scale), cpu_linear.w8a8_linear_ref(x, q, scale)),
+        (
+            cpu_linear.int4_linear(x, layer.packed, layer.scale, layer.zero, 64),
+            cpu_linear.int4_linear_ref(x, layer.packed, layer.scale, layer.zero, 64),
+        ),
+    ):
+        assert want[0].isfinite().all() and want[1].isnan().all() and want[2].isfinite().all()
+        assert got[1].isnan().all()
+        torch.testing.assert_close(got[[0, 2]], want[[0, 2]], rtol=1e-5, atol=1e-5)
+
+
 def test_w8a8_usable_needs_whole_chunks():
     q = torch.zeros(8, 128, dtype=torch.int8)
     assert cpu_linear.w8a8_usable(torch.randn(3, 128), q)

@@ -10,8 +10,10 @@ with the system C++ compiler (about two minutes), per source, per instruction se
 
 Instruction set (`QSPEC_CPU_ISA`, read at first use): `native` (default: `-march=native`,
 everything this CPU has, AVX-512 included), `avx2` (`-mavx2 -mfma -mf16c`: the sources' AVX2
-intrinsics paths, other loops auto-vectorized at 256 bits) or `generic` (`-march=x86-64`: the
-portable C++ paths that CPUs without AVX2 take). Each variant has its own build folder, so
+intrinsics paths, other loops auto-vectorized at 256 bits), `avxvnni` (the same with
+`-mavxvnni`: the integer-dot linears' 256-bit `vpdpbusd`, what CPUs with AVX-VNNI but no
+AVX-512 run) or `generic` (`-march=x86-64`: the portable C++ paths that CPUs without AVX2
+take). Each variant has its own build folder, so
 they coexist; `isa()` names the one loaded.
 
 Concurrent and interrupted builds: torch guards a build folder with a `lock` file that a
@@ -66,11 +68,12 @@ _X86 = platform.machine().lower() in ("x86_64", "amd64")
 ISA_FLAGS = {
     "native": ("-march=native",),
     "avx2": ("-mavx2", "-mfma", "-mf16c"),  # (no AVX-512 whatever the CPU has)
+    "avxvnni": ("-mavx2", "-mfma", "-mf16c", "-mavxvnni"),
     # the compiler's baseline: SSE2 on x86-64, so `QSPEC_AVX2` stays undefined
     "generic": ("-march=x86-64",) if _X86 else (),
 }
 # /proc/cpuinfo flags an ISA's code needs: without them it dies of SIGILL, no message
-ISA_NEEDS = {"avx2": ("avx2", "fma", "f16c")}
+ISA_NEEDS = {"avx2": ("avx2", "fma", "f16c"), "avxvnni": ("avx2", "fma", "f16c", "avx_vnni")}
 
 _module = None  # the module built for `_isa` (None: not loaded yet, or failed: `_failed`)
 _failed: str | None = None
@@ -109,8 +112,8 @@ def requested_isa(value: str | None = None) -> str:
 
 
 def _check_isa_runs_here(isa: str) -> None:
-    if isa == "avx2" and not _X86:
-        raise BuildSettingError(f"{ISA_ENV}=avx2 needs an x86-64 CPU, not {platform.machine()}")
+    if isa in ISA_NEEDS and not _X86:
+        raise BuildSettingError(f"{ISA_ENV}={isa} needs an x86-64 CPU, not {platform.machine()}")
     have = cpu_flags()
     missing = [f for f in ISA_NEEDS.get(isa, ()) if f not in have]
     if have and missing:  # (no cpuinfo to read: trust the user's choice)
@@ -294,6 +297,6 @@ def failure() -> str | None:
 
 
 def isa() -> str | None:
-    """The ISA variant of the loaded kernels ("native", "avx2", "generic"), None if none is
+    """The ISA variant of the loaded kernels (a key of ISA_FLAGS), None if none is
     loaded; `compile_flags(isa())` are the flags it was built with."""
     return _isa if _module is not None else None

@@ -17,7 +17,9 @@
 // Paths: AVX-512 VNNI (vpdpbusd: u8 x s8, four products per int32 lane; the int8 weights are
 // made unsigned by flipping the top bit, w + 128, and each lane starts at -128 times the sum of
 // its four activation codes, so the lane sum is exactly sum q x); AVX2 (vpmaddubsw on |w| and
-// x with w's sign, pairs then quads summed exactly); portable C++. K must be a multiple of 64;
+// x with w's sign, pairs then quads summed exactly), which with AVX-VNNI (256-bit vpdpbusd)
+// computes the same integer lanes in fewer instructions (W8A8: the same bits, measured);
+// portable C++. K must be a multiple of 64;
 // x is fp32 [M, K], at most kMaxStepRows rows (W8A8) or 8 (W4A8), out [M, N] fp32.
 #include <torch/extension.h>
 
@@ -25,6 +27,7 @@
 #include <ATen/Parallel.h>
 
 #include <cmath>
+#include <limits>
 #include <vector>
 
 namespace {
@@ -39,14 +42,28 @@ inline void prefetch_ahead(const void* p, int64_t block_bytes) {
   __builtin_prefetch(static_cast<const char*>(p) + 2 * block_bytes, 0, 3);
 }
 
-// Rounds x[0, 64) to int8 codes; returns the step (0 for an all-zero chunk, whose codes are 0).
+// Rounds x[0, 64) to int8 codes; returns the step. A chunk whose max |x| is below
+// kMinAmax (127 / amax would overflow near 4e-37) counts as zero: codes 0, step 0; a NaN
+// anywhere gives a NaN step, so the NaN reaches the output (as in the twin,
+// `kernels.formats.quantize_activations`, which rounds the same way).
+constexpr float kMinAmax = 1e-30f;
 inline float quantize_chunk(const float* x, int8_t* codes) {
   float amax = 0.f;
-  for (int i = 0; i < CHUNK; ++i) amax = std::max(amax, std::abs(x[i]));
-  const float inv = amax > 0.f ? 127.f / amax : 0.f;
+  bool nan = false;
+  for (int i = 0; i < CHUNK; ++i) {
+    amax = std::max(amax, std::abs(x[i]));
+    nan |= std::isnan(x[i]);
+  }
+  // (volatile: -ffast-math would turn amax / 127 into amax * (1 / 127), an ulp off the twin's)
+  volatile float levels = 127.f;
+  if (nan || !(amax >= kMinAmax)) {
+    for (int i = 0; i < CHUNK; ++i) codes[i] = 0;
+    return nan ? std::numeric_limits<float>::quiet_NaN() : 0.f;
+  }
+  const float inv = levels / amax;
   // lrintf rounds half to even (the default rounding mode), as torch.round does
   for (int i = 0; i < CHUNK; ++i) codes[i] = int8_t(lrintf(x[i] * inv));
-  return amax / 127.f;
+  return amax / levels;
 }
 
 // ------------------------------------------------------------------------------------ W8A8
@@ -135,7 +152,11 @@ inline void w8a8_block(const Int8Rows& xq, const int8_t* w, const float* scale,
                        const float* bias, float* out, int64_t K, int64_t N, int64_t n,
                        int64_t m0) {
   const int64_t C = K / CHUNK;
+#ifdef QSPEC_AVX_VNNI
+  const __m256i flip = _mm256_set1_epi8(char(0x80));
+#else
   const __m256i ones = _mm256_set1_epi16(1);
+#endif
   __m256 acc[NR][M];
 #pragma GCC unroll 8
   for (int r = 0; r < NR; ++r)
@@ -149,6 +170,9 @@ inline void w8a8_block(const Int8Rows& xq, const int8_t* w, const float* scale,
       wl[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
       wh[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32));
       prefetch_ahead(p, NR * K);
+#ifdef QSPEC_AVX_VNNI
+      wl[r] = _mm256_xor_si256(wl[r], flip), wh[r] = _mm256_xor_si256(wh[r], flip);  // w + 128
+#endif
     }
 #pragma GCC unroll 8
     for (int m = 0; m < M; ++m) {
@@ -157,13 +181,25 @@ inline void w8a8_block(const Int8Rows& xq, const int8_t* w, const float* scale,
       const __m256i xl = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp));
       const __m256i xh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + 32));
       const __m256 step = _mm256_set1_ps(xq.step[at]);
+#ifdef QSPEC_AVX_VNNI
+      // each lane starts at -128 times the sum of its eight codes (its four in either half)
+      const __m256i start = _mm256_add_epi32(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(&xq.offset[at * 16])),
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(&xq.offset[at * 16 + 8])));
+#endif
 #pragma GCC unroll 8
       for (int r = 0; r < NR; ++r) {
+#ifdef QSPEC_AVX_VNNI
+        const __m256i lanes = _mm256_dpbusd_avx_epi32(
+            _mm256_dpbusd_avx_epi32(start, wl[r], xl), wh[r], xh);
+#else
         const __m256i pl = _mm256_madd_epi16(
             _mm256_maddubs_epi16(_mm256_abs_epi8(wl[r]), _mm256_sign_epi8(xl, wl[r])), ones);
         const __m256i ph = _mm256_madd_epi16(
             _mm256_maddubs_epi16(_mm256_abs_epi8(wh[r]), _mm256_sign_epi8(xh, wh[r])), ones);
-        const __m256 d = _mm256_cvtepi32_ps(_mm256_add_epi32(pl, ph));
+        const __m256i lanes = _mm256_add_epi32(pl, ph);
+#endif
+        const __m256 d = _mm256_cvtepi32_ps(lanes);
         acc[r][m] = _mm256_fmadd_ps(d, step, acc[r][m]);
       }
     }
@@ -332,7 +368,10 @@ inline void int4_block(const QuantRows& xq, const uint8_t* packed, const float* 
                        const float* zero, const float* bias, float* out, int64_t K, int64_t N,
                        int64_t G, int64_t n) {
   const int64_t C = K / CHUNK, NG = K / G, per_group = G / CHUNK;
-  const __m256i mask = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+#ifndef QSPEC_AVX_VNNI
+  const __m256i ones = _mm256_set1_epi16(1);
+#endif
   __m256 acc[NR][M];
 #pragma GCC unroll 8
   for (int r = 0; r < NR; ++r)
@@ -358,9 +397,15 @@ inline void int4_block(const QuantRows& xq, const uint8_t* packed, const float* 
       const __m256 step = _mm256_broadcast_ss(&xq.step[m * C + c]);
 #pragma GCC unroll 8
       for (int r = 0; r < NR; ++r) {
-        const __m256i p16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo[r], e),
-                                             _mm256_maddubs_epi16(hi[r], o));
-        const __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, ones));
+#ifdef QSPEC_AVX_VNNI
+        const __m256i lanes = _mm256_dpbusd_avx_epi32(
+            _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), lo[r], e), hi[r], o);
+#else
+        const __m256i lanes = _mm256_madd_epi16(
+            _mm256_add_epi16(_mm256_maddubs_epi16(lo[r], e), _mm256_maddubs_epi16(hi[r], o)),
+            ones);
+#endif
+        const __m256 p = _mm256_cvtepi32_ps(lanes);
         acc[r][m] = _mm256_fmadd_ps(_mm256_mul_ps(p, step), sv[r], acc[r][m]);
       }
     }
@@ -420,8 +465,9 @@ void int4_rows(const QuantRows& xq, const uint8_t* packed, const float* scale, c
   });
 }
 
-const float* bias_of(const c10::optional<torch::Tensor>& b, torch::Tensor* keep) {
+const float* bias_of(const c10::optional<torch::Tensor>& b, torch::Tensor* keep, int64_t N) {
   if (!b.has_value() || !b->defined()) return nullptr;
+  TORCH_CHECK(b->numel() == N, "bias [N]");
   *keep = b->to(torch::kFloat).contiguous();
   return keep->data_ptr<float>();
 }
@@ -440,7 +486,7 @@ torch::Tensor w8a8_rows_cpu(torch::Tensor x, torch::Tensor w, torch::Tensor scal
               "fp32 scale [N]");
   x = x.is_contiguous() ? x : x.contiguous();
   torch::Tensor keep;
-  const float* bias = bias_of(b, &keep);
+  const float* bias = bias_of(b, &keep, N);
   const Int8Rows xq = quantize_rows8(x.data_ptr<float>(), M, K);
   auto out = torch::empty({M, N}, torch::kFloat);
   const int8_t* wp = w.data_ptr<int8_t>();
@@ -467,15 +513,18 @@ torch::Tensor int4_rows_cpu(torch::Tensor x, torch::Tensor packed, torch::Tensor
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat, "x must be fp32 [M, K]");
   const int64_t M = x.size(0), K = x.size(1), N = packed.size(0);
   TORCH_CHECK(M >= 1 && M <= 8, "at most 8 rows");
-  TORCH_CHECK(K % CHUNK == 0 && group_size % CHUNK == 0 && K % group_size == 0,
+  TORCH_CHECK(group_size > 0 && K % CHUNK == 0 && group_size % CHUNK == 0 && K % group_size == 0,
               "K and the group size must be multiples of 64");
-  TORCH_CHECK(packed.scalar_type() == torch::kByte && packed.size(1) * 2 == K, "packed [N, K/2]");
+  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == torch::kByte && packed.size(1) * 2 == K,
+              "packed [N, K/2]");
+  TORCH_CHECK(scale.numel() == N * (K / group_size) && zero.numel() == N * (K / group_size),
+              "scale and zero [N, K/G]");
   x = x.is_contiguous() ? x : x.contiguous();
   packed = packed.is_contiguous() ? packed : packed.contiguous();
   scale = scale.to(torch::kFloat).contiguous();
   zero = zero.to(torch::kFloat).contiguous();
   torch::Tensor keep;
-  const float* bias = bias_of(b, &keep);
+  const float* bias = bias_of(b, &keep, N);
   const QuantRows xq = quantize_rows4(x.data_ptr<float>(), M, K, group_size);
   auto out = torch::empty({M, N}, torch::kFloat);
   const uint8_t* pp = packed.data_ptr<uint8_t>();

@@ -11,8 +11,10 @@
 #define QSPEC_AVX2 1  // the sources' AVX2 intrinsics paths (else: portable C++)
 #endif
 #if defined(QSPEC_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__) && \
-    defined(__AVX512VL__) && defined(__AVX512VNNI__)
+    defined(__AVX512DQ__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
 #define QSPEC_AVX512_VNNI 1  // the integer-dot linears' 512-bit vpdpbusd paths (int_dot.cpp)
+#elif defined(QSPEC_AVX2) && defined(__AVXVNNI__)
+#define QSPEC_AVX_VNNI 1  // their AVX2 paths with the 256-bit vpdpbusd (AVX-VNNI)
 #endif
 
 // Rows per thread at the least: waking the thread pool costs tens of microseconds on a small

@@ -57,7 +57,7 @@ def prefill_hierarchical(
     """QuantSpec's prefill: full-precision attention over the prompt, then one bulk quantization.
 
     Returns the last position's logits [V] (from the full-precision prefill, as in the paper),
-    computed on `weights` (the target's: "full", or "int8" for an INT8 verifier). The
+    computed on `weights` (the target's: "full", "int8" or "w8a8", `Runtime.target_weights`). The
     temporary full-precision KV is as large as a plain cache of the prompt.
     """
     fp = FullPrecisionCache(model.config, len(tokens), dtype=cache.fp_k.dtype, device=model.device)

@@ -32,9 +32,9 @@ SUMMARY_REQUEST = (
     "Summarize the document above in a few paragraphs: what it is, its main points, and "
     "any important conditions or conclusions."
 )
-# quantspec: self-speculative (4-bit weights + INT4 KV draft, full weights + INT8 KV verify)
+# quantspec: self-speculative (4-bit weights + INT4 KV draft, target weights + INT8 KV verify)
 # target-ar: autoregressive on the target path (the distribution quantspec reproduces)
-# ar: autoregressive, full-precision weights and KV (the baseline)
+# ar: autoregressive, the target weights over full-precision KV (the baseline)
 MODES = ("quantspec", "target-ar", "ar")
 # Tokens a `prefill --truncate` snapshot leaves free for a question and its answer: chat's
 # default --max-new-tokens, so a truncated snapshot works with default settings (at most half
