@@ -148,3 +148,18 @@ def test_a_snapshot_prefill_runs_on_the_target_weights(tiny_int8):
     got = cache.state()
     assert all(torch.equal(got[k], t) for k, t in states["int8"].items())
     assert not all(torch.equal(got[k], t) for k, t in states["full"].items())
+
+
+def test_auto_continues_on_a_snapshots_target_weights_and_names_them_when_it_cannot(
+    tiny_model_dir, tmp_path, monkeypatch
+):
+    """`--target-weights auto` with a snapshot takes the weights that made its KV; when this
+    run cannot use them, the error names the snapshot's setting, not a flag nobody passed."""
+    from qspec_cli import common
+    from qspec_core.store import snapshot
+
+    monkeypatch.setattr(snapshot, "read_manifest", lambda path: {"target_weights": "int4"})
+    with pytest.raises(QspecError, match=r"s\.qspec was made with --target-weights int4, which"):
+        common.load_session(
+            str(tiny_model_dir), "fp32", None, "auto", tmp_path / "s.qspec", None, mode="ar"
+        )
