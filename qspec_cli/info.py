@@ -54,6 +54,8 @@ def info(
             f"INT4 upper + INT4 lower planes, G = {q['group_size']}, K "
             f"{q['key_grouping']}, V {q['value_grouping']}",
         ),
+        # the weights that computed its KV: a chat on it must use the same (auto does)
+        ("target weights", manifest.get("target_weights", "full")),
         ("size", f"{size / 2**20:,.2f} MiB"),
         ("document sha256", manifest["document_sha256"][:16] + "…"),
         (

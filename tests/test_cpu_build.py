@@ -179,12 +179,24 @@ def test_avx2_on_a_cpu_without_it_is_a_user_error(fresh):
         cpu_ext.load()
 
 
+def test_avxvnni_on_a_cpu_without_it_is_a_user_error(fresh):
+    fresh.setattr(cpu_ext, "cpu_flags", lambda: {"avx2", "fma", "f16c", "avx512_vnni"})
+    fresh.setenv(cpu_ext.ISA_ENV, "avxvnni")
+    with pytest.raises(cpu_ext.BuildSettingError, match="lacks avx_vnni"):
+        cpu_ext.load()
+
+
 def test_variants_get_their_own_flags_and_build_folders():
     names = {isa: cpu_ext.build_name(isa) for isa in cpu_ext.ISA_FLAGS}
-    assert len(set(names.values())) == 3 and all(isa in n for isa, n in names.items())
+    assert set(names) == {"native", "avx2", "avxvnni", "generic"}
+    assert len(set(names.values())) == 4 and all(isa in n for isa, n in names.items())
     assert "-march=native" in cpu_ext.compile_flags("native")
     assert {"-mavx2", "-mfma"} <= set(cpu_ext.compile_flags("avx2"))
     assert not [f for f in cpu_ext.compile_flags("avx2") if "avx512" in f or "march" in f]
+    assert "-mavxvnni" not in cpu_ext.compile_flags("avx2")
+    vnni = set(cpu_ext.compile_flags("avxvnni"))
+    assert vnni - set(cpu_ext.compile_flags("avx2")) == {"-mavxvnni"}
+    assert "avx_vnni" in cpu_ext.ISA_NEEDS["avxvnni"]
     assert not [f for f in cpu_ext.compile_flags("generic") if "avx" in f or "native" in f]
 
 

@@ -233,6 +233,8 @@ def test_cli_prefill_then_chat_in_a_fresh_process(tiny_model_dir, tmp_path):
     assert "tokens per target" in chat.stdout
     info = run_qspec("info", snapshot, *model, "--json", timeout=300)
     assert json.loads(info.stdout)["matches"] == {"model": True, "tokenizer": True}
+    # the CPU default target (auto) resolved and recorded, never "auto" itself
+    assert json.loads(info.stdout)["target_weights"] == result["target_weights"] == "w8a8"
     again = run_qspec("prefill", snapshot, timeout=300)
     assert again.returncode == 2 and "error:" in again.stderr
 
