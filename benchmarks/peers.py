@@ -227,6 +227,8 @@ def main():
     if "--llama-worker" in sys.argv[1:]:
         llama_worker()
         return
+    from qspec_core.registry.runtime import TARGET_WEIGHTS
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--context", default="2k,8k", help="context sizes (prompt + new tokens)")
     ap.add_argument("--gen", type=int, default=128, help="new tokens per run")
@@ -250,7 +252,7 @@ def main():
     ap.add_argument(
         "--target-weights",
         default="auto",
-        choices=("auto", "full", "int8", "w8a8"),
+        choices=TARGET_WEIGHTS,
         help="qspec's target weights, as qspec bench's option (auto: w8a8 on a CPU)",
     )
     ap.add_argument("--json", type=Path)

@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 WEIGHTS = ("full", "int8", "w8a8", "int4")
+INT8_WEIGHTS = ("int8", "w8a8")  # the sets that run each linear's INT8 twin
 KV_VIEWS = ("fp", "int8", "int4")
 
 

@@ -24,6 +24,7 @@ from torch.nn.modules import module as _module_hooks
 
 from kernels.cpu import build as cpu_ext
 from kernels.cpu import linear as cpu_linear
+from qspec_core.precision import INT8_WEIGHTS
 from qspec_core.quant.int4 import Int4Linear
 from qspec_core.quant.int8 import Int8Linear
 
@@ -128,7 +129,7 @@ def _add_linear(stack, linear, weights: str, entry: _Entry) -> bool:
             return False
         stack.add_int4_linear(*args, twin_bias)
         return True
-    if weights in ("int8", "w8a8"):
+    if weights in INT8_WEIGHTS:
         int8 = modules["int8"]
         entry.hooked.append(int8)
         if not isinstance(int8, Int8Linear):
@@ -151,7 +152,7 @@ def _add_linear(stack, linear, weights: str, entry: _Entry) -> bool:
 
 
 # `model.Linear`'s twin per weight set
-weights_module = {"int4": "draft", "int8": "int8", "w8a8": "int8"}
+weights_module = {"int4": "draft"} | dict.fromkeys(INT8_WEIGHTS, "int8")
 
 
 def _fp32(t: torch.Tensor) -> bool:

@@ -29,7 +29,7 @@ from qspec_core.engine.sampling import SamplingParams
 from qspec_core.engine.speculative import SpecStats, speculative_decode
 from qspec_core.errors import QspecError
 from qspec_core.model.transformer import has_draft, has_int8
-from qspec_core.precision import DRAFT, DRAFT_KV4, DRAFT_W4, FP, TARGET, Precision
+from qspec_core.precision import DRAFT, DRAFT_KV4, DRAFT_W4, FP, INT8_WEIGHTS, TARGET, Precision
 from qspec_core.registry.runtime import Runtime
 from qspec_core.timing import StageTimer
 
@@ -140,7 +140,7 @@ def needs_converted_model(config: BenchConfig) -> bool:
     """Whether a mode runs the 4-bit draft weights or INT8 weights: only a converted folder
     has them (a named model's is made once, on first need)."""
     return any(
-        (MODES[m].draft or FP).weights == "int4" or config.weights(m) in ("int8", "w8a8")
+        (MODES[m].draft or FP).weights == "int4" or config.weights(m) in INT8_WEIGHTS
         for m in config.modes
     )
 
@@ -163,7 +163,7 @@ def check_config(config: BenchConfig, runtime: Runtime) -> None:
         )
     if config.repeats < 1 or config.gen < 2:
         raise QspecError("--repeats must be >= 1 and --gen >= 2")
-    needs_int8 = [m for m in config.modes if config.weights(m) in ("int8", "w8a8")]
+    needs_int8 = [m for m in config.modes if config.weights(m) in INT8_WEIGHTS]
     if needs_int8 and not has_int8(runtime.model):
         raise QspecError(
             f"modes {', '.join(needs_int8)} need INT8 verifier weights and {runtime.name} has "

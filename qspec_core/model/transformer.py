@@ -22,10 +22,9 @@ from qspec_core.backend import forget_built, select_backend
 from qspec_core.cache.protocol import KVCache
 from qspec_core.config import ModelConfig
 from qspec_core.model.rope import RotaryEmbedding, apply_rotary
-from qspec_core.precision import FP, Precision
+from qspec_core.precision import FP, INT8_WEIGHTS, Precision
 
 AUTO = "auto"  # `Transformer.backend`: chosen by device at the next forward
-INT8_SETS = ("int8", "w8a8")  # the weight sets that run a linear's INT8 twin
 
 
 class Linear(nn.Linear):
@@ -44,7 +43,7 @@ class Linear(nn.Linear):
         it has a draft at all); every layer has its INT8 twin once `attach_int8` ran."""
         if weights == "int4":
             return self._modules.get("draft")  # (dict reads: nn.Module.__getattr__ is slow)
-        if weights in INT8_SETS:
+        if weights in INT8_WEIGHTS:
             return self._modules["int8"]
         return None
 

@@ -16,6 +16,7 @@ from qspec_core.documents import read_document
 from qspec_core.model.checkpoint import load_model
 from qspec_core.model.tokenizer import Tokenizer
 from qspec_core.paths import BUNDLED_TEXTS, models_dir
+from qspec_core.precision import INT8_WEIGHTS
 from qspec_core.registry.sources import (
     DEFAULT_MODEL,
     RegistryModel,
@@ -81,7 +82,7 @@ def converted_model_for(
     """The named model (the default included) whose converted folder a run of `spec` needs:
     one that runs the 4-bit draft or the INT8 weights (int8, w8a8); None for anything else
     (a folder, a file, a hub id, or a run that needs neither)."""
-    if not (need_draft or target_weights in ("int8", "w8a8")):
+    if not (need_draft or target_weights in INT8_WEIGHTS):
         return None
     return DEFAULT_MODEL if spec in (None, "default") else find_named_model(spec)
 

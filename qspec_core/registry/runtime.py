@@ -13,7 +13,7 @@ from qspec_core.errors import QspecError
 from qspec_core.model.checkpoint import load_model
 from qspec_core.model.tokenizer import Tokenizer
 from qspec_core.model.transformer import Transformer, has_int8
-from qspec_core.precision import FP, TARGET, Precision
+from qspec_core.precision import FP, INT8_WEIGHTS, TARGET, Precision
 from qspec_core.registry.prepare import (
     Progress,
     conversion_needed,
@@ -118,7 +118,7 @@ def load_runtime(
     tokenizer = Tokenizer(folder)
     model = load_model(folder, dtype=DTYPES[dtype], device=device)
     load_draft(folder, model)  # a converted folder carries its 4-bit draft and INT8 weights
-    if target_weights in ("int8", "w8a8") and not has_int8(model):
+    if target_weights in INT8_WEIGHTS and not has_int8(model):
         raise QspecError(
             f"{name} has no INT8 verifier weights: convert it with qspec convert (which "
             "writes them next to the 4-bit draft), then pass the converted folder"
@@ -136,7 +136,7 @@ def load_runtime(
     return Runtime(model, tokenizer, folder, name, target_weights)
 
 
-TARGET_WEIGHTS = ("auto", "full", "int8", "w8a8")  # --target-weights
+TARGET_WEIGHTS = ("auto", "full", *INT8_WEIGHTS)  # --target-weights
 
 
 def wanted_target_weights(target_weights: str, device: str) -> str:
