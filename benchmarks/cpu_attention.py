@@ -1,5 +1,6 @@
 """One layer's decode attention on CPU, side by side: the fused hierarchical kernel (INT4 and
-INT8 KV views) against SDPA over a full-precision cache (fp32 and bf16) and the PyTorch
+INT8 KV views, with fp32 queries and with the int16 queries of the W4A8 draft and the W8A8
+target: "int-q") against SDPA over a full-precision cache (fp32 and bf16) and the PyTorch
 reference `kernels.reference.hier_attention_ref` (dequantize, then attend).
 
     python benchmarks/cpu_attention.py --context 2048,8192 [--heads 9 --kv-heads 3 --dim 64]
@@ -57,6 +58,13 @@ def bench(context: int, H: int, n_kv: int, D: int, G: int, T: int, repeats: int)
     variants = {
         "fused int4": lambda: cpu_attention.hier_attention_cpu(q, view, rows, "int4"),
         "fused int8": lambda: cpu_attention.hier_attention_cpu(q, view, rows, "int8"),
+        # the W4A8 draft's and the W8A8 target's: int16 queries, integer-dot scores
+        "fused int4 int-q": lambda: cpu_attention.hier_attention_cpu(
+            q, view, rows, "int4", None, True
+        ),
+        "fused int8 int-q": lambda: cpu_attention.hier_attention_cpu(
+            q, view, rows, "int8", None, True
+        ),
         "sdpa fp32": lambda: F.scaled_dot_product_attention(
             q, k32, v32, attn_mask=mask, enable_gqa=True
         ),
@@ -76,6 +84,8 @@ def bench(context: int, H: int, n_kv: int, D: int, G: int, T: int, repeats: int)
     hist_bytes = {  # the quantized history (planes and metadata; fp region not counted)
         "fused int4": nq * n_kv * kv_bytes_per_token(D, "int4", G, G).total,
         "fused int8": nq * n_kv * kv_bytes_per_token(D, "int8", G, G).total,
+        "fused int4 int-q": nq * n_kv * kv_bytes_per_token(D, "int4", G, G).total,
+        "fused int8 int-q": nq * n_kv * kv_bytes_per_token(D, "int8", G, G).total,
         "sdpa fp32": 2 * context * n_kv * D * 4,
         "sdpa bf16": 2 * context * n_kv * D * 2,
     }

@@ -1,6 +1,7 @@
 """Attention over one layer of the hierarchical INT4/INT8 KV cache: the one entry point.
 
-    hier_attention(q, view, rows, kv, chunk_size=None, fused=True) -> [B, H, T, D]
+    hier_attention(q, view, rows, kv, chunk_size=None, fused=True, int_queries=False)
+        -> [B, H, T, D]
 
 q [B, H, T, D]; `view` the layer as stored (`kernels.planes.HierLayerView`); `rows` which keys
 each query sees (`kernels.planes.QueryRows`); `kv` the KV view, "int8" (both planes) or "int4"
@@ -11,6 +12,11 @@ each query sees (`kernels.planes.QueryRows`); `kv` the KV view, "int8" (both pla
   under TRITON_INTERPRET=1 (a test tool, so the compiled C++ kernel comes first on the CPU);
 - the PyTorch reference (`kernels.reference.hier_attention_ref`) everywhere else, and always
   with fused=False.
+
+`int_queries` rounds the queries to int16 per head and K group and scores the history with
+integer dot products (the CPU's W8A8 target and W4A8 draft: `kernels/cpu/attention_int.h`);
+the C++ kernel and the reference do it, the Triton kernel does not, so such a call never goes
+to Triton.
 
 The two kernels are batch-invariant in the query rows: a query's output does not depend, to
 the bit, on which other queries share the call, which greedy speculative decoding's equality
@@ -30,13 +36,13 @@ from kernels.triton import hier_attention as triton_attention
 BACKENDS = ("cpu", "triton", "reference")
 
 
-def backend(q: torch.Tensor, fused: bool = True) -> str:
+def backend(q: torch.Tensor, fused: bool = True, int_queries: bool = False) -> str:
     """Which implementation `hier_attention` runs for q: one of BACKENDS."""
     if not fused:
         return "reference"
     if q.device.type == "cpu" and cpu_attention.available():
         return "cpu"
-    if triton_attention.triton_usable(q):
+    if triton_attention.triton_usable(q) and not int_queries:
         return "triton"
     return "reference"
 
@@ -48,6 +54,7 @@ def hier_attention(
     kv: str,
     chunk_size: int | None = None,
     fused: bool = True,
+    int_queries: bool = False,
 ) -> torch.Tensor:
     """Attention of q over one cache layer in the KV view `kv` -> [B, H, T, D] in q's dtype.
 
@@ -55,9 +62,9 @@ def hier_attention(
     Triton one sizes chunks to fill the GPU). The result depends on it in the last bits (the
     chunks merge by log-sum-exp), never on T. fused=False: the reference, whatever runs here.
     """
-    chosen = backend(q, fused)
+    chosen = backend(q, fused, int_queries)
     if chosen == "cpu":
-        return cpu_attention.hier_attention_cpu(q, view, rows, kv, chunk_size)
+        return cpu_attention.hier_attention_cpu(q, view, rows, kv, chunk_size, int_queries)
     if chosen == "triton":
         return triton_attention.hier_attention_triton(q, view, rows, kv, chunk_size)
-    return hier_attention_ref(q, view, rows, kv, chunk_size)
+    return hier_attention_ref(q, view, rows, kv, chunk_size, int_queries)

@@ -80,19 +80,31 @@ def dequantize_int8(w_int8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 ACT_CHUNK = 64  # inputs per int8 activation step (W8A8 target, W4A8 draft)
 ACT_MIN_AMAX = 1e-30  # a chunk of smaller activations rounds to zero (127 / amax overflows)
+QUERY_LEVELS = 32767  # the attention's integer queries are int16 (`kernels/cpu/attention_int.h`)
+
+
+def round_symmetric(
+    x: torch.Tensor, chunk: int = ACT_CHUNK, levels: int = 127
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x rounded to integers in -levels..levels per `chunk` entries of the last dim (symmetric,
+    step max|x| / levels, ties to even): (codes [..., n / chunk, chunk] as fp32 integers, step
+    [..., n / chunk, 1]). levels 127: int8 codes (activations); 32767: int16 (the attention's
+    queries). A chunk with max |x| below ACT_MIN_AMAX gets zeros and step 0; a NaN gives a NaN
+    code and step. The twin of the C++ kernels' `round_to_codes` (`kernels/cpu/kernels.h`)."""
+    chunks = x.float().reshape(*x.shape[:-1], -1, chunk)
+    amax = chunks.abs().amax(-1, keepdim=True)
+    # L / amax divided once (as the C++ kernels do): `127.0 / tensor` is reciprocal-then-
+    # multiply in PyTorch, an ulp off at times, which moved a near-tie code by one
+    small = ~(amax >= ACT_MIN_AMAX)  # (NaN included: its chunk's x * 0 stays NaN below)
+    inv = torch.where(small, torch.zeros_like(amax), torch.full_like(amax, float(levels)) / amax)
+    step = torch.where(small & ~amax.isnan(), torch.zeros_like(amax), amax / float(levels))
+    return torch.round(chunks * inv), step
 
 
 def quantize_activations(x: torch.Tensor) -> torch.Tensor:
-    """x rounded to int8 per 64 inputs along the last dim (symmetric, step max|x| / 127, ties
-    to even), returned dequantized in fp32: the activations the W8A8 target and the W4A8 draft
-    multiply (`kernels/cpu/int_dot.cpp` rounds them the same way). The last dim must be a
-    multiple of 64. A chunk with max |x| below ACT_MIN_AMAX becomes zeros; a NaN stays NaN."""
-    chunks = x.float().reshape(*x.shape[:-1], -1, ACT_CHUNK)
-    amax = chunks.abs().amax(-1, keepdim=True)
-    # 127 / amax divided once (as the C++ kernels do): `127.0 / tensor` is reciprocal-then-
-    # multiply in PyTorch, an ulp off at times, which moved a near-tie code by one
-    small = ~(amax >= ACT_MIN_AMAX)  # (NaN included: its chunk's x * 0 stays NaN below)
-    inv = torch.where(small, torch.zeros_like(amax), torch.full_like(amax, 127.0) / amax)
-    step = torch.where(small & ~amax.isnan(), torch.zeros_like(amax), amax / 127.0)
-    codes = torch.round(chunks * inv)
+    """x rounded to int8 per 64 inputs along the last dim (`round_symmetric`), dequantized
+    in fp32: the activations the W8A8 target and the W4A8 draft multiply
+    (`kernels/cpu/int_dot.cpp` rounds them the same way). The last dim must be a multiple of
+    64. A chunk with max |x| below ACT_MIN_AMAX becomes zeros; a NaN stays NaN."""
+    codes, step = round_symmetric(x)
     return (codes * step).reshape(x.shape)

@@ -10,12 +10,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels.formats import QUERY_LEVELS, round_symmetric
 from kernels.planes import (
+    LOWER_OFFSET,
     HierLayerView,
     QuantizedGroupTensor,
     QueryRows,
     dequantize_keys,
     dequantize_values,
+    unpack_nibbles,
 )
 
 
@@ -76,12 +79,37 @@ def _visibility(index: torch.Tensor, n_hist: int, n_fp: int, fp_pos0: int, devic
     return torch.cat((hist, fp), dim=1)
 
 
+def _int_query_scores(qs: torch.Tensor, view: HierLayerView, n_hist: int, kv: str):
+    """Scores [B, n_kv, R, T, n_hist] of the scaled queries qs [B, n_kv, R, T, D] against the
+    quantized history, the queries rounded to int16 per row and K group (`kernels/cpu/
+    attention_int.h` states the math): step * (codes . u) + bias, with u the plane bytes, U
+    (int4 view) or 16 U + lower (int8 view), and the integer dot exact in float64."""
+    B, n_kv, R, T, D = qs.shape
+    G = view.group_size
+    if n_hist == 0:
+        return qs.new_zeros(B, n_kv, R, T, 0)
+    div, off = (16.0, float(LOWER_OFFSET)) if kv == "int8" else (1.0, 0.0)
+    s = view.k_scale[:, :, : n_hist // G].float() / div  # [B, n_kv, n_g, D]
+    z = view.k_zero[:, :, : n_hist // G].float()
+    a = qs[:, :, :, :, None, :] * s[:, :, None, None]  # [B, n_kv, R, T, n_g, D]
+    codes, step = round_symmetric(a, chunk=D, levels=QUERY_LEVELS)  # [..., 1, D], [..., 1, 1]
+    bias = (qs[:, :, :, :, None, :] * (z - off * s)[:, :, None, None]).sum(-1)
+    u = unpack_nibbles(view.k_upper[:, :, :n_hist]).double()  # [B, n_kv, n_hist, D]
+    if kv == "int8":
+        u = 16 * u + unpack_nibbles(view.k_lower[:, :, :n_hist]).double()
+    u = u.view(B, n_kv, n_hist // G, G, D)
+    dots = torch.einsum("bhrtgd,bhgjd->bhrtgj", codes.squeeze(-2).double(), u).float()
+    scores = dots * step.squeeze(-1) + bias[..., None]  # [B, n_kv, R, T, n_g, G]
+    return scores.reshape(B, n_kv, R, T, n_hist)
+
+
 def hier_attention_ref(
     q: torch.Tensor,
     view: HierLayerView,
     rows: QueryRows,
     kv: str,
     chunk_size: int | None = None,
+    int_queries: bool = False,
 ) -> torch.Tensor:
     """Attention over one layer of the hierarchical cache, written plainly: dequantize the
     visible history in the KV view `kv` ("int8": both planes, "int4": the upper plane), append
@@ -92,6 +120,10 @@ def hier_attention_ref(
     The twin of the Triton kernel (`kernels/triton/hier_attention.py`) and the C++ one
     (`kernels/cpu/hier_attention.cpp`), which take the same arguments. `chunk_size` (their
     history tokens per program) does not apply to one softmax and is ignored.
+
+    int_queries: score the quantized history with the queries rounded to int16 per row and K
+    group (`_int_query_scores`), as the C++ kernel does for the W8A8 target and the W4A8
+    draft; the full-precision region keeps fp32 queries.
     """
     view.check(q, kv)
     B, H, T, D = q.shape
@@ -105,7 +137,17 @@ def hier_attention_ref(
     visible = _visibility(index, n_hist, view.fp_k.shape[2], int(view.fp_pos0), q.device)
 
     qg = q.float().view(B, n_kv, H // n_kv, T, D)  # query heads grouped by their KV head
-    scores = torch.einsum("bhrtd,bhsd->bhrts", qg, keys) * D**-0.5
+    if int_queries:
+        qs = qg * D**-0.5  # (scaled first, as the kernel does: the rounding sees these)
+        scores = torch.cat(
+            (
+                _int_query_scores(qs, view, n_hist, kv),
+                torch.einsum("bhrtd,bhsd->bhrts", qs, keys[:, :, n_hist:]),
+            ),
+            dim=-1,
+        )
+    else:
+        scores = torch.einsum("bhrtd,bhsd->bhrts", qg, keys) * D**-0.5
     probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
     probs = torch.where(visible.any(-1, keepdim=True), probs, 0.0)  # fully masked: 0, not NaN
     out = torch.einsum("bhrts,bhsd->bhrtd", probs, values)

@@ -24,6 +24,10 @@ from dataclasses import dataclass, replace
 
 WEIGHTS = ("full", "int8", "w8a8", "int4")
 INT8_WEIGHTS = ("int8", "w8a8")  # the sets that run each linear's INT8 twin
+# The sets whose CPU kernels round activations to int8 (W8A8, the draft's W4A8): over the
+# hierarchical cache on a CPU they round the queries to int16, per head and K group, and score the
+# quantized history with integer dot products (`kernels/cpu/attention_int.h`).
+INT_QUERY_WEIGHTS = ("w8a8", "int4")
 KV_VIEWS = ("fp", "int8", "int4")
 
 
@@ -37,6 +41,12 @@ class Precision:
             raise ValueError(f"weights must be one of {WEIGHTS}, not {self.weights!r}")
         if self.kv not in KV_VIEWS:
             raise ValueError(f"kv must be one of {KV_VIEWS}, not {self.kv!r}")
+
+    @property
+    def int_queries(self) -> bool:
+        """Whether this path rounds its queries to int16 over the hierarchical planes (on a CPU;
+        see INT_QUERY_WEIGHTS)."""
+        return self.weights in INT_QUERY_WEIGHTS and self.kv in ("int8", "int4")
 
     def with_weights(self, weights: str) -> Precision:
         return replace(self, weights=weights)

@@ -12,12 +12,15 @@ layer of the hierarchical cache (`hier_attention64`, the arguments of `kernels.a
 
 import torch
 
+from kernels.formats import QUERY_LEVELS, round_symmetric
 from kernels.planes import (
+    LOWER_OFFSET,
     HierLayerView,
     QuantizedGroupTensor,
     QueryRows,
     dequantize_keys,
     dequantize_values,
+    unpack_nibbles,
 )
 
 EPS32 = torch.finfo(torch.float32).eps
@@ -59,22 +62,49 @@ def dequantize64(upper, lower, scale, zero, group_size: int, kv: str, keys: bool
     return dequantize_values(packed, group_size, kv).double()
 
 
-def attention64(q, k, v, visible):
+def attention64(q, k, v, visible, hist_scores=None):
     """Softmax attention in float64: q [B, H, T, D], k/v [B, n_kv, S, D] (GQA), visible
-    bool [T, S]. A query that sees no key gets zeros."""
+    bool [T, S]. A query that sees no key gets zeros. hist_scores [B, n_kv, R, T, n]: the
+    scores of the first n keys, used instead of q . k (the int8 queries' history scores)."""
     B, H, T, D = q.shape
     n_kv = k.shape[1]
     qg = q.double().view(B, n_kv, H // n_kv, T, D)
     scores = torch.einsum("bhrtd,bhsd->bhrts", qg, k.double()) * D**-0.5
+    if hist_scores is not None:
+        scores[..., : hist_scores.shape[-1]] = hist_scores
     probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
     probs = torch.where(visible.any(-1, keepdim=True), probs, 0.0)
     return torch.einsum("bhrts,bhsd->bhrtd", probs, v.double()).reshape(B, H, T, D)
 
 
-def hier_attention64(q, view: HierLayerView, rows: QueryRows, kv: str):
+def int_query_scores64(q, view: HierLayerView, n: int, kv: str):
+    """History scores [B, n_kv, R, T, n] of queries rounded to int16 as the kernels round them
+    (codes and steps from fp32 q / sqrt(D) times the K group's scales), the rest in float64:
+    step * (codes . u) + q . (z - off s), u the plane bytes (`kernels/cpu/attention_int.h`)."""
+    B, H, T, D = q.shape
+    n_kv, G = view.k_upper.shape[1], view.group_size
+    div, off = (16.0, float(LOWER_OFFSET)) if kv == "int8" else (1.0, 0.0)
+    qs = q.float().view(B, n_kv, H // n_kv, T, D) * D**-0.5
+    s32 = view.k_scale[:, :, : n // G].float() / div
+    a = qs[:, :, :, :, None] * s32[:, :, None, None]
+    codes, step = round_symmetric(a, chunk=D, levels=QUERY_LEVELS)
+    s64 = view.k_scale[:, :, : n // G].double() / div
+    z64 = view.k_zero[:, :, : n // G].double()
+    bias = (qs.double()[:, :, :, :, None] * (z64 - off * s64)[:, :, None, None]).sum(-1)
+    u = unpack_nibbles(view.k_upper[:, :, :n]).double()
+    if kv == "int8":
+        u = 16 * u + unpack_nibbles(view.k_lower[:, :, :n]).double()
+    u = u.view(B, n_kv, n // G, G, D)
+    dots = torch.einsum("bhrtgd,bhgjd->bhrtgj", codes.squeeze(-2).double(), u)
+    scores = dots * step.squeeze(-1).double() + bias[..., None]
+    return scores.reshape(B, n_kv, H // n_kv, T, n)
+
+
+def hier_attention64(q, view: HierLayerView, rows: QueryRows, kv: str, int_queries=False):
     """The attention `kernels.attention.hier_attention` computes, in float64: the same planes
     dequantized exactly, the same full-precision region and the same per-query visibility
-    (history j < n_quant_q[t]; fp key j with fp_lo[t] <= j and fp_pos0 + j <= input_pos[t])."""
+    (history j < n_quant_q[t]; fp key j with fp_lo[t] <= j and fp_pos0 + j <= input_pos[t]);
+    with int_queries, the history scored by `int_query_scores64`."""
     G = view.group_size
     n_quant_q, fp_lo, pos = (torch.as_tensor(x).cpu() for x in (rows.n_quant_q, rows.fp_lo,
                                                                  rows.input_pos))  # fmt: skip
@@ -95,4 +125,5 @@ def hier_attention64(q, view: HierLayerView, rows: QueryRows, kv: str):
     )
     keys = torch.cat((keys, view.fp_k.double()), 2)
     values = torch.cat((values, view.fp_v.double()), 2)
-    return attention64(q, keys, values, visible)
+    hist = int_query_scores64(q, view, n, kv) if int_queries and n else None
+    return attention64(q, keys, values, visible, hist)

@@ -58,14 +58,31 @@ CASES = [
 FACTOR = 8  # the kernel's error may be this many times PyTorch's: 2x the worst seen
 
 
+@pytest.mark.parametrize("int_queries", [False, True], ids=["fp32-q", "int-q"])
 @pytest.mark.parametrize("kv", KV_VIEWS)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
-def test_cpu_kernel_matches_the_twin(case, kv):
+def test_cpu_kernel_matches_the_twin(case, kv, int_queries):
     q, view, rows, chunk = _case(**case)
-    want = hier_attention_ref(q, view, rows, kv)
-    got = cpu_attention.hier_attention_cpu(q, view, rows, kv, chunk_size=chunk)
+    want = hier_attention_ref(q, view, rows, kv, int_queries=int_queries)
+    got = cpu_attention.hier_attention_cpu(q, view, rows, kv, chunk, int_queries)
     assert got.dtype == want.dtype and got.shape == want.shape
-    assert_within_error_model(got, want, hier_attention64(q, view, rows, kv), FACTOR, what=kv)
+    exact = hier_attention64(q, view, rows, kv, int_queries)
+    assert_within_error_model(got, want, exact, FACTOR, what=kv)
+
+
+@pytest.mark.parametrize("kv", KV_VIEWS)
+def test_int_queries_are_rounded_and_only_on_the_history(kv):
+    """The rounding changes the history's scores by about a code step and leaves a query that
+    sees only the full-precision region (no history yet) bit for bit as it was."""
+    q, view, rows, _ = _case(D=64, G=64, n_kv=1, R=2, T=2, nq=256, F=70)
+    fp_q = cpu_attention.hier_attention_cpu(q, view, rows, kv)
+    int8_q = cpu_attention.hier_attention_cpu(q, view, rows, kv, None, True)
+    assert 1e-4 < (fp_q - int8_q).abs().max() < 0.3
+    q, view, rows, _ = _case(D=64, G=64, n_kv=1, R=1, T=4, nq=0, F=60)
+    assert torch.equal(
+        cpu_attention.hier_attention_cpu(q, view, rows, kv),
+        cpu_attention.hier_attention_cpu(q, view, rows, kv, None, True),
+    )
 
 
 def test_views_differ_so_the_comparison_has_teeth():
@@ -77,14 +94,17 @@ def test_views_differ_so_the_comparison_has_teeth():
         cpu_attention.hier_attention_cpu(q, view, rows, "target")  # (not silently INT4)
 
 
+@pytest.mark.parametrize("int_queries", [False, True], ids=["fp32-q", "int-q"])
 @pytest.mark.parametrize("kv", KV_VIEWS)
 @pytest.mark.parametrize("D, R", [(64, 3), (128, 2)])
-def test_a_query_gives_the_same_bits_alone_or_in_a_verify(kv, D, R):
+def test_a_query_gives_the_same_bits_alone_or_in_a_verify(kv, D, R, int_queries):
     """Greedy QuantSpec equals autoregressive decoding on the target path only if a verify's
     query rows come out bit for bit as they do one at a time (rows are processed in pairs)."""
     q, view, rows, chunk = _case(D=D, G=64, n_kv=3, R=R, T=5, nq=640, F=100, late=2)
-    together = cpu_attention.hier_attention_cpu(q, view, rows, kv, chunk_size=chunk)
+    together = cpu_attention.hier_attention_cpu(q, view, rows, kv, chunk, int_queries)
     for t in range(5):
         one = QueryRows(rows.n_quant_q[t : t + 1], rows.fp_lo[t : t + 1], rows.input_pos[t : t + 1])
-        alone = cpu_attention.hier_attention_cpu(q[:, :, t : t + 1], view, one, kv, chunk)
+        alone = cpu_attention.hier_attention_cpu(
+            q[:, :, t : t + 1], view, one, kv, chunk, int_queries
+        )
         assert torch.equal(alone, together[:, :, t : t + 1])

@@ -281,6 +281,36 @@ def test_paths_are_checked():
         Precision("full", "int2")
 
 
+@pytest.mark.parametrize(
+    "path, rounded",
+    [
+        (Precision("w8a8", "int8"), True),  # the CPU's default target
+        (Precision("int4", "int4"), True),  # the draft (W4A8 on a CPU)
+        (TARGET, False),  # full weights keep fp32 queries, and so does W8A16
+        (Precision("int8", "int8"), False),
+        (DRAFT_KV4, False),
+    ],
+)
+def test_paths_whose_activations_are_int8_round_their_queries(monkeypatch, path, rounded):
+    """The integer queries reach the kernel from both ways in: a layer's `attend` and the
+    C++ stack's one-call step (`step_plan`); no other path gets them."""
+    assert path.int_queries is rounded
+    model = _tiny()
+    cache = _cache(model)
+    calls = []
+    real = hier_cache.hier_attention
+    monkeypatch.setattr(
+        hier_cache, "hier_attention", lambda *a, **k: calls.append(k) or real(*a, **k)
+    )
+    q = torch.zeros(1, model.config.num_attention_heads, 1, model.config.head_dim)
+    kv = torch.zeros(1, model.config.num_key_value_heads, 1, model.config.head_dim)
+    cache.attend(0, q, kv, kv, torch.tensor([0]), path)
+    assert calls[-1]["int_queries"] is rounded
+    plan = _cache(model).step_plan(torch.tensor([0]), path, 1)
+    if dispatch.backend(q) == "cpu":  # (else no C++ stack to plan for)
+        assert plan.int_queries is rounded
+
+
 class _Float64Reference:
     """The tiny model's forward in float64 over a copy of a cache's state: float64 weights,
     norms that normalize in float64 (the model's own normalize in fp32, as HF does), and
@@ -295,10 +325,11 @@ class _Float64Reference:
         self.fp32_attention = hier_cache.hier_attention
         monkeypatch.setattr(hier_cache, "hier_attention", self.attention)
 
-    def attention(self, q, view, rows, kv, chunk_size=None, fused=True):
+    def attention(self, q, view, rows, kv, chunk_size=None, fused=True, int_queries=False):
         """`kernels.attention.hier_attention` for the float64 cache; the real one for others."""
         if q.dtype != torch.float64:
-            return self.fp32_attention(q, view, rows, kv, chunk_size, fused=fused)
+            return self.fp32_attention(q, view, rows, kv, chunk_size, fused, int_queries)
+        assert not int_queries  # (the paths compared here keep fp32 queries)
         return hier_attention64(q, view, rows, kv)
 
     def feed(self, source, tokens, start, path):

@@ -33,9 +33,11 @@ def hier_attention_cpu(
     rows: QueryRows,
     kv: str,
     chunk_size: int | None = None,
+    int_queries: bool = False,
 ) -> torch.Tensor:
     """Attention over one layer of the hierarchical cache in the KV view `kv` ("int8" or
-    "int4"); returns [B, H, T, D] in q's dtype (a view of a [B, T, H, D] buffer: the output
+    "int4"), the history scored with int16 queries and integer dots when `int_queries`;
+    returns [B, H, T, D] in q's dtype (a view of a [B, T, H, D] buffer: the output
     projection's transpose(1, 2).reshape is then free). No shape checks beyond the C++ ones:
     this is the per-layer hot path."""
     check_view(kv)
@@ -59,6 +61,7 @@ def hier_attention_cpu(
         torch.as_tensor(rows.fp_lo),
         torch.as_tensor(rows.input_pos),
         kv == "int8",  # both planes; else the upper plane only
+        bool(int_queries),
         int(view.group_size),
         int(chunk_size or DEFAULT_CHUNK),
     )

@@ -56,7 +56,7 @@ SOURCES = tuple(
         "module.cpp",
     )
 )
-HEADERS = (HERE / "kernels.h",)  # hashed with the sources, so an edit rebuilds
+HEADERS = tuple(sorted(HERE.glob("*.h")))  # hashed with the sources, so an edit rebuilds
 DISABLE_ENV = "QSPEC_CPU_KERNELS"  # "0" turns the C++ kernels off (the PyTorch paths run)
 ISA_ENV = "QSPEC_CPU_ISA"  # native (default) | avx2 | generic
 WAIT_ENV = "QSPEC_CPU_BUILD_WAIT"  # seconds to wait for another process's build

@@ -22,6 +22,8 @@
 #include <torch/extension.h>
 
 #include "kernels.h"  // (the declarations these definitions must match)
+#include "attention_int.h"
+#include "attention_math.h"
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -30,14 +32,10 @@
 #include <memory>
 #include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define QSPEC_AVX2 1
-#endif
-
 namespace {
 
-constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+using namespace attn;
+
 constexpr int64_t BLOCK = 32;  // tokens decoded together (fewer when G < 32)
 
 struct Args {
@@ -49,7 +47,7 @@ struct Args {
   const int64_t *nq, *fp_lo, *pos;
   const int64_t* perm;  // [D] deinterleaved position -> original dim
   int64_t B, n_kv, R, T, D, S, G, n_fp, fp_pos0, chunk, n_chunks, max_nq;
-  bool target;
+  bool target, int_queries;
 };
 
 // Online-softmax state of the R*T query rows of one KV head over one task's keys.
@@ -60,246 +58,36 @@ struct Rows {
   float* __restrict l;    // [RT]
 };
 
-inline int64_t segment_width(int64_t D) { return D % 64 == 0 ? 64 : D; }
-
 // Deinterleaved position p -> the original dim it holds.
 inline int64_t original_dim(int64_t p, int64_t D) {
   const int64_t W = segment_width(D), hw = W / 2, s = p / W, w = p % W;
   return s * W + (w < hw ? 2 * w : 2 * (w - hw) + 1);
 }
 
-// ------------------------------------------------------------------------------ portable path
-
-// Nibble rows -> codes in deinterleaved order: U (draft) or 16 U + L with L = lower - 8
-// (target), as floats. out [n, D].
-inline void block_codes(const uint8_t* __restrict up, const uint8_t* __restrict lo, int64_t n,
-                        int64_t D, bool target, float* __restrict out) {
-  const int64_t W = segment_width(D), hw = W / 2, half = D / 2;
-  for (int64_t j = 0; j < n; ++j) {
-    for (int64_t s = 0; s < D; s += W) {
-      const uint8_t* u = up + j * half + s / 2;
-      const uint8_t* w = lo + j * half + s / 2;
-      float* o = out + j * D + s;
-      if (!target) {
-        for (int64_t i = 0; i < hw; ++i) o[i] = float(u[i] & 15);
-        for (int64_t i = 0; i < hw; ++i) o[hw + i] = float(u[i] >> 4);
-      } else {
-        for (int64_t i = 0; i < hw; ++i) o[i] = float(16 * (u[i] & 15) + (w[i] & 15) - 8);
-        for (int64_t i = 0; i < hw; ++i) o[hw + i] = float(16 * (u[i] >> 4) + (w[i] >> 4) - 8);
-      }
-    }
-  }
-}
-
-// Fold scored keys into row r: p [n] holds scores (-inf for hidden keys) and is overwritten;
-// values vb [n, D]; `vscale`/`vzero` (per token, or null when vb holds values) turn codes into
-// values: sum_j p_j (s_j c_j + z_j) = sum_j (p_j s_j) c_j + sum_j p_j z_j (the latter in zacc);
-// vscale holds s_j already divided by the view's step divisor.
-void fold_row_portable(float* __restrict p, int64_t n, const float* __restrict vb,
-                       const float* vscale, const float* vzero, int64_t D,
-                       float* __restrict acc, float& m, float& l, float& zacc) {
-  float mx = m;
-  for (int64_t j = 0; j < n; ++j) mx = std::max(mx, p[j]);
-  if (mx == NEG_INF) return;
-  const float corr = std::exp(m - mx);  // 0 while m was -inf
-  float sum = 0.f;
-  for (int64_t j = 0; j < n; ++j) {
-    p[j] = std::exp(p[j] - mx);
-    sum += p[j];
-  }
-  float z = zacc * corr;
-  if (vscale != nullptr) {
-    for (int64_t j = 0; j < n; ++j) {
-      z += p[j] * vzero[j];
-      p[j] *= vscale[j];
-    }
-  }
-  zacc = z;
-  for (int64_t d = 0; d < D; ++d) acc[d] *= corr;
-  for (int64_t j = 0; j < n; ++j) {
-    const float pj = p[j];
-    const float* __restrict vj = vb + j * D;
-    for (int64_t d = 0; d < D; ++d) acc[d] += pj * vj[d];
-  }
-  l = l * corr + sum;
-  m = mx;
-}
-
-void scores_portable(const float* __restrict qr, const float* __restrict kb, int64_t n,
-                     int64_t D, float bias, float* __restrict p) {
-  for (int64_t j = 0; j < n; ++j) {
-    const float* __restrict kj = kb + j * D;
-    float dot = 0.f;
-    for (int64_t d = 0; d < D; ++d) dot += qr[d] * kj[d];
-    p[j] = dot + bias;
-  }
-}
-
-// ------------------------------------------------------------------------------ AVX2 path
-#ifdef QSPEC_AVX2
-
-// exp(x) for the softmax (x <= 0), Cephes' polynomial: a few ulp; exp(-inf) = 0.
-inline __m256 exp256(__m256 x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-88.3762626647949f)),
-                    _mm256_set1_ps(88.3762626647949f));
-  __m256 fx = _mm256_floor_ps(
-      _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
-  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
-  y = _mm256_add_ps(_mm256_fmadd_ps(y, _mm256_mul_ps(x, x), x), _mm256_set1_ps(1.f));
-  const __m256i e = _mm256_slli_epi32(
-      _mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-}
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-
-// Eight vectors -> the vector of their eight horizontal sums, in order.
-inline __m256 hsum8(const __m256* v) {
-  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
-  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
-  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
-}
-
-// 32 bytes 0..255 -> 32 floats.
-inline void bytes_to_floats(__m256i x, float* out) {
-  const __m128i lo = _mm256_castsi256_si128(x), hi = _mm256_extracti128_si256(x, 1);
-  _mm256_store_ps(out, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)));
-  _mm256_store_ps(out + 8, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))));
-  _mm256_store_ps(out + 16, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)));
-  _mm256_store_ps(out + 24, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))));
-}
-
-// One 64-dim segment of a token (32 bytes per plane) -> 64 codes, deinterleaved: U (draft)
-// or 16 U + lower (target; the lower plane's +8 is folded into the zeros by the caller).
-template <bool TARGET>
-inline void decode_segment(const uint8_t* up, const uint8_t* lo, float* out) {
-  const __m256i m = _mm256_set1_epi8(0x0F);
-  const __m256i u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(up));
-  __m256i even, odd;
-  if (!TARGET) {
-    even = _mm256_and_si256(u, m);
-    odd = _mm256_and_si256(_mm256_srli_epi16(u, 4), m);
-  } else {
-    const __m256i l = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lo));
-    even = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(u, m), 4), _mm256_and_si256(l, m));
-    odd = _mm256_or_si256(_mm256_andnot_si256(m, u),
-                          _mm256_and_si256(_mm256_srli_epi16(l, 4), m));
-  }
-  bytes_to_floats(even, out);
-  bytes_to_floats(odd, out + 32);
-}
-
-// 64 fp32 dims in original order -> deinterleaved (even dims, then odd).
-inline void deinterleave_segment(const float* in, float* out) {
-  for (int i = 0; i < 4; ++i) {
-    const __m256 a = _mm256_loadu_ps(in + 16 * i), b = _mm256_loadu_ps(in + 16 * i + 8);
-    const __m256 ev = _mm256_shuffle_ps(a, b, 0x88), od = _mm256_shuffle_ps(a, b, 0xDD);
-    _mm256_store_ps(out + 8 * i,
-                    _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(ev), 0xD8)));
-    _mm256_store_ps(out + 32 + 8 * i,
-                    _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(od), 0xD8)));
-  }
-}
-
-// Scores of one row against n keys kb [n, D]: p[j] = qr . k_j + bias. Eight keys at a time,
-// eight independent FMA chains, one transposed reduction.
-template <int64_t D>
-inline void scores_avx2(const float* __restrict qr, const float* __restrict kb, int64_t n,
-                        float bias, float* __restrict p) {
-  constexpr int64_t NV = D / 8;
-  int64_t j = 0;
-  for (; j + 8 <= n; j += 8) {
-    __m256 acc[8];
-    for (int t = 0; t < 8; ++t) acc[t] = _mm256_setzero_ps();
-    const float* k = kb + j * D;
-    for (int64_t v = 0; v < NV; ++v) {
-      const __m256 qv = _mm256_loadu_ps(qr + 8 * v);
-      for (int t = 0; t < 8; ++t) acc[t] = _mm256_fmadd_ps(qv, _mm256_load_ps(k + t * D + 8 * v), acc[t]);
-    }
-    _mm256_storeu_ps(p + j, _mm256_add_ps(hsum8(acc), _mm256_set1_ps(bias)));
-  }
-  for (; j < n; ++j) {
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t v = 0; v < NV; ++v)
-      acc = _mm256_fmadd_ps(_mm256_loadu_ps(qr + 8 * v), _mm256_load_ps(kb + j * D + 8 * v), acc);
-    p[j] = hsum(acc) + bias;
-  }
-}
-
-// fold_row_portable with intrinsics (n <= BLOCK).
-template <int64_t D>
-inline void fold_row_avx2(float* __restrict p, int64_t n, const float* __restrict vb,
-                          const float* vscale, const float* vzero, float* __restrict acc, float& m, float& l, float& zacc) {
-  constexpr int64_t NV = D / 8;
-  const int64_t n8 = n & ~int64_t(7);  // whole vectors; the tail goes scalar
-  __m256 vm = _mm256_set1_ps(m);
-  for (int64_t j = 0; j < n8; j += 8) vm = _mm256_max_ps(vm, _mm256_loadu_ps(p + j));
-  __m128 h4 = _mm_max_ps(_mm256_castps256_ps128(vm), _mm256_extractf128_ps(vm, 1));
-  h4 = _mm_max_ps(h4, _mm_movehl_ps(h4, h4));
-  float mx = std::max(_mm_cvtss_f32(h4), _mm_cvtss_f32(_mm_movehdup_ps(h4)));
-  for (int64_t j = n8; j < n; ++j) mx = std::max(mx, p[j]);
-  if (mx == NEG_INF) return;
-  const float corr = std::exp(m - mx);  // 0 while m was -inf
-  const __m256 vmx = _mm256_set1_ps(mx);
-  __m256 vsum = _mm256_setzero_ps(), vz = _mm256_setzero_ps();
-  for (int64_t j = 0; j < n8; j += 8) {
-    __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(p + j), vmx));
-    vsum = _mm256_add_ps(vsum, e);
-    if (vscale != nullptr) {  // per-token value scales (already / div) and zeros
-      vz = _mm256_fmadd_ps(e, _mm256_loadu_ps(vzero + j), vz);
-      e = _mm256_mul_ps(e, _mm256_loadu_ps(vscale + j));
-    }
-    _mm256_storeu_ps(p + j, e);
-  }
-  float sum = hsum(vsum), z = zacc * corr + hsum(vz);
-  for (int64_t j = n8; j < n; ++j) {
-    float e = std::exp(p[j] - mx);
-    sum += e;
-    if (vscale != nullptr) {
-      z += e * vzero[j];
-      e *= vscale[j];
-    }
-    p[j] = e;
-  }
-  zacc = z;
-  int64_t j;
-  const __m256 vc = _mm256_set1_ps(corr);
-  for (int64_t h = 0; h < NV; h += 8) {  // 64 dims at a time: the accumulators stay in registers
-    __m256 r[8];
-    for (int i = 0; i < 8; ++i) r[i] = _mm256_mul_ps(_mm256_loadu_ps(acc + 8 * (h + i)), vc);
-    for (j = 0; j < n; ++j) {
-      const __m256 w = _mm256_set1_ps(p[j]);
-      const float* vj = vb + j * D + 8 * h;
-      for (int i = 0; i < 8; ++i) r[i] = _mm256_fmadd_ps(w, _mm256_load_ps(vj + 8 * i), r[i]);
-    }
-    for (int i = 0; i < 8; ++i) _mm256_storeu_ps(acc + 8 * (h + i), r[i]);
-  }
-  l = l * corr + sum;
-  m = mx;
-}
-#endif  // QSPEC_AVX2
-
 // ------------------------------------------------------------------------------ tasks
+
+// Asks for `bytes` of each plane the view reads, from token row `row` on.
+inline void prefetch_block(const Args& a, int64_t row, int64_t bytes, bool target) {
+  const int64_t at = row * (a.D / 2);
+  for (int64_t o = 0; o < bytes; o += 64) {
+    __builtin_prefetch(a.ku + at + o, 0, 3);
+    __builtin_prefetch(a.vu + at + o, 0, 3);
+    if (target) {
+      __builtin_prefetch(a.kl + at + o, 0, 3);
+      __builtin_prefetch(a.vl + at + o, 0, 3);
+    }
+  }
+}
 
 // The quantized history, with the dequantization folded into the math instead of the data:
 //   K (per channel): q . k_j = sum_d (q_d s_d) c_jd + sum_d q_d z_d, so q is scaled once per
-//     K group and the dot runs on the raw codes c;
+//     K group and the dot runs on the raw codes c (in float, or in integers when INTQ: q s
+//     rounded to int8 per row, attention_int.h);
 //   V (per token, one group): sum_j p_j (s_j c_j + z_j) = sum_j (p_j s_j) c_j + sum_j p_j z_j.
 // Codes are U (draft) or 16 U + L (target, with s / 16 as the step). The AVX2 decoder gives
 // the target 16 U + (L + 8), so its zeros absorb -8 steps (`off`).
-// DT: head_dim known at compile time (64, 128: the AVX2 path), 0 for the portable one.
-template <int64_t DT, bool TARGET>
+// DT: head_dim known at compile time (64, 128: the vector paths), 0 for the portable one.
+template <int64_t DT, bool TARGET, bool INTQ>
 void quantized_task(const Args& a, int64_t bh, int64_t c, Rows& rows) {
   constexpr bool FAST = DT != 0;
   const int64_t D = DT ? DT : a.D, half = D / 2, G = a.G, RT = rows.RT;
@@ -316,7 +104,9 @@ void quantized_task(const Args& a, int64_t bh, int64_t c, Rows& rows) {
     kbp = big.data(), vbp = big.data() + BLOCK * D;
   }
   alignas(32) float p[BLOCK], vscale[BLOCK], vzero[BLOCK];
-  std::vector<float> qs(RT * D), kbias(RT), zacc(RT, 0.f);
+  std::vector<float> qs(INTQ ? 0 : RT * D), kbias(RT), zacc(RT, 0.f);
+  IntQueries iq;
+  std::vector<int32_t> dots(INTQ ? RT * BLOCK : 0);
   std::vector<char> sees(RT);
   const float* q = a.q + bh * RT * D;
   int64_t group = -1;
@@ -333,30 +123,42 @@ void quantized_task(const Args& a, int64_t bh, int64_t c, Rows& rows) {
       group = g;
       const float* ks = a.ks + (bh * (a.S / G) + g) * D;
       const float* kz = a.kz + (bh * (a.S / G) + g) * D;
-      for (int64_t r = 0; r < RT; ++r) {
-        float bias = 0.f;
-        for (int64_t d = 0; d < D; ++d) {
-          const float s = ks[a.perm[d]] / div;
-          qs[r * D + d] = q[r * D + d] * s;
-          bias += q[r * D + d] * (kz[a.perm[d]] - off * s);
+      if constexpr (INTQ) {
+        round_queries(q, ks, kz, a.perm, RT, D, TARGET, iq);
+      } else {
+        for (int64_t r = 0; r < RT; ++r) {
+          float bias = 0.f;
+          for (int64_t d = 0; d < D; ++d) {
+            const float s = ks[a.perm[d]] / div;
+            qs[r * D + d] = q[r * D + d] * s;
+            bias += q[r * D + d] * (kz[a.perm[d]] - off * s);
+          }
+          kbias[r] = bias;
         }
-        kbias[r] = bias;
       }
     }
     const int64_t row0 = bh * a.S + b0;
+    // The planes of the block two ahead, asked for now: the kernel waited on these loads
+    // (perf: half the task's time on the first touch of a block's bytes), as the few-row
+    // linears did before they prefetched.
+    if (b0 + 2 * block < stop) prefetch_block(a, row0 + 2 * block, block * half, TARGET);
+    if constexpr (INTQ)  // every row's dots at once: the block's bytes are decoded once
+      int_dots<DT, TARGET>(a.ku + row0 * half, a.kl + row0 * half, n, D, iq.codes.data(), RT,
+                           dots.data());
 #ifdef QSPEC_AVX2
     if constexpr (FAST) {
       for (int64_t j = 0; j < n; ++j) {
         const int64_t at = (row0 + j) * half;
         for (int64_t s = 0; s < D; s += 64) {
-          decode_segment<TARGET>(a.ku + at + s / 2, a.kl + at + s / 2, kbp + j * D + s);
+          if (!INTQ)
+            decode_segment<TARGET>(a.ku + at + s / 2, a.kl + at + s / 2, kbp + j * D + s);
           decode_segment<TARGET>(a.vu + at + s / 2, a.vl + at + s / 2, vbp + j * D + s);
         }
       }
     }
 #endif
     if constexpr (!FAST) {
-      block_codes(a.ku + row0 * half, a.kl + row0 * half, n, D, TARGET, kbp);
+      if (!INTQ) block_codes(a.ku + row0 * half, a.kl + row0 * half, n, D, TARGET, kbp);
       block_codes(a.vu + row0 * half, a.vl + row0 * half, n, D, TARGET, vbp);
     }
     const float* vs = a.vs + row0 * vgroups;
@@ -377,15 +179,19 @@ void quantized_task(const Args& a, int64_t bh, int64_t c, Rows& rows) {
     }
     for (int64_t r = 0; r < RT; ++r) {
       if (!sees[r]) continue;
+      if constexpr (INTQ) {
+        const float step = iq.step[r], bias = iq.bias[r];
+        for (int64_t j = 0; j < n; ++j) p[j] = std::fma(float(dots[r * n + j]), step, bias);
+      }
 #ifdef QSPEC_AVX2
       if constexpr (FAST) {
-        scores_avx2<DT>(qs.data() + r * D, kbp, n, kbias[r], p);
-        fold_row_avx2<DT>(p, n, vbp, ws, wz, rows.acc + r * D, rows.m[r], rows.l[r],
+        if (!INTQ) scores_avx2<DT>(qs.data() + r * D, kbp, n, kbias[r], p);
+        fold_row_fast<DT>(p, n, vbp, ws, wz, rows.acc + r * D, rows.m[r], rows.l[r],
                           zacc[r]);
         continue;
       }
 #endif
-      scores_portable(qs.data() + r * D, kbp, n, D, kbias[r], p);
+      if (!INTQ) scores_portable(qs.data() + r * D, kbp, n, D, kbias[r], p);
       fold_row_portable(p, n, vbp, ws, wz, D, rows.acc + r * D, rows.m[r], rows.l[r],
                         zacc[r]);
     }
@@ -447,7 +253,7 @@ void full_precision_task(const Args& a, int64_t bh, Rows& rows) {
       for (int64_t j = 0; j < lo; ++j) p[j] = NEG_INF;
 #ifdef QSPEC_AVX2
       if constexpr (DT != 0) {
-        fold_row_avx2<DT>(p, hi, vb, nullptr, nullptr, rows.acc + r * D, rows.m[r],
+        fold_row_fast<DT>(p, hi, vb, nullptr, nullptr, rows.acc + r * D, rows.m[r],
                           rows.l[r], zacc);
         continue;
       }
@@ -462,10 +268,12 @@ template <int64_t DT>
 void run_task(const Args& a, int64_t bh, int64_t c, Rows& rows) {
   if (c == a.n_chunks) {
     full_precision_task<DT>(a, bh, rows);
-  } else if (a.target) {
-    quantized_task<DT, true>(a, bh, c, rows);
+  } else if (a.int_queries) {
+    a.target ? quantized_task<DT, true, true>(a, bh, c, rows)
+             : quantized_task<DT, false, true>(a, bh, c, rows);
   } else {
-    quantized_task<DT, false>(a, bh, c, rows);
+    a.target ? quantized_task<DT, true, false>(a, bh, c, rows)
+             : quantized_task<DT, false, false>(a, bh, c, rows);
   }
 }
 
@@ -486,7 +294,8 @@ torch::Tensor hier_attention_cpu(torch::Tensor q, torch::Tensor k_upper, torch::
                                  torch::Tensor v_scale, torch::Tensor v_zero,
                                  torch::Tensor n_quant_q, torch::Tensor fp_k, torch::Tensor fp_v,
                                  int64_t fp_pos0, torch::Tensor fp_lo, torch::Tensor input_pos,
-                                 bool target, int64_t group_size, int64_t chunk) {
+                                 bool target, bool int_queries, int64_t group_size,
+                                 int64_t chunk) {
   const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3);
   const int64_t n_kv = k_upper.size(1), R = H / n_kv, RT = R * T;
   TORCH_CHECK(fp_k.scalar_type() == torch::kFloat && fp_v.scalar_type() == torch::kFloat,
@@ -535,7 +344,7 @@ torch::Tensor hier_attention_cpu(torch::Tensor q, torch::Tensor k_upper, torch::
   a.perm = perm.data();
   a.B = B, a.n_kv = n_kv, a.R = R, a.T = T, a.D = D, a.S = k_upper.size(2);
   a.G = group_size, a.n_fp = fp_k.size(2), a.fp_pos0 = fp_pos0;
-  a.chunk = chunk, a.target = target;
+  a.chunk = chunk, a.target = target, a.int_queries = int_queries;
   a.max_nq = *std::max_element(a.nq, a.nq + T);
   a.n_chunks = (a.max_nq + chunk - 1) / chunk;
   const int64_t tasks = a.n_chunks + 1;  // + the full-precision region

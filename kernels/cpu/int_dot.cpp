@@ -42,28 +42,9 @@ inline void prefetch_ahead(const void* p, int64_t block_bytes) {
   __builtin_prefetch(static_cast<const char*>(p) + 2 * block_bytes, 0, 3);
 }
 
-// Rounds x[0, 64) to int8 codes; returns the step. A chunk whose max |x| is below
-// kMinAmax (127 / amax would overflow near 4e-37) counts as zero: codes 0, step 0; a NaN
-// anywhere gives a NaN step, so the NaN reaches the output (as in the twin,
-// `kernels.formats.quantize_activations`, which rounds the same way).
-constexpr float kMinAmax = 1e-30f;
+// Rounds x[0, 64) to int8 codes; returns the step (kernels.h: round_to_int8).
 inline float quantize_chunk(const float* x, int8_t* codes) {
-  float amax = 0.f;
-  bool nan = false;
-  for (int i = 0; i < CHUNK; ++i) {
-    amax = std::max(amax, std::abs(x[i]));
-    nan |= std::isnan(x[i]);
-  }
-  // (volatile: -ffast-math would turn amax / 127 into amax * (1 / 127), an ulp off the twin's)
-  volatile float levels = 127.f;
-  if (nan || !(amax >= kMinAmax)) {
-    for (int i = 0; i < CHUNK; ++i) codes[i] = 0;
-    return nan ? std::numeric_limits<float>::quiet_NaN() : 0.f;
-  }
-  const float inv = levels / amax;
-  // lrintf rounds half to even (the default rounding mode), as torch.round does
-  for (int i = 0; i < CHUNK; ++i) codes[i] = int8_t(lrintf(x[i] * inv));
-  return amax / levels;
+  return round_to_int8(x, CHUNK, codes);
 }
 
 // ------------------------------------------------------------------------------------ W8A8

@@ -95,8 +95,8 @@ class DecoderStack {
   torch::Tensor run_hier(torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
                          std::vector<torch::Tensor> buffers, int64_t lo, int64_t n_fp,
                          int64_t n_quant, torch::Tensor n_quant_q, torch::Tensor shift,
-                         torch::Tensor input_pos, bool target, int64_t group_size,
-                         int64_t chunk) {
+                         torch::Tensor input_pos, bool target, bool int_queries,
+                         int64_t group_size, int64_t chunk) {
     // buffers: k_upper, k_lower, k_scale, k_zero, v_upper, v_lower, v_scale, v_zero, fp_k, fp_v
     TORCH_CHECK(buffers.size() == 10, "the hierarchical cache's 10 buffers");
     const auto& fp_k = buffers[8];
@@ -113,7 +113,7 @@ class DecoderStack {
                                 buffers[4].select(0, l), buffers[5].select(0, l),
                                 buffers[6].select(0, l), buffers[7].select(0, l), n_quant_q,
                                 fk.narrow(2, 0, n_fp), fv.narrow(2, 0, n_fp), n_quant, shift,
-                                input_pos, target, group_size, chunk);
+                                input_pos, target, int_queries, group_size, chunk);
     });
   }
 

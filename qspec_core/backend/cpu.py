@@ -75,7 +75,7 @@ class CpuBackend:
             p = plan
             x = stack.run_hier(
                 x, cos, sin, p.buffers, p.lo, p.hi, p.n_quant, p.n_quant_q, p.shift,
-                p.input_pos, p.int8, p.group_size, p.chunk_size,
+                p.input_pos, p.int8, p.int_queries, p.group_size, p.chunk_size,
             )  # fmt: skip
         elif isinstance(plan, FullStep):
             p = plan

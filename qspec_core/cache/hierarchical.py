@@ -290,7 +290,10 @@ class HierarchicalKVCache(torch.nn.Module):
             self.fp_v,
         ]
         int8 = kv == "int8"  # (the target's view: both planes)
-        return HierStep(buffers, lo, hi, nq, n_quant_q, shift, input_pos, int8, G, self.chunk_size)
+        iq = path.int_queries
+        return HierStep(
+            buffers, lo, hi, nq, n_quant_q, shift, input_pos, int8, iq, G, self.chunk_size
+        )
 
     def attend(self, layer, q, k, v, input_pos, path: Precision):
         """Store k/v [B, n_kv, T, D] at input_pos [T] in F2; attend q [B, H, T, D] in the KV
@@ -307,7 +310,10 @@ class HierarchicalKVCache(torch.nn.Module):
         rows = QueryRows(n_quant_q=n_quant_q, fp_lo=shift, input_pos=input_pos)
         chunk = self.chunk_size if q.device.type == "cpu" else None  # Triton: fill the GPU
         fused = self.fused is not False
-        return hier_attention(q, self.layer_view(layer), rows, kv, chunk, fused=fused)
+        iq = path.int_queries and q.device.type == "cpu"  # (not the GPU's draft)
+        return hier_attention(
+            q, self.layer_view(layer), rows, kv, chunk, fused=fused, int_queries=iq
+        )
 
     def layer_view(self, layer: int) -> HierLayerView:
         """One layer's planes, metadata and full-precision region, as the attention reads it."""

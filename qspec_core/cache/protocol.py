@@ -82,5 +82,6 @@ class HierStep:
     shift: torch.Tensor  # [T] int64
     input_pos: torch.Tensor  # [T]
     int8: bool  # both planes (the target's view), else the upper plane only
+    int_queries: bool  # queries rounded to int16, integer-dot scores (`Precision.int_queries`)
     group_size: int
     chunk_size: int
