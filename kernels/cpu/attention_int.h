@@ -103,18 +103,8 @@ void int_dots_portable(const uint8_t* up, const uint8_t* lo, int64_t n, int64_t 
 // A token's 64-dim segment (32 bytes per plane) -> its bytes u, deinterleaved, as int16 [64].
 template <bool TARGET>
 inline void segment_words(const uint8_t* up, const uint8_t* lo, int16_t* out) {
-  const __m256i m = _mm256_set1_epi8(0x0F);
-  const __m256i u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(up));
   __m256i even, odd;
-  if (!TARGET) {
-    even = _mm256_and_si256(u, m);
-    odd = _mm256_and_si256(_mm256_srli_epi16(u, 4), m);
-  } else {
-    const __m256i l = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lo));
-    even = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(u, m), 4), _mm256_and_si256(l, m));
-    odd = _mm256_or_si256(_mm256_andnot_si256(m, u),
-                          _mm256_and_si256(_mm256_srli_epi16(l, 4), m));
-  }
+  segment_bytes<TARGET>(up, lo, even, odd);
   const __m256i bytes[2] = {even, odd};
   for (int h = 0; h < 2; ++h) {
     __m256i* o = reinterpret_cast<__m256i*>(out + 32 * h);

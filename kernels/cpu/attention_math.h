@@ -130,13 +130,13 @@ inline void bytes_to_floats(__m256i x, float* out) {
 #endif
 }
 
-// One 64-dim segment of a token (32 bytes per plane) -> 64 codes, deinterleaved: U (draft)
-// or 16 U + lower (target; the lower plane's +8 is folded into the zeros by the caller).
+// One 64-dim segment of a token (32 bytes per plane) -> its bytes u in the kernel's order: the
+// low nibbles (even dims), then the high ones (odd dims); U (draft) or 16 U + lower (target;
+// lower is L + 8, and the caller folds the + 8 into the zeros or the scores' bias).
 template <bool TARGET>
-inline void decode_segment(const uint8_t* up, const uint8_t* lo, float* out) {
+inline void segment_bytes(const uint8_t* up, const uint8_t* lo, __m256i& even, __m256i& odd) {
   const __m256i m = _mm256_set1_epi8(0x0F);
   const __m256i u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(up));
-  __m256i even, odd;
   if (!TARGET) {
     even = _mm256_and_si256(u, m);
     odd = _mm256_and_si256(_mm256_srli_epi16(u, 4), m);
@@ -146,6 +146,13 @@ inline void decode_segment(const uint8_t* up, const uint8_t* lo, float* out) {
     odd = _mm256_or_si256(_mm256_andnot_si256(m, u),
                           _mm256_and_si256(_mm256_srli_epi16(l, 4), m));
   }
+}
+
+// The segment's 64 codes as floats (the values' decoder).
+template <bool TARGET>
+inline void decode_segment(const uint8_t* up, const uint8_t* lo, float* out) {
+  __m256i even, odd;
+  segment_bytes<TARGET>(up, lo, even, odd);
   bytes_to_floats(even, out);
   bytes_to_floats(odd, out + 32);
 }
