@@ -81,6 +81,7 @@ def dequantize_int8(w_int8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 ACT_CHUNK = 64  # inputs per int8 activation step (W8A8 target, W4A8 draft)
 ACT_MIN_AMAX = 1e-30  # a chunk of smaller activations rounds to zero (127 / amax overflows)
 QUERY_LEVELS = 32767  # the attention's integer queries are int16 (`kernels/cpu/attention_int.h`)
+QUERY_MAX_DIM = 256  # head_dim at most, so that a key's integer dot fits int32 (255 * 32767 * D)
 
 
 def round_symmetric(

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.formats import QUERY_LEVELS, round_symmetric
+from kernels.formats import QUERY_LEVELS, QUERY_MAX_DIM, round_symmetric
 from kernels.planes import (
     LOWER_OFFSET,
     HierLayerView,
@@ -85,6 +85,8 @@ def _int_query_scores(qs: torch.Tensor, view: HierLayerView, n_hist: int, kv: st
     attention_int.h` states the math): step * (codes . u) + bias, with u the plane bytes, U
     (int4 view) or 16 U + lower (int8 view), and the integer dot exact in float64."""
     B, n_kv, R, T, D = qs.shape
+    if D > QUERY_MAX_DIM:  # (as the C++ kernel refuses)
+        raise ValueError(f"integer queries need head_dim <= {QUERY_MAX_DIM}, not {D}")
     G = view.group_size
     if n_hist == 0:
         return qs.new_zeros(B, n_kv, R, T, 0)

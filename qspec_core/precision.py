@@ -24,9 +24,11 @@ from dataclasses import dataclass, replace
 
 WEIGHTS = ("full", "int8", "w8a8", "int4")
 INT8_WEIGHTS = ("int8", "w8a8")  # the sets that run each linear's INT8 twin
-# The sets whose CPU kernels round activations to int8 (W8A8, the draft's W4A8): over the
-# hierarchical cache on a CPU they round the queries to int16, per head and K group, and score the
-# quantized history with integer dot products (`kernels/cpu/attention_int.h`).
+# The sets whose CPU kernels round activations to int8 (W8A8; the draft's W4A8, where a layer's
+# format allows it): over the hierarchical cache on a CPU they round the queries to int16, per
+# head and K group, and score the quantized history with integer dot products
+# (`kernels/cpu/attention_int.h`). The draft does so even where a layer keeps fp activations:
+# its numbers only move its acceptance.
 INT_QUERY_WEIGHTS = ("w8a8", "int4")
 KV_VIEWS = ("fp", "int8", "int4")
 

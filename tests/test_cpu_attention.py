@@ -77,7 +77,7 @@ def test_int_queries_are_rounded_and_only_on_the_history(kv):
     q, view, rows, _ = _case(D=64, G=64, n_kv=1, R=2, T=2, nq=256, F=70)
     fp_q = cpu_attention.hier_attention_cpu(q, view, rows, kv)
     int8_q = cpu_attention.hier_attention_cpu(q, view, rows, kv, None, True)
-    assert 1e-4 < (fp_q - int8_q).abs().max() < 0.3
+    assert not torch.equal(fp_q, int8_q) and (fp_q - int8_q).abs().max() < 0.3
     q, view, rows, _ = _case(D=64, G=64, n_kv=1, R=1, T=4, nq=0, F=60)
     assert torch.equal(
         cpu_attention.hier_attention_cpu(q, view, rows, kv),
@@ -108,3 +108,20 @@ def test_a_query_gives_the_same_bits_alone_or_in_a_verify(kv, D, R, int_queries)
             q[:, :, t : t + 1], view, one, kv, chunk, int_queries
         )
         assert torch.equal(alone, together[:, :, t : t + 1])
+
+
+def test_int_queries_never_go_to_triton_and_refuse_heads_too_wide(monkeypatch):
+    """The Triton kernel has no integer queries, so such a call takes the C++ kernel or the
+    reference; a head wider than 256 dims would overflow the int32 dots, and is refused."""
+    from kernels import attention as dispatch
+
+    monkeypatch.setattr(dispatch.cpu_attention, "available", lambda: False)
+    monkeypatch.setattr(dispatch.triton_attention, "triton_usable", lambda q: True)
+    q = torch.zeros(1, 2, 1, 64)
+    assert dispatch.backend(q) == "triton"
+    assert dispatch.backend(q, True, True) == "reference"
+    q, view, rows, _ = _case(D=288, G=32, n_kv=1, R=1, T=1, nq=64, F=10)
+    with pytest.raises(ValueError, match="head_dim <= 256"):
+        hier_attention_ref(q, view, rows, "int8", int_queries=True)
+    with pytest.raises(RuntimeError, match="head_dim <= 256"):
+        cpu_attention.hier_attention_cpu(q, view, rows, "int8", None, True)

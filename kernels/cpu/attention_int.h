@@ -28,6 +28,10 @@
 
 namespace attn {
 
+constexpr int64_t kMaxBlock = 32;  // tokens per block of the history (hier_attention.cpp)
+// Head dims whose integer dots fit int32: D * 255 * 32767 < 2^31 (the Python side refuses more).
+constexpr int64_t kMaxIntQueryDim = 256;
+
 // Rows' rounded queries against one K group: codes [RT, D], step [RT], bias [RT].
 struct IntQueries {
   std::vector<int16_t> codes;
@@ -84,7 +88,7 @@ void int_dots_portable(const uint8_t* up, const uint8_t* lo, int64_t n, int64_t 
   for (int64_t r = 0; r < RT; ++r) {
     const int16_t* c = codes + r * D;
     for (int64_t j = 0; j < n; ++j) {
-      int64_t dot = 0;  // (int32 holds it for D <= 128; the portable path takes any D)
+      int64_t dot = 0;  // (exact in int32 for D <= kMaxIntQueryDim, which the caller checks)
       for (int64_t s = 0; s < D; s += W) {
         const uint8_t* u = up + j * half + s / 2;
         const uint8_t* l = lo + j * half + s / 2;
@@ -183,7 +187,7 @@ void int_dots_vector(const uint8_t* up, const uint8_t* lo, int64_t n, const int1
   using Vec = __m256i;
 #endif
   const int64_t padded = (n + TOK - 1) / TOK * TOK;
-  alignas(64) int16_t words[32 * DT];  // n <= BLOCK = 32 tokens
+  alignas(64) int16_t words[kMaxBlock * DT];  // n <= kMaxBlock tokens
   for (int64_t j = 0; j < n; ++j)
     for (int64_t s = 0; s < DT; s += 64)
       segment_words<TARGET>(up + j * HALF + s / 2, lo + j * HALF + s / 2, words + j * DT + s);

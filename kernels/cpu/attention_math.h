@@ -1,7 +1,7 @@
 // The float side of the CPU attention over the hierarchical cache (hier_attention.cpp): the
 // online-softmax fold of a block of scored keys into a row's (acc, max, sum), fp32 scores, and
 // the decoders of the nibble planes and of the full-precision rows into the kernel's
-// "deinterleaved" order (see hier_attention.cpp). Portable C++ and AVX2/FMA; included by
+// "deinterleaved" order (see hier_attention.cpp). Portable C++, AVX2/FMA and AVX-512; included by
 // hier_attention.cpp alone.
 #pragma once
 #include "kernels.h"

@@ -36,7 +36,7 @@ namespace {
 
 using namespace attn;
 
-constexpr int64_t BLOCK = 32;  // tokens decoded together (fewer when G < 32)
+constexpr int64_t BLOCK = kMaxBlock;  // tokens decoded together (fewer when G < 32)
 
 struct Args {
   const float* q;  // [B * n_kv, R * T, D] scaled by 1/sqrt(D), deinterleaved
@@ -82,7 +82,7 @@ inline void prefetch_block(const Args& a, int64_t row, int64_t bytes, bool targe
 // The quantized history, with the dequantization folded into the math instead of the data:
 //   K (per channel): q . k_j = sum_d (q_d s_d) c_jd + sum_d q_d z_d, so q is scaled once per
 //     K group and the dot runs on the raw codes c (in float, or in integers when INTQ: q s
-//     rounded to int8 per row, attention_int.h);
+//     rounded to int16 per row, attention_int.h);
 //   V (per token, one group): sum_j p_j (s_j c_j + z_j) = sum_j (p_j s_j) c_j + sum_j p_j z_j.
 // Codes are U (draft) or 16 U + L (target, with s / 16 as the step). The AVX2 decoder gives
 // the target 16 U + (L + 8), so its zeros absorb -8 steps (`off`).
@@ -298,6 +298,8 @@ torch::Tensor hier_attention_cpu(torch::Tensor q, torch::Tensor k_upper, torch::
                                  int64_t chunk) {
   const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3);
   const int64_t n_kv = k_upper.size(1), R = H / n_kv, RT = R * T;
+  TORCH_CHECK(!int_queries || D <= kMaxIntQueryDim, "integer queries need head_dim <= ",
+              kMaxIntQueryDim, ", not ", D);
   TORCH_CHECK(fp_k.scalar_type() == torch::kFloat && fp_v.scalar_type() == torch::kFloat,
               "fp_k/fp_v must be fp32");
   TORCH_CHECK(fp_k.stride(3) == 1 && fp_v.stride(3) == 1, "fp_k/fp_v need stride 1 along D");

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.attention import backend, hier_attention
+from kernels.formats import QUERY_MAX_DIM
 from kernels.planes import (
     VIEWS,
     HierLayerView,
@@ -290,7 +291,7 @@ class HierarchicalKVCache(torch.nn.Module):
             self.fp_v,
         ]
         int8 = kv == "int8"  # (the target's view: both planes)
-        iq = path.int_queries
+        iq = self._int_queries(path, q_device=self.fp_k.device)
         return HierStep(
             buffers, lo, hi, nq, n_quant_q, shift, input_pos, int8, iq, G, self.chunk_size
         )
@@ -310,10 +311,16 @@ class HierarchicalKVCache(torch.nn.Module):
         rows = QueryRows(n_quant_q=n_quant_q, fp_lo=shift, input_pos=input_pos)
         chunk = self.chunk_size if q.device.type == "cpu" else None  # Triton: fill the GPU
         fused = self.fused is not False
-        iq = path.int_queries and q.device.type == "cpu"  # (not the GPU's draft)
+        iq = self._int_queries(path, q.device)
         return hier_attention(
             q, self.layer_view(layer), rows, kv, chunk, fused=fused, int_queries=iq
         )
+
+    def _int_queries(self, path: Precision, q_device: torch.device) -> bool:
+        """Whether `path` rounds its queries to int16 here: on a CPU only (not the GPU's
+        draft), and for head dims whose integer dots fit int32 (`kernels.formats`)."""
+        head_dim = self.fp_k.shape[-1]
+        return path.int_queries and q_device.type == "cpu" and head_dim <= QUERY_MAX_DIM
 
     def layer_view(self, layer: int) -> HierLayerView:
         """One layer's planes, metadata and full-precision region, as the attention reads it."""
