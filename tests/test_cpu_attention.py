@@ -48,6 +48,7 @@ CASES = [
     dict(D=128, G=128, n_kv=2, R=4, T=5, nq=1024, F=200, late=1),
     dict(D=64, G=16, n_kv=1, R=2, T=3, nq=208, F=30),  # G < the kernel's block
     dict(D=80, G=16, n_kv=2, R=1, T=2, nq=96, F=20),  # head_dim not a multiple of 32
+    dict(D=80, G=80, n_kv=1, R=2, T=3, nq=240, F=90),  # G above 32, not a multiple of it
     dict(D=16, G=16, n_kv=2, R=2, T=17, nq=160, F=40, late=5),  # the tiny test models
     dict(D=64, G=64, n_kv=1, R=1, T=4, nq=0, F=60),  # no history yet
     dict(D=64, G=32, n_kv=2, R=2, T=1, nq=736, F=50, chunk=96),  # ragged last chunk

@@ -95,7 +95,10 @@ void quantized_task(const Args& a, int64_t bh, int64_t c, Rows& rows) {
   const float div = TARGET ? 16.f : 1.f;
   const float off = FAST && TARGET ? 8.f : 0.f;  // codes the decoder leaves + 8 too high
   const int64_t vgroups = D / G;
-  const int64_t block = std::min(BLOCK, G);  // a block must not straddle two K groups
+  // a block must not straddle two K groups: the largest divisor of G up to BLOCK (G = 80, a
+  // head_dim-80 model's default, took blocks of 32 and read tokens 64..95 with group 0's scales)
+  int64_t block = std::min(BLOCK, G);
+  while (G % block) --block;
   alignas(32) float kb[BLOCK * 128], vb[BLOCK * 128];
   std::vector<float> big;  // portable path, head_dim > 128
   float *kbp = kb, *vbp = vb;
