@@ -42,9 +42,9 @@ inline void prefetch_ahead(const void* p, int64_t block_bytes) {
   __builtin_prefetch(static_cast<const char*>(p) + 2 * block_bytes, 0, 3);
 }
 
-// Rounds x[0, 64) to int8 codes; returns the step (kernels.h: round_to_int8).
+// Rounds x[0, 64) to int8 codes; returns the step (kernels.h: round_to_codes).
 inline float quantize_chunk(const float* x, int8_t* codes) {
-  return round_to_int8(x, CHUNK, codes);
+  return round_to_codes(x, CHUNK, codes);
 }
 
 // ------------------------------------------------------------------------------------ W8A8

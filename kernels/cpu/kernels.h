@@ -77,9 +77,6 @@ inline float round_to_codes(const float* x, int64_t n, Code* codes) {
   for (; i < n; ++i) codes[i] = Code(lrintf(x[i] * inv));
   return amax / levels;
 }
-inline float round_to_int8(const float* x, int64_t n, int8_t* codes) {
-  return round_to_codes(x, n, codes);
-}
 
 #ifdef QSPEC_AVX2
 inline float hsum(__m256 v) {  // one fixed order of the eight lanes
