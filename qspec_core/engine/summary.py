@@ -8,7 +8,7 @@ TARGET_DISTRIBUTION = {
     "full": "the target path: full-precision weights, INT8 KV (ar: full-precision KV)",
     "int8": "the INT8-weight target path: per-channel INT8 weights, INT8 KV (ar: full KV)",
     "w8a8": "the W8A8 target path: per-channel INT8 weights, activations rounded to int8 per "
-    "64 inputs, INT8 KV (ar: full KV)",
+    "64 inputs, INT8 KV with queries rounded to int16 (ar: full KV)",
 }
 
 
