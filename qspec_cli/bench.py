@@ -31,11 +31,13 @@ def bench(
             help="Comma-separated modes (default: all): ar (full-precision baseline), "
             "target-ar (INT8 KV), quantspec, draft-w4 (ablation: 4-bit weights, full KV), "
             "draft-kv4 (ablation: full weights, INT4 KV), ar-w8 (INT8 weights), "
-            "quantspec-w8verify (INT8-weight verify)."
+            "quantspec-w8verify (INT8-weight verify), quantspec-g4 (the recipe before "
+            "document drafts and --gamma auto: 4 drafts a round from the 4-bit path)."
         ),
     ] = None,
     repeats: Annotated[int, typer.Option(min=1, help="Runs per mode and context.")] = 3,
-    gamma: common.GammaOpt = "4",
+    gamma: common.GammaOpt = "auto",
+    lookup: common.LookupOpt = True,
     temperature: common.TempOpt = 0.0,
     top_p: common.TopPOpt = 1.0,
     top_k: common.TopKOpt = 0,
@@ -81,17 +83,17 @@ def bench(
         group_size=group_size,
         warmup=warmup,
         target_weights=wanted_target_weights(target_weights, "cpu"),
+        lookup=lookup,
     )
     # gamma meets G only where a speculative mode verifies on the hierarchical cache (the
     # cache of a target KV view other than fp)
-    spec_gamma = next(
-        (
-            config.gamma
-            for m in config.modes
-            if BENCH_MODES[m].speculative and BENCH_MODES[m].target.kv != "fp"
-        ),
-        None,
-    )
+    gammas = [
+        config.gamma_of(m)
+        for m in config.modes
+        if BENCH_MODES[m].speculative and BENCH_MODES[m].target.kv != "fp"
+    ]
+    fixed = [g for g in gammas if g != "auto"]
+    spec_gamma = max(fixed) if fixed else (gammas[0] if gammas else None)
     check_kv_group_size(group_size, gamma=spec_gamma)
     common.check_run_options(dtype, threads, target_weights)
     if json_file is not None and str(json_file) != "-":

@@ -28,7 +28,8 @@ def chat(
     ] = None,
     model: common.ModelOpt = None,
     mode: common.ModeOpt = "quantspec",
-    gamma: common.GammaOpt = "4",
+    gamma: common.GammaOpt = "auto",
+    lookup: common.LookupOpt = True,
     max_new_tokens: common.MaxNewOpt = 512,
     temperature: common.TempOpt = 0.0,
     top_p: common.TopPOpt = 1.0,
@@ -79,6 +80,7 @@ def chat(
         whole_context=True,  # a chat grows
         gamma=drafts,
         group_size=group_size,
+        lookup=lookup,
     )
     runtime = session.runtime
     if session.truncated_tokens:

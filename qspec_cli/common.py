@@ -64,7 +64,19 @@ ModeOpt = Annotated[
 ]
 GammaOpt = Annotated[
     str,
-    typer.Option(help="Draft tokens per round (1-16), or 'auto' to adapt it to recent acceptance."),
+    typer.Option(
+        help="Draft tokens per round (1-16), or 'auto': each round picks its drafts (4-bit, "
+        "from the document, or none) and their number by the step costs and acceptance "
+        "measured while decoding, for the most tokens per second."
+    ),
+]
+LookupOpt = Annotated[
+    bool,
+    typer.Option(
+        help="quantspec: also draft from the document and the conversation; when the last "
+        "tokens occurred earlier, propose what followed them there (a lookup instead of draft "
+        "steps; the output is the same). --no-lookup: every draft from the 4-bit path."
+    ),
 ]
 GroupOpt = Annotated[
     int | None,

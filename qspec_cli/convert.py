@@ -29,8 +29,10 @@ def convert(
         int | None,
         typer.Option(
             min=1,
-            help="Quantization group along in_features; default 128, or 64 where 128 does not "
-            "divide every layer.",
+            help="Quantization group along in_features (even); default 128, or 64 where 128 "
+            "does not divide every layer. A group that does not divide a layer's inputs leaves "
+            "a short last group, as GPTQ makes it (such layers draft through W4A16, not the "
+            "faster W4A8 kernel, on a CPU).",
         ),
     ] = None,
     calib: Annotated[

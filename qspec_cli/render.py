@@ -64,8 +64,25 @@ def stats_table(stats: ReplyStats, title: str) -> Table:
             f"per target step · {spec.rounds} rounds: {spec.accepted} accepted, "
             f"{spec.recovered} recovered, {spec.bonus} bonus"
         )
+        if spec.lookup_rounds or spec.plain_rounds:
+            table.caption += "\n" + source_line(spec.sources())
         table.caption_justify = "left"
     return table
+
+
+def source_line(sources: dict) -> str:
+    """Acceptance per draft source: the 4-bit path and the document lookup."""
+    parts = []
+    for name, label in (("draft", "4-bit drafts"), ("lookup", "document drafts")):
+        src = sources[name]
+        if src["drafted"]:
+            parts.append(
+                f"{label}: {src['accepted']}/{src['drafted']} accepted "
+                f"({src['acceptance_rate']:.0%}) in {src['rounds']} rounds"
+            )
+    if sources["none"]["rounds"]:
+        parts.append(f"{sources['none']['rounds']} plain target steps")
+    return " · ".join(parts)
 
 
 class PrefillProgress:
@@ -126,13 +143,14 @@ def bench_tables(report: dict) -> list[Table]:
             title_justify="left",
             caption=Text(
                 header + "\nKV B/token: bytes read per history token, all layers (draft / target)"
+                "\ndoc rounds: rounds drafted from the prompt (lookup), of all; their acceptance"
             ),
             caption_justify="left",
             show_edge=False,
             pad_edge=False,
         )
         columns = ("mode", "prefill tok/s", "TTFT s", "decode tok/s", "range", "ms/token",
-                   "vs ar", "accept", "tok/step", "KV B/token")  # fmt: skip
+                   "vs ar", "accept", "tok/step", "doc rounds", "KV B/token")  # fmt: skip
         for col in columns:
             table.add_column(col, justify="left" if col == "mode" else "right", no_wrap=True)
         for name, r in ctx["modes"].items():
@@ -149,6 +167,7 @@ def bench_tables(report: dict) -> list[Table]:
                 f"{speed['median']:.2f}x" if speed else "",
                 f"{spec['acceptance_rate']:.0%}" if spec else "",
                 f"{spec['tokens_per_target_step']:.2f}" if spec else "",
+                _lookup_cell(spec),
                 " / ".join(f"{v:,.0f}" for v in r["kv_bytes_per_token"].values()),
             )
         tables.append(table)
@@ -156,6 +175,16 @@ def bench_tables(report: dict) -> list[Table]:
         if report.get("read_bandwidth_gb_s"):
             tables.append(_traffic_table(ctx, report["read_bandwidth_gb_s"]))
     return tables
+
+
+def _lookup_cell(spec: dict | None) -> str:
+    """Rounds drafted from the document, of all, and their drafts' acceptance."""
+    if not spec:
+        return ""
+    lookup = spec["sources"]["lookup"]
+    if not lookup["rounds"]:
+        return "0"
+    return f"{lookup['rounds']}/{spec['rounds']} ({lookup['acceptance_rate']:.0%})"
 
 
 def _traffic_table(ctx: dict, gb_s: float) -> Table:

@@ -22,7 +22,8 @@ def summarize(
     ],
     model: common.ModelOpt = None,
     mode: common.ModeOpt = "quantspec",
-    gamma: common.GammaOpt = "4",
+    gamma: common.GammaOpt = "auto",
+    lookup: common.LookupOpt = True,
     max_new_tokens: common.MaxNewOpt = 384,
     temperature: common.TempOpt = 0.0,
     top_p: common.TopPOpt = 1.0,
@@ -63,6 +64,7 @@ def summarize(
         truncate=truncate,
         gamma=drafts,
         group_size=group_size,
+        lookup=lookup,
     )
     runtime = session.runtime
     if session.truncated_tokens:

@@ -32,7 +32,10 @@ def test_rtn_reconstruction_is_within_half_a_step():
     assert (zero == zero.round()).all() and zero.min() >= 0 and zero.max() <= 15
 
 
-@pytest.mark.parametrize("shape,group", [((64, 128), 64), ((48, 256), 128), ((40, 64), 32)])
+@pytest.mark.parametrize(
+    "shape,group",
+    [((64, 128), 64), ((48, 256), 128), ((40, 64), 32), ((64, 96), 64), ((32, 576), 128)],
+)  # (the last two: a short last group, 32 and 64 of the G inputs)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_int4_linear_matches_dequantize_then_matmul(shape, group, dtype):
     """CPU int4 kernel path (N % 16 == 0) and the fallback (N = 40) alike."""
@@ -138,8 +141,8 @@ def test_convert_refuses_bad_input(tiny_folder, tmp_path):
     (out / "keep.txt").write_text("mine")
     with pytest.raises(QspecError, match="--force"):
         convert(tiny_folder, out, model, "rtn", 32)
-    with pytest.raises(QspecError, match="does not divide"):
-        convert(tiny_folder, tmp_path / "y", model, "rtn", 48)
+    with pytest.raises(QspecError, match="even number"):
+        convert(tiny_folder, tmp_path / "y", model, "rtn", 47)
     with pytest.raises(QspecError, match="unknown method"):
         convert(tiny_folder, tmp_path / "y", model, "awq4", 32)
     with pytest.raises(QspecError, match="calibration"):
@@ -147,14 +150,17 @@ def test_convert_refuses_bad_input(tiny_folder, tmp_path):
     assert (out / "keep.txt").read_text() == "mine" and not (tmp_path / "y").exists()
 
 
-def test_gptq_export_import_round_trip(tiny_folder, tmp_path):
+@pytest.mark.parametrize("group", [32, 48])
+def test_gptq_export_import_round_trip(tiny_folder, tmp_path, group):
+    """48 divides none of the tiny model's widths (64, 96...): short last groups, as GPTQ
+    makes them (g_idx = k // 48), through quantization, export and import."""
     model = load_model(tiny_folder, dtype=torch.float32)
     calib = torch.randint(0, 128, (200,), generator=_g(3)).tolist()
-    convert(tiny_folder, tmp_path / "conv", model, "gptq", 32, calib, "random")
+    convert(tiny_folder, tmp_path / "conv", model, "gptq", group, calib, "random")
     hf_config = json.loads((tiny_folder / "config.json").read_text())
     exported = export_gptq(model, hf_config, tmp_path / "gptq")
     cfg = json.loads((exported / "config.json").read_text())["quantization_config"]
-    assert cfg["quant_method"] == "gptq" and cfg["bits"] == 4 and cfg["group_size"] == 32
+    assert cfg["quant_method"] == "gptq" and cfg["bits"] == 4 and cfg["group_size"] == group
     assert json.loads((exported / "quantize_config.json").read_text())["lm_head"] is True
     fresh = load_model(tiny_folder, dtype=torch.float32)
     drafts, meta = import_draft(fresh, exported)
@@ -166,14 +172,17 @@ def test_gptq_export_import_round_trip(tiny_folder, tmp_path):
         )
 
 
-def test_act_order_import_matches_the_checkpoint(tiny_folder):
-    """desc_act: channels permuted by g_idx; the module must reproduce the dense weight."""
-    K, N, G = 128, 32, 32
+@pytest.mark.parametrize("G", [32, 48])
+def test_act_order_import_matches_the_checkpoint(tiny_folder, G):
+    """desc_act: channels permuted by g_idx; the module must reproduce the dense weight
+    (G = 48 over 128 inputs: groups of 48, 48 and 32)."""
+    K, N = 128, 32
+    groups = -(-K // G)
     perm = torch.randperm(K, generator=_g(4))
     g_idx = (torch.argsort(perm) // G).int()
     q = torch.randint(0, 16, (N, K), generator=_g(5), dtype=torch.uint8)
-    scale = torch.rand(N, K // G, generator=_g(6)) / 10 + 0.01
-    zero = torch.randint(0, 16, (N, K // G), generator=_g(7)).float()
+    scale = torch.rand(N, groups, generator=_g(6)) / 10 + 0.01
+    zero = torch.randint(0, 16, (N, groups), generator=_g(7)).float()
     w = Int4Weight(q, scale, zero, G, g_idx)
     layer = Int4Linear.from_int4_weight(w)
     assert layer.perm is not None

@@ -375,7 +375,8 @@ def awq_folder_with(tmp_path, **changes):
         ({"quant_method": "bitsandbytes"}, "unknown quant_method 'bitsandbytes'"),
         ({"version": "GEMV"}, "AWQ version 'GEMV'"),
         ({"group_size": -1}, "group_size -1"),
-        ({"group_size": 48}, "group_size 48 does not divide in_features 128"),
+        ({"group_size": 47}, "group_size 47 is not supported"),
+        ({"group_size": 48}, "scales has shape"),  # (3 groups of 128 inputs, 2 stored)
         ({"zero_point": False}, "zero_point"),
     ],
 )
@@ -478,3 +479,58 @@ def test_write_refuses_inconsistent_settings(tmp_path):
     with pytest.raises(ValueError, match="sym=True"):
         write_gptq_checkpoint(tmp_path / "b", weights, other, HF_CONFIG, sym=True)
     assert not list(tmp_path.iterdir())  # nothing half-written
+
+
+# ---- a group size that does not divide in_features -----------------------------------------
+
+
+def test_gptqmodel_shaped_ragged_checkpoint_imports_runs_and_exports(tmp_path):
+    """What GPTQModel 7.6.0 writes for a layer of the default model (576 inputs) with its usual
+    settings: group size 128, desc_act, sym, v1 format. GPTQ's groups are g_idx = i // 128
+    over the channels in quantization order, so there are ceil(576 / 128) = 5 groups, the last
+    one of 64 channels. Built here word by word from those rules, not with our writer:
+    qweight[i, n] holds q[n, 8i + j] at bits 4j; sym zero points are 8, stored as 7 (v1), so
+    every qzeros word is 0x77777777; scales fp16 [5, N]; g_idx int32 [576]."""
+    K, N, G = 576, 64, 128
+    gen = torch.Generator().manual_seed(11)
+    q = torch.randint(0, 16, (N, K), generator=gen, dtype=torch.uint8)
+    order = torch.randperm(K, generator=gen)  # desc_act: channel order[i] is quantized i-th
+    g_idx = (torch.argsort(order) // G).to(torch.int32)
+    assert torch.equal(torch.bincount(g_idx.long()), torch.tensor([128, 128, 128, 128, 64]))
+    scales = (torch.rand(5, N, generator=gen) * 0.01 + 1e-3).half()
+    qweight = torch.tensor(
+        [[i32(sum(int(q[n, 8 * i + j]) << (4 * j) for j in range(8))) for n in range(N)]
+         for i in range(K // 8)],
+        dtype=torch.int32,
+    )  # fmt: skip
+    qzeros = torch.full((5, N // 8), i32(0x77777777), dtype=torch.int32)
+    folder = tmp_path / "gptqmodel"
+    folder.mkdir()
+    quant_config = {
+        "bits": 4, "group_size": G, "desc_act": True, "sym": True, "quant_method": "gptq",
+        "checkpoint_format": "gptq", "damp_percent": 0.05, "static_groups": False,
+    }  # fmt: skip
+    (folder / "config.json").write_text(
+        json.dumps({**HF_CONFIG, "hidden_size": K, "quantization_config": quant_config})
+    )
+    prefix = "model.layers.0.self_attn.q_proj"
+    tensors = {"qweight": qweight, "qzeros": qzeros, "scales": scales, "g_idx": g_idx}
+    save_file({f"{prefix}.{k}": v for k, v in tensors.items()}, folder / "model.safetensors")
+
+    info, weights, _ = read_quantized_checkpoint(folder)
+    assert (info.group_size, info.desc_act, info.sym) == (G, True, True)
+    w = weights["layers.0.self_attn.q_proj"]
+    dense = (q.float() - 8) * scales.float().t()[:, g_idx.long()]  # W[n, k], by the rules above
+    assert torch.equal(w.dequantize(), dense)
+    assert {k: torch.equal(v, tensors[k]) for k, v in pack_gptq(w).items()} == dict.fromkeys(
+        tensors, True
+    )  # exported back byte for byte
+
+    from qspec_core.quant.int4 import Int4Linear
+
+    layer = Int4Linear.from_int4_weight(w)
+    assert layer.ragged and layer.perm is not None and layer.w4a8_args() is False
+    torch.testing.assert_close(layer.dequantized(), dense)
+    x = torch.randn(3, K, generator=gen)
+    expected = x.double() @ dense.double().t()
+    assert (layer(x).double() - expected).abs().max() < 0.02 * expected.abs().max()

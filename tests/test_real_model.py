@@ -92,7 +92,8 @@ def test_summarize_json_on_the_real_model(default_model_dir):
         assert key in result
     assert result["mode"] == "quantspec" and result["model"] == "SmolLM2-135M-Instruct"
     assert result["prompt_tokens"] > 2000 and 0 < result["new_tokens"] <= 24
-    assert set(result["timings_s"]) >= {"tokenize", "prefill", "draft", "verify", "accept"}
+    stages = {"tokenize", "prefill", "lookup", "draft", "verify", "accept"}
+    assert set(result["timings_s"]) >= stages  # (auto starts with a 4-bit round)
     stats = result["stats"]
     for key in (
         "acceptance_rate",
@@ -102,9 +103,13 @@ def test_summarize_json_on_the_real_model(default_model_dir):
         "accepted",
         "recovered",
         "bonus",
+        "draft_steps",
     ):
         assert key in stats
-    assert stats["gamma"] == 4 and stats["rounds"] > 0 and 0 < stats["acceptance_rate"] <= 1
+    assert stats["gamma"] == "auto" and stats["rounds"] > 0 and 0 <= stats["acceptance_rate"] <= 1
+    assert set(stats["sources"]) == {"draft", "lookup", "none"}
+    assert sum(s["rounds"] for s in stats["sources"].values()) == stats["rounds"]
+    assert stats["draft_steps"] >= 4
     assert result["tokens_per_s"] > 0 and len(result["text"].split()) >= 5
 
 
@@ -115,12 +120,12 @@ def draft_runtime(default_converted):
     return load_runtime(None, dtype="fp32", log=lambda m: None, need_draft=True)
 
 
-def _greedy_answers(runtime, text: str, question: str, new_tokens: int):
+def _greedy_answers(runtime, text: str, question: str, new_tokens: int, gamma=4):
     from qspec_core.engine.session import ChatSession
 
     answers, stats = {}, None
     for mode in ("target-ar", "quantspec"):
-        session = ChatSession(runtime, text, max_new_tokens=new_tokens, mode=mode, gamma=4)
+        session = ChatSession(runtime, text, max_new_tokens=new_tokens, mode=mode, gamma=gamma)
         for _ in session.ask(question):
             pass
         answers[mode] = session._cached_ids[session.last.prompt_tokens :]
@@ -128,10 +133,13 @@ def _greedy_answers(runtime, text: str, question: str, new_tokens: int):
     return answers, stats
 
 
-@pytest.mark.parametrize("weights", ["full", "int8", "w8a8"])
-def test_greedy_quantspec_equals_target_ar_on_a_real_document(draft_runtime, weights):
+@pytest.mark.parametrize(
+    ("weights", "gamma"), [("full", 4), ("int8", 4), ("w8a8", 4), ("w8a8", "auto")]
+)
+def test_greedy_quantspec_equals_target_ar_on_a_real_document(draft_runtime, weights, gamma):
     """128 new tokens after ~3,000 tokens of a real text: token for token identical, with the
-    checkpoint's weights, the INT8 verifier weights and W8A8 (the CPU default)."""
+    checkpoint's weights, the INT8 verifier weights and W8A8 (the CPU default), with drafts
+    from the 4-bit path and from the document, at gamma 4 and `auto` (the default)."""
     runtime = dataclasses.replace(draft_runtime, target_weights=weights)
     tok = runtime.tokenizer
     text = tok.decode(tok.encode((DATA / "gpl-3.0.txt").read_text())[:3000])
@@ -141,10 +149,14 @@ def test_greedy_quantspec_equals_target_ar_on_a_real_document(draft_runtime, wei
         text,
         "Rewrite the first section of the document in your own words, at length.",
         128,
+        gamma,
     )
     assert len(answers["target-ar"]) >= 64
     assert answers["quantspec"] == answers["target-ar"]
     assert stats.rounds > 10 and 0.2 < stats.acceptance_rate < 1.0
+    if gamma == 4:  # (auto's choices depend on this machine's timings)
+        sources = stats.sources()
+        assert sources["draft"]["accepted"] > 0 and sources["lookup"]["accepted"] > 0
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])

@@ -80,6 +80,8 @@ def test_ref_rejects_bad_shapes():
     q, scale, zero = make_weights(8, 64, 32)
     packed = pack_int4(q)
     with pytest.raises(ValueError, match="group_size"):
+        w4a16_ref(torch.randn(1, 64), packed, scale, zero, 0)
+    with pytest.raises(ValueError, match="scale"):  # (any G: 16 here, but scales of G = 32)
         w4a16_ref(torch.randn(1, 64), packed, scale, zero, 16)
     with pytest.raises(ValueError, match="K"):
         w4a16_ref(torch.randn(1, 32), packed, scale, zero, 32)

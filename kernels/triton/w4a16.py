@@ -8,7 +8,8 @@ Runtime layout (produced by the weight converter, consumed here):
   nibble of byte i, k = 2i + 1 in the HIGH nibble (`kernels.formats.pack_int4` / `unpack_int4`).
 - `scale`, `zero` [N, K // G] in the activation dtype or fp32; `zero` is a float zero point
   (may be fractional), q in 0..15.
-- G in {32, 64, 128, 256}, K % G == 0, any N.
+- K % G == 0, any N; the kernel takes G in {32, 64, 128, 256}, the twin any G (a layer whose
+  G does not divide its inputs is stored and fed padded to whole groups, `quant/int4.py`).
 
 `w4a16_ref` is the pure-PyTorch twin; `w4a16_matmul` is the public entry point, which runs
 the Triton kernel on CUDA tensors (or on CPU under `TRITON_INTERPRET=1`) and the twin
@@ -33,8 +34,8 @@ GROUP_SIZES = (32, 64, 128, 256)
 
 def _check(x, packed, scale, zero, group_size) -> tuple[int, int]:
     """Validate the operands; return (N, K)."""
-    if group_size not in GROUP_SIZES:
-        raise ValueError(f"group_size must be one of {GROUP_SIZES}, got {group_size}")
+    if group_size < 1:
+        raise ValueError(f"group_size must be positive, got {group_size}")
     if packed.dtype != torch.uint8 or packed.dim() != 2:
         raise ValueError(f"packed must be uint8 [N, K // 2], got {packed.dtype}")
     n, k = packed.shape[0], packed.shape[1] * 2
@@ -190,6 +191,8 @@ def _launch(
     group_size: int,
 ) -> torch.Tensor:
     """Run the Triton kernel on x [..., K] -> y [..., N] (no fallback: the caller chose Triton)."""
+    if group_size not in GROUP_SIZES:
+        raise ValueError(f"group_size must be one of {GROUP_SIZES}, got {group_size}")
     n, k = _check(x, packed, scale, zero, group_size)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)  # [M, K]
@@ -240,8 +243,9 @@ def w4a16_matmul(
 ) -> torch.Tensor:
     """y [..., N] = x [..., K] @ dequant(packed, scale, zero)^T, in x.dtype.
 
-    Runs the Triton kernel where it can run (`triton_usable`), else the PyTorch twin.
+    Runs the Triton kernel where it can run (`triton_usable`, a group size it takes), else
+    the PyTorch twin.
     """
-    if triton_usable(x):
+    if triton_usable(x) and group_size in GROUP_SIZES:
         return _launch(x, packed, scale, zero, group_size)
     return w4a16_ref(x, packed, scale, zero, group_size)

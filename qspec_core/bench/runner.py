@@ -25,6 +25,7 @@ from qspec_core.bench.corpus import bench_prompt
 from qspec_core.cache.full import FullPrecisionCache
 from qspec_core.cache.hierarchical import HierarchicalKVCache
 from qspec_core.engine.generate import decode, prefill, prefill_hierarchical
+from qspec_core.engine.lookup import DocumentLookup
 from qspec_core.engine.sampling import SamplingParams
 from qspec_core.engine.speculative import SpecStats, speculative_decode
 from qspec_core.errors import QspecError
@@ -44,6 +45,8 @@ class Mode:
     draft: Precision | None  # None: autoregressive
     about: str
     weights: str | None = None  # target weights: None follows --target-weights; else forced
+    lookup: bool | None = None  # drafts from the prompt too: None follows --lookup
+    gamma: int | None = None  # None follows --gamma
 
     @property
     def speculative(self) -> bool:
@@ -56,6 +59,8 @@ MODES = {
         Mode("ar", FP, None, "autoregressive, target weights, full-precision KV (baseline)"),
         Mode("target-ar", TARGET, None, "autoregressive, target weights, INT8 KV"),
         Mode("quantspec", TARGET, DRAFT, "draft 4-bit weights + INT4 KV; verify INT8"),
+        Mode("quantspec-g4", TARGET, DRAFT, "the earlier recipe: 4 drafts a round, all 4-bit",
+             lookup=False, gamma=4),
         Mode("draft-w4", FP, DRAFT_W4, "ablation: draft 4-bit weights, full KV"),
         Mode("draft-kv4", TARGET, DRAFT_KV4, "ablation: draft full weights, INT4 KV"),
         Mode("ar-w8", FP, None, "autoregressive, INT8 weights, full KV", "int8"),
@@ -74,7 +79,7 @@ MODES = {
     )
 }  # fmt: skip
 DEFAULT_MODES = tuple(m for m in MODES if not m.endswith("-full"))
-SPEC_STAGES = ("draft", "verify", "accept", "rollback", "rotate")
+SPEC_STAGES = ("lookup", "draft", "verify", "accept", "rollback", "rotate")
 WARMUP_TOKENS = 8
 
 
@@ -121,15 +126,19 @@ class BenchConfig:
     gen: int = 128
     modes: tuple[str, ...] = DEFAULT_MODES
     repeats: int = 3
-    gamma: int | str = 4
+    gamma: int | str = "auto"
     params: SamplingParams = field(default_factory=SamplingParams)
     seed: int = 0
     group_size: int | None = None
     warmup: bool = True
     target_weights: str = "full"  # of the modes that do not force theirs
+    lookup: bool = True  # speculative modes also draft from the prompt (`engine/lookup.py`)
 
     def weights(self, mode: str) -> str:
         return MODES[mode].weights or self.target_weights
+
+    def gamma_of(self, mode: str) -> int | str:
+        return MODES[mode].gamma or self.gamma
 
     def target(self, mode: str) -> Precision:
         """The mode's decoding/verifying path on its target weights."""
@@ -259,9 +268,12 @@ def start_decode(model, mode_name: str, prompt: list[int], gen: int, config, see
     stats = SpecStats()
     # a draft on full weights (the draft-kv4 ablation) takes the target's weight set
     draft = mode.draft if mode.draft.weights == "int4" else mode.draft.with_weights(target.weights)
+    use_lookup = config.lookup if mode.lookup is None else mode.lookup
+    index = DocumentLookup(prompt) if use_lookup else None
     tokens = speculative_decode(
-        *common, config.gamma, timer, stats, draft_path=draft, target_path=target
-    )
+        *common, config.gamma_of(mode_name), timer, stats, draft_path=draft, target_path=target,
+        lookup=index,
+    )  # fmt: skip
     return cache, tokens, stats
 
 
@@ -295,7 +307,7 @@ def _run_once(runtime, mode_name, prompt, gen, config, seed) -> Run:
         ttft_s=first - start,
         decode_s=end - first,
         stages_s=stages,
-        spec=stats.to_dict(config.gamma) if stats is not None else None,
+        spec=stats.to_dict(config.gamma_of(mode_name)) if stats is not None else None,
         kv_bytes_per_token=_kv_bytes_per_token(mode, cache),
         kv_cache_bytes=sum(cache.nbytes().values()),
         peak_memory_bytes=torch.cuda.max_memory_allocated() if cuda else None,
@@ -321,7 +333,7 @@ def step_lines(runs: list[Run], model, config: BenchConfig, bandwidth: float) ->
             continue
         draft_weights = mode.draft.weights if mode.draft.weights == "int4" else weights
         for kind, w, steps in (
-            ("draft", draft_weights, r.spec["drafted"]),
+            ("draft", draft_weights, r.spec["draft_steps"]),
             ("verify", weights, r.spec["rounds"]),
         ):
             view = "draft" if kind == "draft" else "target"
@@ -375,13 +387,7 @@ def summarize_mode(runs: list[Run], ar_runs: list[Run] | None) -> dict:
     if runs[0].spec is not None:
         total = SpecStats()
         for r in runs:
-            s = r.spec
-            total.add(
-                SpecStats(
-                    s["rounds"], s["drafted"], s["accepted"], s["recovered"], s["bonus"],
-                    s["accepted_hist"] + [0] * (len(total.accepted_hist) - len(s["accepted_hist"])),
-                )
-            )  # fmt: skip
+            total.add(SpecStats.from_dict(r.spec))
         out["spec"] = total.to_dict(runs[0].spec["gamma"])
     out["runs"] = [{k: v for k, v in asdict(r).items() if k != "tokens"} for r in runs]
     return out

@@ -46,7 +46,7 @@ AWQ_UNPACK_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)
 _GPTQ_V1_WORD_OFFSET = 0x11111111
 
 GPTQ_FORMATS = ("gptq", "gptq_v2")
-SUPPORTED_GROUP_SIZES_NOTE = "a positive divisor of in_features (32, 64, 128 are usual)"
+SUPPORTED_GROUP_SIZES_NOTE = "a positive even number (32, 64, 128 are usual)"
 
 
 @dataclass
@@ -54,14 +54,16 @@ class Int4Weight:
     """w[n, k] = (q[n, k] - zero[n, grp(k)]) * scale[n, grp(k)] for an nn.Linear weight [N, K].
 
     grp(k) is k // group_size, or g_idx[k] when `g_idx` is set (GPTQ act-order / desc_act,
-    where input channels were quantized in a permuted order). `q` stays in logical input
-    order either way. Runtime kernels need `g_idx` None: `has_trivial_g_idx` says when a
-    g_idx can be dropped; a non-trivial one must be kept for `dequantize` to be right.
+    where input channels were quantized in a permuted order). A group size that does not
+    divide K gives ceil(K / group_size) groups, the last one short, as GPTQ makes them. `q`
+    stays in logical input order either way. Runtime kernels need `g_idx` None:
+    `has_trivial_g_idx` says when a g_idx can be dropped; a non-trivial one must be kept for
+    `dequantize` to be right.
     """
 
     q: torch.Tensor  # uint8 [N, K], values 0..15
-    scale: torch.Tensor  # float32 [N, K // group_size]
-    zero: torch.Tensor  # float32 [N, K // group_size]; integer 0..15 for GPTQ/AWQ
+    scale: torch.Tensor  # float32 [N, ceil(K / group_size)]
+    zero: torch.Tensor  # float32 [N, ceil(K / group_size)]; integer 0..15 for GPTQ/AWQ
     group_size: int
     g_idx: torch.Tensor | None = None  # int32 [K], group of each input channel
 
@@ -69,13 +71,13 @@ class Int4Weight:
         if self.q.dim() != 2 or self.q.dtype != torch.uint8:
             raise ValueError(f"q must be uint8 [N, K], got {self.q.dtype} {list(self.q.shape)}")
         n, k = self.q.shape
-        if self.group_size <= 0 or k % self.group_size:
-            raise ValueError(f"group_size {self.group_size} does not divide in_features {k}")
-        groups = [n, k // self.group_size]
+        if self.group_size <= 0:
+            raise ValueError(f"group_size must be positive, not {self.group_size}")
+        groups = [n, -(-k // self.group_size)]
         for name in ("scale", "zero"):
             if list(getattr(self, name).shape) != groups:
                 shape = list(getattr(self, name).shape)
-                raise ValueError(f"{name} must be [N, K // group_size] = {groups}, got {shape}")
+                raise ValueError(f"{name} must be [N, ceil(K / G)] = {groups}, got {shape}")
         if self.g_idx is not None and list(self.g_idx.shape) != [k]:
             raise ValueError(f"g_idx must be [K] = [{k}], got {list(self.g_idx.shape)}")
 
@@ -154,9 +156,9 @@ def _check_group_size(group_size: int, in_features: int) -> None:
             "group_size -1 (one group per output row) is not supported; "
             f"requantize with group_size {SUPPORTED_GROUP_SIZES_NOTE}"
         )
-    if not isinstance(group_size, int) or group_size <= 0 or in_features % group_size:
+    if not isinstance(group_size, int) or group_size <= 0 or group_size % 2:
         raise QspecError(
-            f"group_size {group_size} does not divide in_features {in_features}; "
+            f"group_size {group_size} is not supported (in_features {in_features}); "
             f"it must be {SUPPORTED_GROUP_SIZES_NOTE}"
         )
 
@@ -192,7 +194,7 @@ def unpack_gptq(
         )
     in_features, out_features = qweight.shape[0] * 8, qweight.shape[1]
     _check_group_size(group_size, in_features)
-    n_groups = in_features // group_size
+    n_groups = -(-in_features // group_size)  # (the last group short when G does not divide)
     why = (
         f"qweight {list(qweight.shape)} means in={in_features}, out={out_features}, g={group_size}"
     )
@@ -261,7 +263,7 @@ def unpack_awq(
         )
     in_features, out_features = qweight.shape[0], qweight.shape[1] * 8
     _check_group_size(group_size, in_features)
-    n_groups = in_features // group_size
+    n_groups = -(-in_features // group_size)  # (the last group short when G does not divide)
     why = (
         f"qweight {list(qweight.shape)} means in={in_features}, out={out_features}, g={group_size}"
     )

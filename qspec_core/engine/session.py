@@ -16,6 +16,7 @@ import torch
 from qspec_core.cache.full import FullPrecisionCache
 from qspec_core.cache.hierarchical import CacheCheckpoint, HierarchicalKVCache
 from qspec_core.engine.generate import decode, prefill, prefill_hierarchical
+from qspec_core.engine.lookup import DocumentLookup
 from qspec_core.engine.sampling import SamplingParams
 from qspec_core.engine.speculative import SpecStats, speculative_decode
 from qspec_core.errors import QspecError
@@ -105,8 +106,9 @@ class ChatSession:
         mode: str = "quantspec",
         truncate: bool = False,
         capacity: int | None = None,
-        gamma: int | str = 4,
+        gamma: int | str = "auto",
         group_size: int | None = None,
+        lookup: bool = True,
     ):
         if mode not in MODES:
             raise QspecError(f"mode {mode!r} is not available (have: {', '.join(MODES)})")
@@ -118,6 +120,7 @@ class ChatSession:
             )
         self.gamma = gamma
         self.group_size = group_size
+        self.lookup = lookup  # quantspec also drafts from the conversation (`lookup.py`)
         self.runtime = runtime
         self.params = params or SamplingParams()
         self.max_new_tokens = max_new_tokens
@@ -300,8 +303,10 @@ class ChatSession:
                 self.runtime.stop_ids,
             )
             if self.mode == "quantspec":
+                with timer.stage("lookup"):  # (indexing a 32k-token prompt: about 0.1 s)
+                    index = DocumentLookup(ids) if self.lookup else None
                 tokens = speculative_decode(
-                    *common, self.gamma, timer, stats.spec, target_path=self.path
+                    *common, self.gamma, timer, stats.spec, target_path=self.path, lookup=index
                 )
             else:
                 tokens = decode(*common, path=self.path, timer=timer)

@@ -26,7 +26,7 @@ from contextlib import contextmanager
 
 import torch
 
-from qspec_core.quant.int4 import rtn_quantize
+from qspec_core.quant.int4 import n_groups, rtn_quantize
 
 
 @contextmanager
@@ -93,16 +93,15 @@ def gptq_quantize(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """weight [N, K], hessian [K, K] (sum of x x^T over calibration inputs) -> q, scale, zero.
 
-    Returns q uint8 [N, K] and fp32 scale/zero [N, K/G], the same format as `rtn_quantize`.
+    Returns q uint8 [N, K] and fp32 scale/zero [N, ceil(K/G)], the same format as
+    `rtn_quantize` (the last group is short when G does not divide K, as GPTQ's g_idx = k // G).
     """
     W = weight.float().clone()
     N, K = W.shape
-    if K % group_size:
-        raise ValueError(f"in_features {K} is not a multiple of the group size {group_size}")
     Hinv = _inverse_hessian_factor(W, hessian, damp_percent)
     q = torch.zeros(N, K, dtype=torch.uint8)
-    scale = torch.zeros(N, K // group_size)
-    zero = torch.zeros(N, K // group_size)
+    scale = torch.zeros(N, n_groups(K, group_size))
+    zero = torch.zeros(N, n_groups(K, group_size))
 
     def round_column(col, w, remaining):
         g = col // group_size

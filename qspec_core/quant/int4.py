@@ -2,8 +2,11 @@
 
     w[n, k] = (q[n, k] - zero[n, k // G]) * scale[n, k // G],  q in 0..15
 
-Storage (the converted model's `draft.safetensors`): `packed` uint8 [N, K/2] (two nibbles
-per byte along K, even k in the low nibble), `scale` and `zero` fp32 [N, K/G]. The matmul
+Storage (the converted model's `draft.safetensors`): `packed` uint8 [N, Kp/2] (two nibbles
+per byte along K, even k in the low nibble), `scale` and `zero` fp32 [N, Kp/G]. Kp is K
+rounded up to whole groups: GPTQ allows a group size that does not divide K (group size 128
+over 576 inputs: five groups, the last one of 64), and such a layer is stored padded, its
+input padded with zeros (so the padded columns add exactly nothing). The matmul
 never builds the dense weight on the fast paths: on CUDA the Triton kernel
 (`kernels/triton/w4a16.py`) dequantizes in registers; on CPU PyTorch's int4 weight kernel runs with
 bf16 activations (its blocked weight layout is ISA-specific, so it is built at load time and
@@ -22,22 +25,29 @@ from kernels.triton.w4a16 import w4a16_matmul, w4a16_ref
 CPU_INT4_GROUPS = (32, 64, 128, 256)
 
 
+def n_groups(in_features: int, group_size: int) -> int:
+    """Groups of `group_size` inputs over `in_features`, the last one possibly short."""
+    return -(-in_features // group_size)
+
+
 def rtn_quantize(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, ...]:
-    """Asymmetric round-to-nearest 4-bit: weight [N, K] -> q uint8, scale, zero fp32 [N, K/G].
+    """Asymmetric round-to-nearest 4-bit: weight [N, K] -> q uint8 [N, K], scale and zero fp32
+    [N, ceil(K/G)] (a short last group when G does not divide K).
 
     Integer zero points (0..15), as GPTQ/AWQ checkpoints store them, so any RTN draft can be
     exported as a standard GPTQ checkpoint.
     """
     N, K = weight.shape
-    if K % group_size:
-        raise ValueError(f"in_features {K} is not a multiple of the group size {group_size}")
-    w = weight.float().reshape(N, K // group_size, group_size)
+    groups = n_groups(K, group_size)
+    # (zero padding changes no group's grid: every grid spans 0 already)
+    w = torch.nn.functional.pad(weight.float(), (0, groups * group_size - K))
+    w = w.reshape(N, groups, group_size)
     lo = w.amin(-1).clamp(max=0.0)  # the grid must contain 0 so that zero is representable
     hi = w.amax(-1).clamp(min=0.0)
     scale = ((hi - lo) / 15).clamp(min=1e-10)
     zero = torch.round(-lo / scale).clamp(0, 15)
     q = torch.clamp(torch.round(w / scale[..., None]) + zero[..., None], 0, 15)
-    return q.reshape(N, K).to(torch.uint8), scale, zero
+    return q.reshape(N, -1)[:, :K].to(torch.uint8), scale, zero
 
 
 class Int4Linear(nn.Module):
@@ -53,15 +63,18 @@ class Int4Linear(nn.Module):
         scaled: bool = False,
     ):
         super().__init__()
-        if in_features % group_size or in_features % 2:
-            raise ValueError(f"in_features {in_features} must be a multiple of {group_size}")
+        if group_size < 1 or group_size % 2 or in_features % 2:
+            raise ValueError(
+                f"in_features {in_features} and group size {group_size} must be even (and >= 2)"
+            )
         self.in_features, self.out_features, self.group_size = in_features, out_features, group_size
-        n_groups = in_features // group_size
+        groups = n_groups(in_features, group_size)
+        self.padded_features = groups * group_size  # Kp: whole groups (the stored width)
         self.register_buffer(
-            "packed", torch.zeros(out_features, in_features // 2, dtype=torch.uint8)
+            "packed", torch.zeros(out_features, self.padded_features // 2, dtype=torch.uint8)
         )
-        self.register_buffer("scale", torch.zeros(out_features, n_groups))
-        self.register_buffer("zero", torch.zeros(out_features, n_groups))
+        self.register_buffer("scale", torch.zeros(out_features, groups))
+        self.register_buffer("zero", torch.zeros(out_features, groups))
         self.register_buffer("bias", torch.zeros(out_features) if bias else None)
         # Act-order (desc_act) GPTQ: input channels are stored sorted by group, so groups stay
         # contiguous; the forward gathers x in the same order (x[..., perm]).
@@ -75,10 +88,10 @@ class Int4Linear(nn.Module):
 
     @classmethod
     def from_quantized(cls, q, scale, zero, group_size, bias=None) -> Int4Linear:
-        """From unpacked q uint8 [N, K] and fp32 scale/zero [N, K/G]."""
+        """From unpacked q uint8 [N, K] and fp32 scale/zero [N, ceil(K/G)]."""
         N, K = q.shape
         layer = cls(K, N, group_size, bias is not None)
-        layer.packed.copy_(pack_int4(q))
+        layer.packed.copy_(pack_int4(layer._padded(q, zero)))
         layer.scale.copy_(scale)
         layer.zero.copy_(zero)
         if bias is not None:
@@ -93,11 +106,14 @@ class Int4Linear(nn.Module):
         if w.g_idx is None or bool((w.g_idx == torch.arange(K) // G).all()):
             return cls.from_quantized(w.q, w.scale, w.zero, G, bias)
         perm = torch.argsort(w.g_idx.long(), stable=True)  # channels grouped by group index
-        counts = torch.bincount(w.g_idx.long(), minlength=K // G)
-        if counts.numel() != K // G or not bool((counts == G).all()):
+        groups = n_groups(K, G)
+        counts = torch.bincount(w.g_idx.long(), minlength=groups)
+        expected = torch.full((groups,), G)
+        expected[-1] = K - (groups - 1) * G  # (the short last group, when G does not divide K)
+        if not torch.equal(counts, expected):
             raise ValueError("g_idx does not assign exactly group_size channels to each group")
         layer = cls(K, N, G, bias is not None, permuted=True)
-        layer.packed.copy_(pack_int4(w.q[:, perm]))
+        layer.packed.copy_(pack_int4(layer._padded(w.q[:, perm], w.zero)))
         layer.scale.copy_(w.scale)
         layer.zero.copy_(w.zero)
         layer.perm.copy_(perm)
@@ -112,12 +128,27 @@ class Int4Linear(nn.Module):
         bias = None if linear.bias is None else linear.bias.data.float()
         return cls.from_quantized(q, scale, zero, group_size, bias)
 
+    @property
+    def ragged(self) -> bool:
+        """Whether the group size does not divide in_features (stored padded)."""
+        return self.padded_features != self.in_features
+
+    def _padded(self, q: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+        """q [N, K] -> [N, Kp]: the padding holds the last group's zero point (a zero weight;
+        the padded inputs are zero anyway)."""
+        pad = self.padded_features - q.shape[1]
+        if not pad:
+            return q
+        fill = zero[:, -1:].round().clamp(0, 15).to(torch.uint8).expand(-1, pad)
+        return torch.cat([q, fill], dim=1)
+
     def unpacked(self) -> torch.Tensor:
-        return unpack_int4(self.packed)
+        """q uint8 [N, K] in storage order (the padding dropped)."""
+        return unpack_int4(self.packed)[:, : self.in_features]
 
     def dequantized(self) -> torch.Tensor:
         """The dense fp32 weight [N, K] this layer represents (for reports and tests)."""
-        w = dequantize(self.unpacked(), self.scale, self.zero)
+        w = dequantize(unpack_int4(self.packed), self.scale, self.zero)[:, : self.in_features]
         if self.perm is None:
             return w
         return torch.empty_like(w).index_copy_(1, self.perm, w)  # back to input order
@@ -127,7 +158,7 @@ class Int4Linear(nn.Module):
 
     def _cpu_int4(self):
         if self._cpu_kernel is None:
-            q = self.unpacked().to(torch.int32)  # [N, K] in 0..15
+            q = unpack_int4(self.packed).to(torch.int32)  # [N, Kp] in 0..15
             int4pack = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)
             # The kernel computes (q - 8) * s + z_f: with an integer zero point z that is
             # (q - z) * s when z_f = (8 - z) * s.
@@ -172,6 +203,7 @@ class Int4Linear(nn.Module):
         if args is None:
             plain = self.input_scale is None and self.perm is None and self.output_scale is None
             ok = plain and not self.in_features % 64 and not self.group_size % 64
+            ok = ok and not self.ragged  # (the kernel reads x as wide as the stored weights)
             args = self._w4a8 = (
                 (self.packed, self.scale, self.zero, self.group_size) if ok else False
             )
@@ -190,13 +222,15 @@ class Int4Linear(nn.Module):
             x = x * self.input_scale.to(x.dtype)
         if self.perm is not None:
             x = x.index_select(-1, self.perm)
+        if self.ragged:
+            x = torch.nn.functional.pad(x, (0, self.padded_features - self.in_features))
         if x.is_cuda:
             y = w4a16_matmul(
                 x, self.packed, self.scale.to(x.dtype), self.zero.to(x.dtype), self.group_size
             )
         elif self.cpu_kernel_ok():
             int4pack, scale_and_zero = self._cpu_int4()
-            x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)  # fast only with bf16 input
+            x2 = x.reshape(-1, self.padded_features).to(torch.bfloat16)  # fast only in bf16
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(
                 x2, int4pack, self.group_size, scale_and_zero
             )

@@ -1,0 +1,139 @@
+"""What a speculative round drafts: `--gamma auto` by cost.
+
+Each round may draft k tokens on the 4-bit path (k draft steps, then a verify of k + 1 rows),
+take k tokens proposed by the document lookup (no draft step), or draft nothing (a verify of
+one row is a plain target step). Which one pays depends on the machine and the context: on a
+2-core CPU at 2k tokens a draft step costs most of a target step and drafting loses to plain
+decoding; on a GPU, or at 32k where the INT4 KV view pays, drafting wins. So the planner
+measures, while decoding:
+  - the seconds of a draft step, d;
+  - the seconds of a verify of m rows, v(m), fitted as a + b (m - 1) over the row counts seen
+    (each time the lower median of its last 16 observations: the first rounds pay for lazy
+    weight packing or kernel compilation, which a mean would carry for hundreds of rounds);
+  - per draft source, the acceptance a of a drafted token that was tested (the tokens up to
+    and including the first rejection);
+and picks the option with the most expected tokens per second:
+  E(k) / cost, E(k) = 1 + a + ... + a^k (the accepted run, plus the recovered/bonus token),
+  cost = k d + v(k + 1) for the 4-bit path, v(k + 1) for the lookup.
+A choice depends only on the past, so every round stays an exact speculative round: greedy
+output is target-ar's and sampled output follows the target's law whatever the planner picks.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+DECAY = 0.9  # weight of the past in the acceptance estimates: about the last 10 rounds
+RECENT = 16  # timings kept per kind
+PRIOR_ACCEPTANCE = {"draft": 0.7, "lookup": 0.6}  # until measured; weight PRIOR_TOKENS
+PRIOR_TOKENS = 2.0
+SLOPE_PRIOR = 0.1  # v(m) = v(1) (1 + 0.1 (m - 1)) until two row counts have been timed
+EXPLORE_EVERY = 32  # rounds without a 4-bit draft before one is tried again (acceptance moves)
+START_GAMMA = 4  # the first two rounds draft this many on the 4-bit path, to time a step
+
+
+def expected_tokens(acceptance: float, k: int) -> float:
+    """Tokens one round emits with k drafts, each accepted with probability a given the
+    previous ones: 1 + a + ... + a^k."""
+    return float(sum(acceptance**i for i in range(k + 1)))
+
+
+class _Recent:
+    """The lower median of the last RECENT values: robust to a slow first call."""
+
+    def __init__(self):
+        self.values: deque[float] = deque(maxlen=RECENT)
+
+    def add(self, value: float) -> None:
+        self.values.append(value)
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    @property
+    def value(self) -> float | None:
+        if not self.values:
+            return None
+        ordered = sorted(self.values)
+        return ordered[(len(ordered) - 1) // 2]
+
+
+@dataclass
+class _Decayed:
+    """A sum whose older terms fade by DECAY per new one."""
+
+    total: float = 0.0
+
+    def add(self, value: float) -> None:
+        self.total = DECAY * self.total + value
+
+
+@dataclass
+class RoundPlanner:
+    """`plan(proposed)` -> (source, k): "draft" (k >= 0 steps on the 4-bit path; 0 is a plain
+    target step) or "lookup" (the first k of the `proposed` tokens). Then `record` the round."""
+
+    limit: int  # most drafts a round may have (the cache's slack)
+    draft_step: _Recent = field(default_factory=_Recent)  # seconds per draft step
+    verify: dict[int, _Recent] = field(default_factory=dict)  # rows -> seconds
+    tested: dict[str, _Decayed] = field(default_factory=dict)  # source -> drafts tested
+    accepted: dict[str, _Decayed] = field(default_factory=dict)  # source -> drafts accepted
+    rounds_since_draft: int = 0
+
+    def acceptance(self, source: str) -> float:
+        acc, tested = self.accepted.get(source), self.tested.get(source)
+        prior = PRIOR_ACCEPTANCE[source]
+        a = (acc.total if acc else 0.0) + prior * PRIOR_TOKENS
+        t = (tested.total if tested else 0.0) + PRIOR_TOKENS
+        return min(a / t, 0.999)
+
+    def verify_seconds(self, rows: int) -> float | None:
+        """v(rows), from `verify_line`."""
+        line = self.verify_line()
+        return None if line is None else line(rows)
+
+    def verify_line(self):
+        """v as a function of the rows: the least-squares line through the typical time of each
+        row count seen (never falling with more rows), or None before any verify."""
+        seen = [(m, r.value) for m, r in self.verify.items() if r.value is not None]
+        if not seen:
+            return None
+        if len(seen) == 1:
+            m0, v0 = seen[0]
+            base = v0 / (1 + SLOPE_PRIOR * (m0 - 1))
+            return lambda rows: base * (1 + SLOPE_PRIOR * (rows - 1))
+        n = len(seen)
+        mx = sum(m for m, _ in seen) / n
+        my = sum(v for _, v in seen) / n
+        sxx = sum((m - mx) ** 2 for m, _ in seen)
+        slope = max(0.0, sum((m - mx) * (v - my) for m, v in seen) / sxx)
+        return lambda rows: max(my + slope * (rows - mx), 1e-9)
+
+    def plan(self, proposed: int) -> tuple[str, int]:
+        d, v = self.draft_step.value, self.verify_line()
+        if len(self.draft_step) < 2 or v is None or self.rounds_since_draft >= EXPLORE_EVERY:
+            return "draft", min(START_GAMMA, self.limit)  # time a draft step and a verify
+        best, best_rate = ("draft", 0), 0.0
+        for source, step, most in (
+            ("draft", d, self.limit),
+            ("lookup", 0.0, min(proposed, self.limit)),
+        ):
+            a = self.acceptance(source)
+            for k in range(1 if source == "lookup" else 0, most + 1):
+                rate = expected_tokens(a, k) / (k * step + v(k + 1))
+                if rate > best_rate:
+                    best, best_rate = (source, k), rate
+        return best
+
+    def record(self, source, k, n, draft_seconds, verify_seconds) -> None:
+        """A round of k drafts from `source` with n accepted; its measured stage seconds."""
+        if source == "draft" and k:
+            self.draft_step.add(draft_seconds / k)
+            self.rounds_since_draft = 0
+        else:
+            self.rounds_since_draft += 1
+        self.verify.setdefault(k + 1, _Recent()).add(verify_seconds)
+        if k:
+            self.accepted.setdefault(source, _Decayed()).add(n)
+            self.tested.setdefault(source, _Decayed()).add(n + (n < k))

@@ -1,0 +1,90 @@
+"""`--gamma auto` by cost (`engine/planner.py`): the choice each round makes from measured
+step costs and acceptance, on synthetic measurements of the machines it must serve."""
+
+import pytest
+
+from qspec_core.engine.planner import (
+    EXPLORE_EVERY,
+    START_GAMMA,
+    RoundPlanner,
+    expected_tokens,
+)
+
+
+def feed(planner, rounds, draft_s, verify_s, accept):
+    """`rounds` rounds of each kind the planner may run, with step costs draft_s (seconds per
+    draft step) and verify_s(m), and a fraction `accept` of each round's drafts accepted."""
+    for _ in range(rounds):
+        for source, k in (("draft", 4), ("draft", 0), ("lookup", 4), ("draft", 2)):
+            n = round(accept[source] * k)
+            planner.record(source, k, n, k * draft_s, verify_s(k + 1))
+
+
+def test_expected_tokens():
+    assert expected_tokens(0.5, 0) == 1
+    assert expected_tokens(0.5, 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+    assert expected_tokens(1.0, 4) == 5
+
+
+def test_starts_by_timing_a_draft_round_and_explores_again_later():
+    planner = RoundPlanner(limit=15)
+    assert planner.plan(proposed=6) == ("draft", START_GAMMA)
+    # a CPU where drafting loses: after timing it, plain steps and lookups only ...
+    feed(planner, 3, 0.9, lambda m: 1 + 0.15 * (m - 1), {"draft": 0.7, "lookup": 0.0})
+    choices = []
+    for _ in range(EXPLORE_EVERY):
+        choices.append(planner.plan(proposed=0))
+        planner.record("draft", 0, 0, 0.0, 1.0)
+    assert set(choices) == {("draft", 0)}
+    # ... until a 4-bit round is tried again, since its acceptance may have moved
+    assert planner.plan(proposed=0) == ("draft", START_GAMMA)
+
+
+def test_a_slow_draft_loses_to_plain_steps():
+    """The 2-core dev CPU at 2k: a draft step 0.88 of a target step, a 5-row verify 1.7."""
+    planner = RoundPlanner(limit=15)
+    feed(planner, 10, 0.88, lambda m: 1 + 0.175 * (m - 1), {"draft": 0.7, "lookup": 0.0})
+    assert planner.plan(proposed=0) == ("draft", 0)
+    assert planner.plan(proposed=4) == ("draft", 0)  # lookups that were never accepted
+    # a lookup that accepts one of four (one of the two tested) beats a plain step
+    feed(planner, 10, 0.88, lambda m: 1 + 0.175 * (m - 1), {"draft": 0.7, "lookup": 0.25})
+    assert planner.plan(proposed=4)[0] == "lookup"
+
+
+def test_a_cheap_draft_drafts_long():
+    """A GPU-like machine: a draft step 0.1 of a verify whatever its rows, 90% accepted."""
+    planner = RoundPlanner(limit=15)
+    feed(planner, 5, 0.1, lambda m: 1.0, {"draft": 0.9, "lookup": 0.0})
+    source, k = planner.plan(proposed=0)
+    assert source == "draft" and k >= 6
+
+
+def test_a_good_lookup_wins_over_drafting():
+    """A summary that copies the document: lookups accepted 90% of the time beat 4-bit
+    drafts at the same acceptance, since they skip the draft steps."""
+    planner = RoundPlanner(limit=15)
+    feed(planner, 5, 0.3, lambda m: 1 + 0.05 * (m - 1), {"draft": 0.75, "lookup": 0.75})
+    source, k = planner.plan(proposed=6)
+    assert source == "lookup" and k == 6
+    assert planner.plan(proposed=0)[0] == "draft"
+
+
+def test_verify_cost_is_a_line_through_the_row_counts_timed():
+    planner = RoundPlanner(limit=15)
+    assert planner.verify_seconds(3) is None
+    planner.record("draft", 4, 2, 0.4, 2.0)  # v(5) = 2.0 alone: the prior's slope
+    assert planner.verify_seconds(1) == pytest.approx(2.0 / 1.4)
+    planner.record("draft", 0, 0, 0.0, 1.0)  # v(1) = 1.0: now a line through both
+    assert planner.verify_seconds(3) == pytest.approx(1.5)
+    assert planner.verify_seconds(9) == pytest.approx(3.0)
+
+
+def test_a_slow_first_round_is_forgotten():
+    """The first 4-bit round pays for lazy weight packing (or kernel compilation on a GPU):
+    100 s a step here. It must not keep the planner from drafting once steps are cheap."""
+    planner = RoundPlanner(limit=15)
+    planner.record("draft", 4, 4, 400.0, 1.0)
+    assert planner.plan(proposed=0) == ("draft", START_GAMMA)  # a second timing first
+    feed(planner, 2, 0.1, lambda m: 1.0, {"draft": 0.9, "lookup": 0.0})
+    source, k = planner.plan(proposed=0)
+    assert source == "draft" and k >= 6
