@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check --upgrade pip
 	# torch is pinned to the CPU wheel in pyproject.toml; see docs/DESIGN.md
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[test]'
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[test,ray]'  # (ray: the --ray tests)
 	touch $@
 
 lint: setup

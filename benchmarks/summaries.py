@@ -12,6 +12,9 @@ Variants:
   quantspec-g4     the recipe before issue 19: 4 drafts a round, all from the 4-bit path
 
     python benchmarks/summaries.py --docs qspec_core/data/*.txt --gen 256 --json out.json
+
+`--model` takes a converted folder (`qspec convert --recipe NAME`); `benchmarks/recipes.py`
+runs this over every recipe.
 """
 
 from __future__ import annotations
@@ -52,7 +55,28 @@ def summarize(runtime, document: str, gen: int, variant: dict) -> dict:
     }
     if st.spec is not None:
         row["spec"] = st.spec.to_dict(variant.get("gamma"))
+        # ms per draft step and per verify (the stages the session timed)
+        draft_steps, rounds = st.spec.draft_steps, st.spec.rounds
+        row["draft_ms"] = (
+            1000 * st.timings_s.get("draft", 0.0) / draft_steps if draft_steps else None
+        )
+        row["verify_ms"] = 1000 * st.timings_s.get("verify", 0.0) / rounds if rounds else None
     return row
+
+
+def machine_info(runtime) -> dict:
+    machine = {
+        "cpu": platform.processor(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "dtype": str(runtime.model.dtype),
+        "target_weights": runtime.target_weights,
+    }
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            machine["cpu"] = line.split(":", 1)[1].strip()
+            break
+    return machine
 
 
 def main():
@@ -62,9 +86,10 @@ def main():
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--model", help="a converted folder (default: the default model)")
     args = ap.parse_args()
     names = [v.strip() for v in args.variants.split(",") if v.strip()]
-    runtime = prepare_and_load(None, dtype="auto", need_draft=True)
+    runtime = prepare_and_load(args.model, dtype="auto", need_draft=True, target_weights="auto")
     runs: dict[tuple[str, str], list[dict]] = {}
     for _ in range(args.repeats):
         for doc in args.docs:
@@ -112,17 +137,7 @@ def main():
             f"{e[f'vs_{names[0]}']:5.2f}x  {str(e['same_tokens_as_first']):5s}  {acc:>5s}  {per}"
         )
     if args.json:
-        machine = {
-            "cpu": platform.processor(),
-            "threads": torch.get_num_threads(),
-            "torch": torch.__version__,
-            "dtype": str(runtime.model.dtype),
-            "target_weights": runtime.target_weights,
-        }
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                machine["cpu"] = line.split(":", 1)[1].strip()
-                break
+        machine = machine_info(runtime)
         out = {"gen": args.gen, "repeats": args.repeats, "machine": machine, "table": table}
         args.json.write_text(json.dumps(out, indent=1) + "\n")
 

@@ -238,6 +238,17 @@ def load(
         )
 
 
+def prepare(model: str | None, need_draft: bool, target_weights: str) -> None:
+    """The conversion step alone (what `load` runs first), for workers that load the model
+    themselves: they then only load, never convert at once."""
+    from qspec_core.registry.prepare import prepare_for
+    from qspec_core.registry.runtime import wanted_target_weights
+
+    weights = wanted_target_weights(target_weights, "cpu")
+    with step_progress("GPTQ 4-bit draft + INT8 verifier") as progress:
+        prepare_for(model, need_draft, weights, log, progress)
+
+
 @contextmanager
 def step_progress(description: str, disable: bool = False):
     """A transient bar on stderr: yields `start(total)`, which adds the task and returns the

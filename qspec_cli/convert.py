@@ -23,8 +23,23 @@ def convert(
         "qspec-draft"
     ),
     method: Annotated[
-        str, typer.Option(help="rtn (round to nearest), gptq or awq (both calibrated on --calib).")
-    ] = "rtn",
+        str | None,
+        typer.Option(
+            help="rtn (round to nearest), gptq or awq (both calibrated on --calib); default rtn."
+        ),
+    ] = None,
+    recipe: Annotated[
+        str | None,
+        typer.Option(
+            help="A named draft recipe: method, group size, which layers are 4-bit (the rest "
+            "draft on the INT8 weights the verifier holds anyway), GPTQ damping. "
+            "`qspec convert --recipes` lists them; the default model uses 'gptq'. Not with "
+            "--method or --group-size.",
+        ),
+    ] = None,
+    list_recipes: Annotated[
+        bool, typer.Option("--recipes", help="List the named recipes and exit.")
+    ] = False,
     group_size: Annotated[
         int | None,
         typer.Option(
@@ -62,8 +77,25 @@ def convert(
     from qspec_core.convert.convert import convert as run_convert
     from qspec_core.convert.export import export_gptq_folder
     from qspec_core.convert.info import convert_steps, read_draft_meta, weight_error_summary
+    from qspec_core.convert.recipes import RECIPES, get_recipe
     from qspec_core.registry.sources import resolve_model
 
+    if list_recipes:
+        if as_json:
+            print(json.dumps({name: r.to_dict() for name, r in RECIPES.items()}))
+        else:
+            for name, r in RECIPES.items():
+                common.out.print(Text(f"{name:12s} {r.about}"))
+        return
+    chosen = None
+    if recipe is not None:
+        if method is not None or group_size is not None or draft_from is not None:
+            raise QspecError(
+                "--recipe sets the method and group size and makes the draft: drop --method, "
+                "--group-size and --draft-from, or drop --recipe"
+            )
+        chosen = get_recipe(recipe)
+    method = method or "rtn"
     if draft_from is None and method not in ("rtn", "gptq", "awq"):
         raise QspecError(f"--method {method!r} is not available (have: rtn, gptq, awq)")
     common.check_run_options("fp32", threads)
@@ -72,9 +104,9 @@ def convert(
     runtime = common.load(model, "fp32", threads)  # quantization math runs in fp32
     calib_ids = runtime.tokenizer.encode(calib_text)[:calib_tokens]
     draft_path = resolve_model(draft_from, common.log) if draft_from else None
-    label = "import" if draft_path else f"{method} 4-bit"
+    label = "import" if draft_path else f"{chosen.name if chosen else method} 4-bit"
     with common.step_progress(f"{label} + INT8 verifier", disable=as_json) as progress:
-        on_layer = progress(convert_steps(runtime.model, draft=draft_path is None))
+        on_layer = progress(convert_steps(runtime.model, draft_path is None, chosen))
         report = run_convert(
             runtime.folder,
             output,
@@ -86,6 +118,7 @@ def convert(
             force,
             on_layer=on_layer,
             draft_from=draft_path,
+            recipe=chosen,
         )
     exported = None
     if export_gptq is not None:

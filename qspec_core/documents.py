@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import io
 import sys
 from pathlib import Path
 from typing import BinaryIO
@@ -22,23 +24,37 @@ def is_stdin(path: str | Path | None) -> bool:
 def read_document(path: str | Path) -> str:
     """The UTF-8 text of `path` (`-`: standard input), read exactly once, so that a FIFO or
     a pipe works; QspecError if missing, unreadable, empty, binary, not UTF-8 or huge."""
+    return read_document_digest(path)[0]
+
+
+def read_document_digest(path: str | Path) -> tuple[str, str]:
+    """(`read_document(path)`, the sha256 of the bytes read), from one read."""
     if is_stdin(path):
         name = "standard input (-)"
         stream = getattr(sys.stdin, "buffer", None)
         if stream is None:
             raise QspecError(f"{name}: not available")
-        return _decode(_read(stream, name), name)
-    path = Path(path)
+        data = _read(stream, name)
+        return _decode(data, name), hashlib.sha256(data).hexdigest()
+    data = _read_file(Path(path))
+    return _decode(data, path), hashlib.sha256(data).hexdigest()
+
+
+def decode_document(data: bytes, name: str) -> tuple[str, str]:
+    """`read_document_digest` of bytes already read (a document sent to a remote worker)."""
+    return _decode(_read(io.BytesIO(data), name), name), hashlib.sha256(data).hexdigest()
+
+
+def _read_file(path: Path) -> bytes:
     if not path.exists():
         raise QspecError(f"{path}: no such file")
     if path.is_dir():
         raise QspecError(f"{path}: is a folder, not a text file")
     try:
         with open(path, "rb") as f:
-            data = _read(f, path)
+            return _read(f, path)
     except OSError as e:
         raise QspecError(f"{path}: cannot read ({e.strerror or e})") from None
-    return _decode(data, path)
 
 
 def _read(stream: BinaryIO, name) -> bytes:

@@ -193,6 +193,9 @@ def test_other_inputs_before_loading(capsys, tmp_path, doc, no_model):
     assert_one_error(qspec(capsys, "summarize", doc.with_suffix(".qspec")), "no such")
     assert_one_error(qspec(capsys, "convert", "--calib", tmp_path / "nope.txt"), "no such file")
     assert_one_error(qspec(capsys, "convert", "--method", "int3"), "--method 'int3'")
+    assert_one_error(qspec(capsys, "convert", "--recipe", "int3"), "unknown recipe 'int3'")
+    for clash in (["--method", "gptq"], ["--group-size", "64"], ["--draft-from", "x"]):
+        assert_one_error(qspec(capsys, "convert", "--recipe", "gptq", *clash), "drop --method")
     for context in ("0", "abc", "-2k", ","):
         assert_one_error(qspec(capsys, "bench", "--context", context), "--context")
     assert_one_error(qspec(capsys, "bench", "--modes", "warp"), "--modes: unknown warp")
@@ -367,3 +370,10 @@ def test_prefill_and_chat_with_standard_input(tiny_model_dir, tmp_path):
     assert proc.returncode == 0 and snap.is_file(), proc.stderr
     proc = run("chat", "--document", "-", "--model", tiny_model_dir, input=text)
     assert proc.returncode == 2 and proc.stderr.startswith("error: --document -:"), proc.stderr
+
+
+def test_convert_lists_its_recipes(capsys, no_model):
+    listed = qspec(capsys, "convert", "--recipes")
+    assert listed.code in (0, None) and "gptq-mlp" in listed.out and "int8-upper" in listed.out
+    as_json = qspec(capsys, "convert", "--recipes", "--json")
+    assert json.loads(as_json.out)["gptq-head8"]["modules"] == "no-head"

@@ -14,6 +14,7 @@ from qspec_core.config import ModelConfig
 from qspec_core.convert.convert import DraftReport, convert
 from qspec_core.convert.export import TOKENIZER_FILES, export_gptq_folder
 from qspec_core.convert.info import convert_steps, read_draft_meta, weight_error_summary
+from qspec_core.convert.recipes import get_recipe
 from qspec_core.engine.session import ReplyStats
 from qspec_core.engine.speculative import SpecStats
 from qspec_core.engine.summary import TARGET_DISTRIBUTION, reproduces, summary_record
@@ -70,6 +71,16 @@ def test_convert_steps_count_every_progress_call(source, tmp_path):
     exported = export_gptq_folder(model, source, tmp_path / "gptq")
     calls, steps, _, _ = _counted_convert(source, tmp_path / "imported", draft_from=exported)
     assert calls == steps == 2 * 7 + 1  # an imported draft: the INT8 weights only
+
+
+def test_convert_steps_count_a_recipes_layers(source, tmp_path):
+    model = load_model(source, dtype=torch.float32)
+    recipe = get_recipe("gptq-head8")
+    steps = convert_steps(model, True, recipe)
+    calls = []
+    calib = list(range(100))
+    convert(source, tmp_path / "conv", model, calib_ids=calib, recipe=recipe, on_layer=calls.append)
+    assert len(calls) == steps == 15 + 14  # INT8 weights for 15 linears, a draft for 14
 
 
 def test_gptq_export_carries_config_and_tokenizer_files(source, tmp_path):

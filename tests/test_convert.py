@@ -7,17 +7,19 @@ import pytest
 import torch
 from hf_tiny import tiny_hf
 
-from kernels.formats import quantize_int8
+from kernels.formats import quantize_activations, quantize_int8
 from qspec_core.cache.full import FullPrecisionCache
 from qspec_core.convert.convert import convert, export_gptq, import_draft
 from qspec_core.convert.folder import load_converted
 from qspec_core.convert.formats import Int4Weight, read_quantized_checkpoint
+from qspec_core.convert.recipes import MODULE_SETS, RECIPES, get_recipe
 from qspec_core.errors import QspecError
 from qspec_core.model.checkpoint import load_model
-from qspec_core.model.transformer import linear_layers
+from qspec_core.model.transformer import Linear, linear_layers
 from qspec_core.precision import DRAFT_W4, FP
 from qspec_core.quant.gptq import HessianCollector, gptq_quantize, gptq_quantize_int8
 from qspec_core.quant.int4 import Int4Linear, dequantize, rtn_quantize
+from qspec_core.quant.int8 import Int8Linear
 
 
 def _g(seed):
@@ -314,3 +316,94 @@ def test_awq_method_is_no_worse_than_rtn(tiny_folder, tmp_path):
     assert loaded.layers[0].self_attn.q_proj.draft.input_scale is not None
     with pytest.raises(QspecError, match="activation scales"):
         export_gptq(loaded, json.loads((tiny_folder / "config.json").read_text()), tmp_path / "g")
+
+
+# ----------------------------------------------------------------------------- recipes
+
+
+def test_recipes_select_their_layers():
+    names = ["layers.0.self_attn.q_proj", "layers.0.mlp.up_proj", "lm_head"]
+    assert [n for n in names if get_recipe("gptq").selects(n)] == names
+    assert [n for n in names if get_recipe("gptq-head8").selects(n)] == names[:2]
+    assert [n for n in names if get_recipe("gptq-mlp").selects(n)] == names[1:2]
+    assert all(r.modules in MODULE_SETS for r in RECIPES.values())
+    with pytest.raises(QspecError, match="unknown recipe 'nope'"):
+        get_recipe("nope")
+
+
+def test_a_recipe_drafts_its_layers_and_the_rest_on_int8(tiny_folder, tmp_path):
+    model = load_model(tiny_folder, dtype=torch.float32)
+    calib = torch.randint(0, 128, (200,), generator=_g(5)).tolist()
+    out = tmp_path / "conv"
+    convert(tiny_folder, out, model, calib_ids=calib, recipe=get_recipe("gptq-mlp"))
+    meta = json.loads((out / "qspec_draft.json").read_text())
+    mlp = sorted(n for n in linear_layers(model) if ".mlp." in n)
+    assert meta["modules"] == mlp and len(mlp) == 2 * 3
+    assert meta["recipe"]["name"] == "gptq-mlp" and meta["method"] == "gptq"
+    loaded = load_converted(out, dtype=torch.float32)
+    loaded.backend = None  # the plain PyTorch forward: what every backend must reproduce
+    x = torch.randn(3, 64, generator=_g(6))
+    for name, layer in linear_layers(loaded).items():
+        if name in mlp:
+            assert isinstance(layer.twin("int4"), Int4Linear)
+            continue
+        # left out of the 4-bit draft: drafts on its INT8 twin, int8 activations (W8A8)
+        assert layer.draft is None and layer.twin("int4") is layer.int8
+        assert layer.int8_activations("int4") and not layer.int8_activations("full")
+        if layer.in_features == 64:
+            want = layer.int8(quantize_activations(x))
+            torch.testing.assert_close(layer(x, DRAFT_W4), want, rtol=0, atol=0)
+    ids = torch.tensor([calib[:20]])
+    with torch.no_grad():
+        logits = {
+            path: loaded(
+                ids,
+                torch.arange(20),
+                FullPrecisionCache(loaded.config, 20, dtype=torch.float32),
+                path,
+            )
+            for path in (FP, DRAFT_W4)
+        }
+    assert not torch.allclose(logits[FP], logits[DRAFT_W4], atol=1e-3)
+    # its GPTQ export: the 4-bit layers quantized, the others in fp16, no INT8 twin
+    hf_config = json.loads((tiny_folder / "config.json").read_text())
+    _, weights, other = read_quantized_checkpoint(export_gptq(model, hf_config, tmp_path / "g"))
+    assert sorted(weights) == mlp and not [k for k in other if ".int8." in k]
+    assert "layers.0.self_attn.q_proj.weight" in other
+
+
+def test_a_layer_whose_inputs_are_not_whole_chunks_drafts_on_w8a16():
+    layer = Linear(96, 8)
+    layer.int8 = Int8Linear.from_linear(layer)
+    assert layer.twin("int4") is layer.int8 and not layer.int8_activations("int4")
+    x = torch.randn(2, 96, generator=_g(7))
+    torch.testing.assert_close(layer(x, DRAFT_W4), layer.int8(x), rtol=0, atol=0)
+    bare = Linear(64, 8)  # no twin at all: its own weight, as before
+    assert bare.twin("int4") is None and not bare.int8_activations("int4")
+
+
+def test_int8_upper_draft_is_the_upper_nibble():
+    w8 = torch.randint(-128, 128, (8, 128), dtype=torch.int8, generator=_g(8))
+    scale = torch.rand(8, generator=_g(9)) + 0.1
+    draft = Int4Linear.from_int8_upper(w8, scale)
+    hi = torch.div(w8.float(), 16, rounding_mode="floor")
+    torch.testing.assert_close(draft.effective_weight(), 16 * scale[:, None] * (hi + 7.5 / 16))
+    error = draft.effective_weight() - scale[:, None] * w8.float()
+    assert (error.abs() <= 8 * scale[:, None] + 1e-6).all()  # half the upper grid's step
+    assert abs(float((error / scale[:, None]).mean())) < 1.0  # unbiased: lo's mean is 7.5
+    odd = Int4Linear.from_int8_upper(w8[:, :96], scale)  # 64 does not divide 96: one group
+    assert odd.group_size == 96
+
+
+def test_int8_upper_recipe_reads_the_int8_weights(tiny_folder, tmp_path):
+    model = load_model(tiny_folder, dtype=torch.float32)
+    calib = torch.randint(0, 128, (200,), generator=_g(10)).tolist()
+    convert(tiny_folder, tmp_path / "conv", model, calib_ids=calib, recipe=get_recipe("int8-upper"))
+    loaded = load_converted(tmp_path / "conv", dtype=torch.float32)
+    for layer in linear_layers(loaded).values():
+        want = Int4Linear.from_int8_upper(layer.int8.weight_int8, layer.int8.weight_scale)
+        torch.testing.assert_close(layer.draft.effective_weight(), want.effective_weight())
+    # its zero points are not integers (the lower nibble's mean): GPTQ files cannot hold them
+    hf_config = json.loads((tiny_folder / "config.json").read_text())
+    with pytest.raises(QspecError, match="zero points must be integers"):
+        export_gptq(model, hf_config, tmp_path / "gptq")

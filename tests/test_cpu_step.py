@@ -101,6 +101,30 @@ def test_stack_gives_the_python_loops_bits(cache_kind, path, python_loop):
     assert torch.equal(got, want)
 
 
+def test_a_draft_without_some_4bit_twins_runs_their_int8_twins(python_loop):
+    """A recipe that keeps attention and lm_head out of the 4-bit draft (`gptq-mlp`): those
+    layers draft on their INT8 twins (W8A8), in the stack exactly as in the Python loop; a
+    twin replaced afterwards is seen."""
+    model = _model(seed=8)
+    layers = linear_layers(model)
+    attach_int8(model, {n: Int8Linear.from_linear(m) for n, m in layers.items()})
+    for name, layer in layers.items():
+        if ".mlp." not in name:
+            layer.draft = None
+    ids = torch.randint(0, 101, (1, 150), generator=torch.Generator().manual_seed(9))
+    with python_loop:
+        want = _rounds(model, _hier(model), DRAFT, ids, STEPS)
+    assert _used(model, DRAFT)
+    got = _rounds(model, _hier(model), DRAFT, ids, STEPS)
+    assert torch.equal(got, want)
+    q = model.layers[0].self_attn.q_proj
+    q.int8 = Int8Linear.from_linear(torch.nn.Linear(128, q.out_features, bias=False))
+    with python_loop:
+        want2 = _rounds(model, _hier(model), DRAFT, ids, STEPS[:4])
+    got2 = _rounds(model, _hier(model), DRAFT, ids, STEPS[:4])
+    assert torch.equal(got2, want2) and not torch.equal(got2, got[:, : got2.shape[1]])
+
+
 def test_speculative_rounds_with_rollbacks_and_late_queries(python_loop):
     """Draft steps run past the committed length (late queries see F1 quantized on the fly),
     the verify rewrites them, the cache rolls back: the same logits and the same cache."""

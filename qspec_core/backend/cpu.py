@@ -137,7 +137,7 @@ class CpuBackend:
             return F.linear(x, weight, bias)
         buffers = twin._buffers
         if isinstance(twin, Int8Linear):
-            w8a8 = path.weights == "w8a8"
+            w8a8 = layer.int8_activations(path.weights)
             usable = rows_kernels.w8a8_usable if w8a8 else rows_kernels.int8_usable
             if usable(x, buffers["weight_int8"]):
                 # (a model cast with .to(bf16) casts the scale too: the kernels take fp32)

@@ -129,8 +129,10 @@ def _add_linear(stack, linear, weights: str, entry: _Entry) -> bool:
             return False
         stack.add_int4_linear(*args, twin_bias)
         return True
-    if weights in INT8_WEIGHTS:
+    if weights in INT8_WEIGHTS or (weights == "int4" and modules.get("int8") is not None):
+        # (a draft layer without a 4-bit twin runs its INT8 twin: `Linear.twin`)
         int8 = modules["int8"]
+        entry.checks.append((modules, "int8", int8))
         entry.hooked.append(int8)
         if not isinstance(int8, Int8Linear):
             return False
@@ -139,7 +141,7 @@ def _add_linear(stack, linear, weights: str, entry: _Entry) -> bool:
         entry.checks += [(int8._buffers, n, t) for n, t in zip(names, tensors, strict=True)]
         if not cpu_linear.int8_weight_ok(tensors[0]) or tensors[1].dtype != torch.float32:
             return False
-        w8a8 = weights == "w8a8"
+        w8a8 = linear.int8_activations(weights)
         if w8a8 and tensors[0].shape[1] % cpu_linear.CHUNK:
             return False
         stack.add_int8_linear(*tensors, w8a8)  # (w8a8: activations rounded to int8)

@@ -30,11 +30,13 @@ from qspec_core.convert.folder import (
     FORMAT_VERSION,
     write_folder,
 )
+from qspec_core.convert.recipes import Recipe
 from qspec_core.errors import QspecError
 from qspec_core.model.checkpoint import checkpoint_files
 from qspec_core.model.transformer import (
     Transformer,
     attach_draft,
+    attach_int8,
     forward_logits,
     linear_layers,
 )
@@ -46,6 +48,7 @@ from qspec_core.quant.int4 import Int4Linear, rtn_quantize
 from qspec_core.quant.int8 import Int8Linear
 
 METHODS = ("rtn", "gptq", "awq")
+UPPER = "int8-upper"  # the draft is the upper nibble of the INT8 weights (a recipe only)
 
 
 @dataclass
@@ -224,7 +227,9 @@ def export_gptq(model: Transformer, hf_config: dict, out: Path) -> Path:
             other[f"{name}.bias"] = d.bias.half()
     for name, tensor in model.state_dict().items():
         module, kind = name.rsplit(".", 1)
-        if ".draft." in name or (module in drafted and kind in ("weight", "bias")):
+        if ".draft." in name or ".int8." in name:
+            continue  # qspec's own twins: not part of a GPTQ checkpoint
+        if module in drafted and kind in ("weight", "bias"):
             continue  # the 4-bit twin (and its bias) replaces it
         other[name] = tensor.half() if tensor.is_floating_point() else tensor
     desc_act = any(w.g_idx is not None for w in weights.values())
@@ -251,8 +256,11 @@ def quantize_model(
     calib_ids: list[int],
     on_layer=None,
     hessians: dict[str, torch.Tensor] | None = None,
+    select=None,
+    damp: float = 0.01,
 ) -> dict[str, Int4Linear]:
-    """4-bit twins of every linear layer (lm_head included) by RTN, GPTQ or AWQ.
+    """4-bit twins of every linear layer (lm_head included), or of those `select(name)`
+    accepts (`Recipe.selects`), by RTN, GPTQ (damping `damp`) or AWQ.
 
     GPTQ uses `hessians` when given (from `calibration_hessians` on `calib_ids`)."""
     if method not in METHODS:
@@ -271,6 +279,8 @@ def quantize_model(
             collector.close()
     drafts = {}
     for name, layer in layers.items():
+        if select is not None and not select(name):
+            continue
         weight = layer.weight.data.float()
         bias = None if layer.bias is None else layer.bias.data.float()
         if method == "awq":
@@ -281,7 +291,7 @@ def quantize_model(
             draft = draft.with_scales(input_scale=input_scale)
         else:
             if method == "gptq":
-                q, scale, zero = gptq_quantize(weight, hessians[name], group_size)
+                q, scale, zero = gptq_quantize(weight, hessians[name], group_size, damp)
             else:
                 q, scale, zero = rtn_quantize(weight, group_size)
             draft = Int4Linear.from_quantized(q, scale, zero, group_size, bias)
@@ -302,10 +312,13 @@ def convert(
     force: bool = False,
     on_layer=None,
     draft_from: Path | None = None,
+    recipe: Recipe | None = None,
 ) -> DraftReport:
     """Quantize `model` (loaded from `source`), or import its draft from a GPTQ/AWQ
     checkpoint (`draft_from`), and write the converted folder `out`, with the INT8 verifier's
-    weights. `on_layer(name)` is called after each layer's draft and each layer's INT8."""
+    weights. A `recipe` (`convert.recipes`) gives the method, group size, the layers that get
+    a 4-bit twin and GPTQ's damping, in place of `method` and `group_size`. `on_layer(name)`
+    is called after each layer's draft and each layer's INT8 (`info.convert_steps`)."""
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
         raise QspecError(f"{out} exists and is not empty; pass --force to replace it")
     if out.resolve() == source.resolve():
@@ -313,6 +326,9 @@ def convert(
     calib_ids = calib_ids or []
     t0 = time.perf_counter()
     extra = {}
+    if recipe is not None:
+        method, group_size = recipe.method, recipe.group_size
+        extra["recipe"] = recipe.to_dict()
     if draft_from is None:
         group_size = group_size or default_group_size(model)
         if method in ("gptq", "awq") and len(calib_ids) < 64:
@@ -324,8 +340,28 @@ def convert(
     if draft_from is not None:
         drafts, extra = import_draft(model, draft_from)
         method, group_size = extra.pop("method"), extra.pop("group_size")
-    else:
-        drafts = quantize_model(model, method, group_size, calib_ids, on_layer, hessians)
+    # the INT8 verifier's weights first: a layer left out of the draft drafts on them
+    int8_tensors, int8_meta = int8_weights(model, hessians, calib_source, on_layer)
+    int8_twins = _int8_twins(model, int8_tensors)
+    attach_int8(model, int8_twins)
+    if draft_from is None and method == UPPER:
+        select = recipe.selects if recipe is not None else None
+        drafts = {
+            name: Int4Linear.from_int8_upper(
+                t.weight_int8, t.weight_scale, t.bias, group_size or 64
+            )
+            for name, t in int8_twins.items()
+            if select is None or select(name)
+        }
+        for name in drafts:
+            if on_layer:
+                on_layer(name)
+    elif draft_from is None:
+        select = None if recipe is None else recipe.selects
+        damp = 0.01 if recipe is None else recipe.damp
+        drafts = quantize_model(
+            model, method, group_size, calib_ids, on_layer, hessians, select, damp
+        )
     layers = linear_layers(model)
     report = DraftReport(tokens=len(calib_ids))
     for name, draft in drafts.items():
@@ -361,9 +397,20 @@ def convert(
         for name, d in drafts.items()
         for key, t in d.state_dict().items()
     }
-    int8_tensors, meta["target_int8"] = int8_weights(model, hessians, calib_source, on_layer)
+    meta["target_int8"] = int8_meta
     write_folder(source, out, tensors | int8_tensors, meta)
     return report
+
+
+def _int8_twins(model: Transformer, tensors: dict[str, torch.Tensor]) -> dict[str, Int8Linear]:
+    """The Int8Linear modules of `int8_weights`' tensors ("<linear>.int8.<buffer>")."""
+    twins = {}
+    for name in linear_layers(model):
+        prefix = f"{name}.int8."
+        state = {k[len(prefix) :]: t for k, t in tensors.items() if k.startswith(prefix)}
+        bias = state.get("bias")
+        twins[name] = Int8Linear.from_quantized(state["weight_int8"], state["weight_scale"], bias)
+    return twins
 
 
 INT8_SCHEME = "per-output-channel symmetric INT8, scale max|w|/127"

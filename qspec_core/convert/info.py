@@ -12,11 +12,14 @@ from qspec_core.errors import QspecError
 from qspec_core.model.transformer import Transformer, linear_layers
 
 
-def convert_steps(model: Transformer, draft: bool = True) -> int:
+def convert_steps(model: Transformer, draft: bool = True, recipe=None) -> int:
     """How many times `convert(..., on_layer=...)` (or `add_int8_weights`) calls `on_layer`:
     once per linear layer for its INT8 weights, and once more for its 4-bit draft when one is
-    made (not when it is imported, nor when only the INT8 weights are)."""
-    return len(linear_layers(model)) * (2 if draft else 1)
+    made (not when it is imported, nor when only the INT8 weights are; with a `recipe`, for
+    the layers it selects)."""
+    names = linear_layers(model)
+    drafted = sum(map(recipe.selects, names)) if recipe is not None else len(names)
+    return len(names) + (drafted if draft else 0)
 
 
 def read_draft_meta(folder: Path) -> dict:

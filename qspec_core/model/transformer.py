@@ -38,19 +38,37 @@ class Linear(nn.Linear):
         self.int8: nn.Module | None = None  # set by `attach_int8`
 
     def twin(self, weights: str) -> nn.Module | None:
-        """The module that runs `weights` for this layer; None: the layer's own weight. A
-        layer without a 4-bit twin stays full precision in the draft (the model checks that
-        it has a draft at all); every layer has its INT8 twin once `attach_int8` ran."""
+        """The module that runs `weights` for this layer; None: the layer's own weight.
+
+        A layer without a 4-bit twin (a recipe that keeps attention or lm_head out of the
+        4-bit draft, or an imported checkpoint that left lm_head unquantized) drafts on its
+        INT8 twin, which the verifier holds anyway: no second copy, a quarter of the full
+        weight's bytes; without one, on its own weight. Every layer has its INT8 twin once
+        `attach_int8` ran."""
         if weights == "int4":
-            return self._modules.get("draft")  # (dict reads: nn.Module.__getattr__ is slow)
+            draft = self._modules.get("draft")  # (dict reads: nn.Module.__getattr__ is slow)
+            return draft if draft is not None else self._modules.get("int8")
         if weights in INT8_WEIGHTS:
             return self._modules["int8"]
         return None
 
+    def int8_activations(self, weights: str) -> bool:
+        """Whether `weights` runs this layer as W8A8 (int8 activations per 64 inputs): the
+        "w8a8" set, and a draft on the INT8 twin when the inputs come in whole 64-chunks (the
+        draft's other linears round their activations too: W4A8)."""
+        if weights == "w8a8":
+            return True
+        return (
+            weights == "int4"
+            and self._modules.get("draft") is None
+            and self._modules.get("int8") is not None
+            and self.in_features % ACT_CHUNK == 0
+        )
+
     def forward(self, x: torch.Tensor, path: Precision = FP) -> torch.Tensor:
         twin = self.twin(path.weights)
         if twin is not None:
-            if path.weights == "w8a8":
+            if self.int8_activations(path.weights):
                 return twin(quantize_activations(x).to(x.dtype))
             return twin(x)
         return F.linear(x, self.weight, self.bias)

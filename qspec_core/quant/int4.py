@@ -122,6 +122,24 @@ class Int4Linear(nn.Module):
         return layer
 
     @classmethod
+    def from_int8_upper(cls, w_int8, scale, bias=None, group_size: int = 64) -> Int4Linear:
+        """The upper 4 bits of INT8 weights as a draft (hierarchical weights, issue 19).
+
+        w_int8 [N, K] int8 with per-row fp32 scale [N]: w = scale * w8 and, splitting the
+        byte, w8 = 16 * hi + lo with hi = w8 >> 4 in -8..7 and lo in 0..15 (two's complement).
+        Reading hi alone, lo is unknown; its mean 7.5 keeps the rounding unbiased:
+        w ~ 16 scale (hi + 7.5 / 16), i.e. q = hi + 8 with zero 8 - 7.5 / 16 and scale
+        16 scale, repeated over groups of `group_size` (a per-row grid in the group layout the
+        kernels take; G = K where `group_size` does not divide K)."""
+        N, K = w_int8.shape
+        G = group_size if K % group_size == 0 else K
+        q = (w_int8.to(torch.int16) >> 4) + 8  # (arithmetic shift: floor(w8 / 16))
+        groups = K // G
+        step = (16 * scale.float())[:, None].expand(N, groups).contiguous()
+        zero = torch.full((N, groups), 8 - 7.5 / 16)
+        return cls.from_quantized(q.to(torch.uint8), step, zero, G, bias)
+
+    @classmethod
     def from_linear(cls, linear: nn.Linear, group_size: int) -> Int4Linear:
         """Round-to-nearest quantization of an existing linear layer."""
         q, scale, zero = rtn_quantize(linear.weight.data, group_size)

@@ -12,6 +12,7 @@ import torch
 from qspec_core.convert.convert import INT8_METHOD, add_int8_weights, convert
 from qspec_core.convert.folder import DRAFT_META
 from qspec_core.convert.info import convert_steps
+from qspec_core.convert.recipes import DEFAULT_RECIPE, get_recipe
 from qspec_core.documents import read_document
 from qspec_core.model.checkpoint import load_model
 from qspec_core.model.tokenizer import Tokenizer
@@ -68,11 +69,14 @@ def prepare_named(
         log(f"making {model.name}'s 4-bit draft and INT8 verifier weights (GPTQ, once) in {target}")
     weights = load_model(folder, dtype=torch.float32)
     ids = Tokenizer(folder).encode(read_document(calib))[:CALIB_TOKENS]
-    on_layer = progress(convert_steps(weights, draft=not upgrade)) if progress else None
+    recipe = get_recipe(DEFAULT_RECIPE)  # (docs/PERF.md: the sweep that picked it)
+    steps = convert_steps(weights, not upgrade, recipe)
+    on_layer = progress(steps) if progress else None
     if upgrade:
         add_int8_weights(target, weights, ids, calib_source, on_layer)
     else:
-        convert(folder, target, weights, "gptq", None, ids, calib_source, True, on_layer)
+        convert(folder, target, weights, calib_ids=ids, calib_source=calib_source, force=True,
+                on_layer=on_layer, recipe=recipe)  # fmt: skip
     return target
 
 

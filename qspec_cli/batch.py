@@ -1,0 +1,143 @@
+"""`qspec summarize FILE|DIR... -o out.jsonl`: the batch's checks, progress bar and report."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+from rich.text import Text
+
+from qspec_cli import common
+from qspec_core.errors import QspecError
+
+
+def run_batch(
+    files: list[Path],
+    output: Path,
+    settings,
+    workers: int,
+    ray: str | None,
+    snapshots: Path | None,
+    threads: int | None,
+    as_json: bool,
+) -> None:
+    """Everything checked before any model loads; then the documents left to do run on one
+    process, `workers` local processes or Ray actors, each record appended as it comes."""
+    from qspec_core.batch.inputs import expand_inputs
+    from qspec_core.batch.records import RecordLog
+    from qspec_core.batch.run import execute, plan
+
+    if settings.mode == "ar" and snapshots is not None:
+        raise QspecError("--snapshots hold the quantized cache: not with --mode ar")
+    cpus = os.cpu_count() or 1
+    if ray is None and workers > cpus:
+        raise QspecError(f"--workers must be in 1..{cpus} (the CPUs here), not {workers}")
+    for f in files:
+        if str(f) == "-" or f.suffix == ".qspec":
+            raise QspecError(
+                f"{f}: a batch reads documents from files and folders (for snapshots, see "
+                "--snapshots)"
+            )
+    paths = expand_inputs(files)
+    if snapshots is not None:
+        if snapshots.exists() and not snapshots.is_dir():
+            raise QspecError(f"{snapshots}: --snapshots takes a folder")
+        snapshots.mkdir(parents=True, exist_ok=True)
+    with RecordLog(output) as log:
+        if log.repaired_bytes:
+            common.warn(f"{output}: dropped a torn last record ({log.repaired_bytes} bytes)")
+        todo, skipped = plan(paths, log, settings)
+        if skipped:
+            common.log(f"{len(skipped)} of {len(paths)} documents already done in {output}")
+        executor = _executor(settings, todo, workers, ray, snapshots, threads)
+        try:
+            failed = execute(todo, log, executor, _progress_bar(len(todo), as_json))
+        finally:
+            executor.close()
+    _report(paths, todo, skipped, failed, output, as_json)
+
+
+def _executor(settings, todo, workers, ray, snapshots, threads):
+    from qspec_core.batch.workers import InProcess, LocalWorkers
+
+    need_draft = settings.mode == "quantspec"
+    total = threads or os.cpu_count() or 1
+    if ray is not None:
+        from qspec_core.batch.ray_pool import RayActors, import_ray
+
+        import_ray()  # (a missing extra says so before the conversion step)
+        common.prepare(settings.model, need_draft, settings.target_weights)
+        return RayActors(settings, ray, workers, max(1, total // workers), snapshots)
+    if workers > 1 and len(todo) > 1:
+        common.prepare(settings.model, need_draft, settings.target_weights)
+        return LocalWorkers(settings, min(workers, len(todo)), max(1, total // workers), snapshots)
+    if not todo:
+        return InProcess(None, settings, snapshots)  # (nothing to run: no model to load)
+    runtime = common.load(
+        settings.model, settings.dtype, threads, need_draft=need_draft,
+        target_weights=settings.target_weights,
+    )  # fmt: skip
+    common.check_group_size(settings.group_size, runtime, settings.gamma if need_draft else None)
+    return InProcess(runtime, settings, snapshots)
+
+
+class _progress_bar:
+    """on_record for `execute`: a bar over documents with ETA and tokens/s on stderr."""
+
+    def __init__(self, total: int, disable: bool):
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
+
+        self.progress = Progress(
+            TextColumn("summaries"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+            TextColumn("eta"), TimeRemainingColumn(), TextColumn("{task.fields[rate]}"),
+            console=common.err, transient=True, disable=disable or total == 0,
+        )  # fmt: skip
+        self.task = self.progress.add_task("", total=total, rate="")
+        self.tokens, self.start = 0, time.perf_counter()
+        if total:
+            self.progress.start()
+
+    def __call__(self, record: dict) -> None:
+        self.tokens += record.get("new_tokens", 0)
+        rate = self.tokens / max(time.perf_counter() - self.start, 1e-9)
+        self.progress.update(self.task, advance=1, rate=f"{rate:,.1f} tok/s")
+        if self.progress.finished:
+            self.progress.stop()
+
+    def __del__(self):
+        self.progress.stop()
+
+
+def _report(paths, todo, skipped, failed, output, as_json) -> None:
+    done = len(todo) - len(failed)
+    if as_json:
+        summary = {
+            "output": str(output),
+            "documents": len(paths),
+            "summarized": done,
+            "skipped": len(skipped),
+            "failed": [{"path": r["path"], "error": r["error"]} for r in failed],
+        }
+        print(json.dumps(summary, ensure_ascii=False))
+    else:
+        common.out.print(
+            Text(
+                f"{output}: {done} summarized, {len(skipped)} already done, "
+                f"{len(failed)} failed, of {len(paths)} documents"
+            )
+        )
+    if failed:
+        for record in failed:
+            common.err.print(Text(f"  {record['path']}: {record['error']}"))
+        raise QspecError(
+            f"{len(failed)} of {len(paths)} documents failed (listed above; a rerun retries them)"
+        )
