@@ -6,9 +6,9 @@ QuantSpec runs one model two ways over one cache. A forward's `Precision` names 
              "int8"  every linear's INT8 twin (W8A16 per-channel; `qspec convert` makes them)
              "w8a8"  the same INT8 twins with the activations rounded to int8 per 64 inputs
                      (W8A8; `kernels.formats.quantize_activations`): integer dot products
-             "int4"  each linear's 4-bit twin (the draft; `qspec convert` gives every linear one,
-                     lm_head included; a layer without one, as in some imported drafts,
-                     runs its full weight)
+             "int4"  each linear's 4-bit twin (the draft; `qspec convert` gives one to every
+                     linear its recipe names; a layer without one, as lm_head in the default
+                     model's recipe or in most imported drafts, runs its INT8 twin, W8A8)
     kv       "fp"    a full-precision cache (`cache.FullPrecisionCache`)
              "int8"  the hierarchical cache read through both planes (upper and lower nibble)
              "int4"  the hierarchical cache read through the upper plane only

@@ -45,7 +45,28 @@ def test_an_older_int8_scheme_needs_the_upgrade(empty_home):
     folder = prepare.converted_folder(DEFAULT_MODEL)
     folder.mkdir(parents=True)
     meta = folder / "qspec_draft.json"
-    meta.write_text(json.dumps({"target_int8": {"method": "rtn"}}))
-    assert "older" in prepare.conversion_needed(DEFAULT_MODEL)
-    meta.write_text(json.dumps({"target_int8": {"method": convert_module.INT8_METHOD}}))
+    recipe = {"name": DEFAULT_MODEL.draft_recipe}
+    meta.write_text(json.dumps({"recipe": recipe, "target_int8": {"method": "rtn"}}))
+    assert "INT8 verifier weights are from an older" in prepare.conversion_needed(DEFAULT_MODEL)
+    int8 = {"method": convert_module.INT8_METHOD}
+    meta.write_text(json.dumps({"recipe": recipe, "target_int8": int8}))
     assert prepare.conversion_needed(DEFAULT_MODEL) is None
+
+
+def test_a_draft_of_another_recipe_is_made_again(empty_home):
+    """The default model's draft recipe changed (issue 19's sweep): a folder made before
+    recipes existed, or with another one, is converted again, not just upgraded."""
+    folder = prepare.converted_folder(DEFAULT_MODEL)
+    folder.mkdir(parents=True)
+    meta = folder / "qspec_draft.json"
+    int8 = {"method": convert_module.INT8_METHOD}
+    assert DEFAULT_MODEL.draft_recipe != "gptq"
+    for recipe in (None, {"name": "gptq"}):
+        meta.write_text(json.dumps({"recipe": recipe, "target_int8": int8}))
+        why = prepare.conversion_needed(DEFAULT_MODEL)
+        assert (
+            why
+            == f"its 4-bit draft is from an older recipe (gptq; now {DEFAULT_MODEL.draft_recipe})"
+        )
+        with pytest.raises(AssertionError, match="must not convert"):  # the whole conversion
+            prepare.prepare_named(DEFAULT_MODEL, log=lambda m: None)

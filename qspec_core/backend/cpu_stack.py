@@ -40,6 +40,7 @@ class _Entry:
 
     def __post_init__(self):
         self._columns = None
+        self._hook_dicts = None
 
     def current(self) -> bool:
         # (map/all iterate in C: about 0.1 us a check on the dev VM)
@@ -51,7 +52,13 @@ class _Entry:
     def hooks(self) -> bool:
         if _module_hooks._global_forward_hooks or _module_hooks._global_forward_pre_hooks:
             return True
-        return any(map(_FORWARD_HOOKS, self.hooked)) or any(map(_PRE_HOOKS, self.hooked))
+        if self._hook_dicts is None:
+            # the modules' own hook dicts, gathered once: registering a hook adds to them in
+            # place, so one truth test each sees it (3.5 us a forward against 22 us reading
+            # them off the default model's 420 modules every time, on the 2-core Zen 5 VM)
+            hooked = self.hooked
+            self._hook_dicts = list(map(_FORWARD_HOOKS, hooked)) + list(map(_PRE_HOOKS, hooked))
+        return any(self._hook_dicts)
 
 
 # model -> {weights: _Entry}; beside the model rather than on it, so that copying or pickling a

@@ -10,8 +10,8 @@ Which layers ("modules"):
     mlp       the MLP's three linears only; attention and lm_head on INT8 (what QuantSpec's
               own code quantizes: its attention stays in 16 bits)
 
-The sweep that measured them is `benchmarks/recipes.py` (docs/PERF.md); `DEFAULT_RECIPE` is
-what it picked by decode speed.
+The sweep that measured them is `benchmarks/recipes.py` (docs/PERF.md); a registry model's
+converted folder uses the recipe measured fastest for it (`RegistryModel.draft_recipe`).
 """
 
 from __future__ import annotations
@@ -49,12 +49,18 @@ class Recipe:
 RECIPES = {
     r.name: r
     for r in (
-        Recipe("gptq", "gptq", None, about="GPTQ, default group, every linear (the default)"),
+        Recipe("gptq", "gptq", None, about="GPTQ, default group, every linear"),
         Recipe("gptq-g32", "gptq", 32, about="GPTQ, group 32, every linear"),
         Recipe("gptq-g64", "gptq", 64, about="GPTQ, group 64, every linear"),
         Recipe("gptq-g128", "gptq", 128, about="GPTQ, group 128 (ragged where 128 won't divide)"),
         Recipe("gptq-damp10", "gptq", None, damp=0.1, about="GPTQ with 10% damping"),
-        Recipe("gptq-head8", "gptq", None, "no-head", about="GPTQ, lm_head drafts on INT8"),
+        Recipe(
+            "gptq-head8",
+            "gptq",
+            None,
+            "no-head",
+            about="GPTQ, lm_head drafts on INT8 (the default model's)",
+        ),  # fmt: skip
         Recipe("gptq-mlp", "gptq", None, "mlp", about="GPTQ MLP only; attention, lm_head INT8"),
         Recipe("rtn", "rtn", None, about="round to nearest, default group, every linear"),
         Recipe("awq", "awq", None, about="AWQ, default group, every linear"),
@@ -66,7 +72,6 @@ RECIPES = {
         ),  # fmt: skip
     )
 }
-DEFAULT_RECIPE = "gptq"
 
 
 def get_recipe(name: str) -> Recipe:

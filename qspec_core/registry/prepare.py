@@ -12,7 +12,7 @@ import torch
 from qspec_core.convert.convert import INT8_METHOD, add_int8_weights, convert
 from qspec_core.convert.folder import DRAFT_META
 from qspec_core.convert.info import convert_steps
-from qspec_core.convert.recipes import DEFAULT_RECIPE, get_recipe
+from qspec_core.convert.recipes import get_recipe
 from qspec_core.documents import read_document
 from qspec_core.model.checkpoint import load_model
 from qspec_core.model.tokenizer import Tokenizer
@@ -40,10 +40,20 @@ def conversion_needed(model: RegistryModel) -> str | None:
     meta = converted_folder(model) / DRAFT_META
     if not meta.exists():
         return "no 4-bit draft yet"
-    int8 = json.loads(meta.read_text()).get("target_int8") or {}
+    meta = json.loads(meta.read_text())
+    recipe = draft_recipe(meta)
+    if recipe != model.draft_recipe:
+        return f"its 4-bit draft is from an older recipe ({recipe}; now {model.draft_recipe})"
+    int8 = meta.get("target_int8") or {}
     if int8.get("method") != INT8_METHOD:  # made before INT8 verification, or RTN INT8
         return "its INT8 verifier weights are from an older qspec"
     return None
+
+
+def draft_recipe(meta: dict) -> str:
+    """The recipe a converted folder's draft was made with; folders from before recipes were
+    made as `gptq` makes them."""
+    return (meta.get("recipe") or {}).get("name", "gptq")
 
 
 Progress = Callable[[int], Callable[[str], None]]  # total steps -> a callback per step
@@ -60,7 +70,9 @@ def prepare_named(
         return target
     calib = BUNDLED_TEXTS / CALIB_TEXT
     calib_source = f"qspec_core/data/{CALIB_TEXT}"
-    upgrade = (target / DRAFT_META).exists()  # only the INT8 weights are missing
+    meta = target / DRAFT_META
+    # only the INT8 weights are missing (else the whole folder is made again)
+    upgrade = meta.exists() and draft_recipe(json.loads(meta.read_text())) == model.draft_recipe
     if upgrade:
         folder = target
         log(f"making {target.name}'s INT8 verifier weights (GPTQ, once)")
@@ -69,7 +81,7 @@ def prepare_named(
         log(f"making {model.name}'s 4-bit draft and INT8 verifier weights (GPTQ, once) in {target}")
     weights = load_model(folder, dtype=torch.float32)
     ids = Tokenizer(folder).encode(read_document(calib))[:CALIB_TOKENS]
-    recipe = get_recipe(DEFAULT_RECIPE)  # (docs/PERF.md: the sweep that picked it)
+    recipe = get_recipe(model.draft_recipe)
     steps = convert_steps(weights, not upgrade, recipe)
     on_layer = progress(steps) if progress else None
     if upgrade:
