@@ -21,13 +21,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 from pathlib import Path
 
-import torch
-
+from qspec_core.bench.runner import machine_info as bench_machine
 from qspec_core.documents import read_document
 from qspec_core.engine.session import SUMMARY_REQUEST, ChatSession
 from qspec_core.registry.runtime import prepare_and_load
@@ -65,18 +63,9 @@ def summarize(runtime, document: str, gen: int, variant: dict) -> dict:
 
 
 def machine_info(runtime) -> dict:
-    machine = {
-        "cpu": platform.processor(),
-        "threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "dtype": str(runtime.model.dtype),
-        "target_weights": runtime.target_weights,
+    return bench_machine(runtime, str(runtime.model.dtype)) | {
+        "target_weights": runtime.target_weights
     }
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            machine["cpu"] = line.split(":", 1)[1].strip()
-            break
-    return machine
 
 
 def main():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 from rich.text import Text
@@ -53,7 +54,8 @@ def run_batch(
             common.log(f"{len(skipped)} of {len(paths)} documents already done in {output}")
         executor = _executor(settings, todo, workers, ray, snapshots, threads)
         try:
-            failed = execute(todo, log, executor, _progress_bar(len(todo), as_json))
+            with _progress_bar(len(todo), as_json) as on_record:
+                failed = execute(todo, log, executor, on_record)
         finally:
             executor.close()
     _report(paths, todo, skipped, failed, output, as_json)
@@ -83,38 +85,35 @@ def _executor(settings, todo, workers, ray, snapshots, threads):
     return InProcess(runtime, settings, snapshots)
 
 
-class _progress_bar:
-    """on_record for `execute`: a bar over documents with ETA and tokens/s on stderr."""
+@contextmanager
+def _progress_bar(total: int, disable: bool):
+    """Yields the on_record for `execute`: a transient bar over documents on stderr, with the
+    elapsed time, an ETA and the tokens/s of the batch so far."""
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
-    def __init__(self, total: int, disable: bool):
-        from rich.progress import (
-            BarColumn,
-            MofNCompleteColumn,
-            Progress,
-            TextColumn,
-            TimeElapsedColumn,
-            TimeRemainingColumn,
-        )
+    columns = (
+        TextColumn("summaries"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        TextColumn("eta"), TimeRemainingColumn(), TextColumn("{task.fields[rate]}"),
+    )  # fmt: skip
+    disable = disable or total == 0
+    with Progress(*columns, console=common.err, transient=True, disable=disable) as bar:
+        task = bar.add_task("", total=total, rate="")
+        start, tokens = time.perf_counter(), 0
 
-        self.progress = Progress(
-            TextColumn("summaries"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-            TextColumn("eta"), TimeRemainingColumn(), TextColumn("{task.fields[rate]}"),
-            console=common.err, transient=True, disable=disable or total == 0,
-        )  # fmt: skip
-        self.task = self.progress.add_task("", total=total, rate="")
-        self.tokens, self.start = 0, time.perf_counter()
-        if total:
-            self.progress.start()
+        def on_record(record: dict) -> None:
+            nonlocal tokens
+            tokens += record.get("new_tokens", 0)
+            rate = tokens / max(time.perf_counter() - start, 1e-9)
+            bar.update(task, advance=1, rate=f"{rate:,.1f} tok/s")
 
-    def __call__(self, record: dict) -> None:
-        self.tokens += record.get("new_tokens", 0)
-        rate = self.tokens / max(time.perf_counter() - self.start, 1e-9)
-        self.progress.update(self.task, advance=1, rate=f"{rate:,.1f} tok/s")
-        if self.progress.finished:
-            self.progress.stop()
-
-    def __del__(self):
-        self.progress.stop()
+        yield on_record
 
 
 def _report(paths, todo, skipped, failed, output, as_json) -> None:

@@ -6,7 +6,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_speculative import _forced, _g, _model, _run
+from test_speculative import _forced, _g, _model, _run, assert_replays
 
 from qspec_core.cache.hierarchical import HierarchicalKVCache
 from qspec_core.engine.generate import prefill_hierarchical
@@ -218,15 +218,4 @@ def test_lookup_rounds_leave_exactly_the_committed_kv(pattern):
     prompt = (phrase * 4)[: 2 * G - 3]
     out, cache, stats = _run_lookup(model, prompt, 40, lookup_min=2, verifier=_forced(pattern))
     assert stats.lookup_rounds > 0
-    committed = prompt + out[:-1]
-    assert cache.seq_len == cache.committed == len(committed)
-    replay = HierarchicalKVCache(model.config, len(committed) + 8, dtype=torch.float32)
-    prefill_hierarchical(model, replay, prompt)
-    with torch.no_grad():
-        for i, t in enumerate(committed[len(prompt) :]):
-            model(torch.tensor([[t]]), torch.tensor([len(prompt) + i]), replay, TARGET)
-            replay.commit(len(prompt) + i + 1)
-        probe = torch.tensor([[out[-1]]]), torch.tensor([len(committed)])
-        a = model(*probe, cache, TARGET)[0, -1]
-        b = model(*probe, replay, TARGET)[0, -1]
-    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert_replays(model, prompt, out, cache)

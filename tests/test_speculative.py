@@ -150,15 +150,11 @@ def _forced(pattern):
     return verifier
 
 
-@pytest.mark.parametrize("pattern", [[0] * 12, [2] * 12, [4] * 12, [0, 4, 1, 4, 3, 0, 4, 2] * 2])
-def test_transactions_leave_exactly_the_committed_kv(pattern):
-    """Rejection first / middle / all + bonus, rounds crossing F2's capacity: after the run
-    the cache's next logits equal a target-path replay of the committed tokens (1e-5)."""
-    model = _model()
-    G = model.config.head_dim
-    prompt = torch.randint(0, 101, (2 * G - 3,), generator=_g(4)).tolist()  # F2 near full
-    out, cache = _run(model, prompt, 40, "quantspec", 4, verifier=_forced(pattern))
-    committed = prompt + out[:-1]  # the last emitted token is pending, not fed
+def assert_replays(model, prompt, out, cache) -> HierarchicalKVCache:
+    """After a run that emitted `out` from `prompt`, the cache holds exactly the committed
+    tokens (all but the last emitted one, which is pending, not fed), and its next logits equal
+    those of a target-path replay of them (1e-5). Returns the replay's cache."""
+    committed = prompt + out[:-1]
     assert cache.seq_len == cache.committed == len(committed)
     replay = HierarchicalKVCache(model.config, len(committed) + 8, dtype=torch.float32)
     prefill_hierarchical(model, replay, prompt)
@@ -170,6 +166,18 @@ def test_transactions_leave_exactly_the_committed_kv(pattern):
         a = model(*probe, cache, TARGET)[0, -1]
         b = model(*probe, replay, TARGET)[0, -1]
     torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    return replay
+
+
+@pytest.mark.parametrize("pattern", [[0] * 12, [2] * 12, [4] * 12, [0, 4, 1, 4, 3, 0, 4, 2] * 2])
+def test_transactions_leave_exactly_the_committed_kv(pattern):
+    """Rejection first / middle / all + bonus, rounds crossing F2's capacity: after the run
+    the cache's next logits equal a target-path replay of the committed tokens (1e-5)."""
+    model = _model()
+    G = model.config.head_dim
+    prompt = torch.randint(0, 101, (2 * G - 3,), generator=_g(4)).tolist()  # F2 near full
+    out, cache = _run(model, prompt, 40, "quantspec", 4, verifier=_forced(pattern))
+    replay = assert_replays(model, prompt, out, cache)
     assert replay.n_quant == cache.n_quant
 
 

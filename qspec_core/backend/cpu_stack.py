@@ -5,7 +5,7 @@
 the INT8 twins, exactly as `CpuBackend.linear` picks them (the KV view is the cache's part of
 the call). It is built once per weight set and reused while everything it was built from is
 unchanged: each call checks, by identity, every weight and twin it read (for a 30-layer model
-like the default one: 480 checks for the full weights, 690 for the draft's, 900 for the INT8
+like the default one: 480 checks for the full weights, 900 for the draft's and for the INT8
 ones), and that no hooks are registered (with the earlier 1,530 checks this took about 0.25 ms
 a forward on the 2-core dev VM, 1% of a draft step). None when the weights need what the C++
 loop does not run: a 4-bit twin in a form other than plain W4A8 (AWQ scales, act-order), an
@@ -118,34 +118,27 @@ def _add_linear(stack, linear, weights: str, entry: _Entry) -> bool:
     """Adds one `model.Linear` as `CpuBackend.linear` would run it on `weights`; False when
     the C++ loop cannot run it."""
     params, modules = linear._parameters, linear._modules
-    weight, bias, draft = params["weight"], params["bias"], modules.get("draft")
+    weight, bias = params["weight"], params["bias"]
     entry.hooked.append(linear)
-    if weights != "full":  # (a full-weight stack does not depend on the twins)
-        entry.checks.append(
-            (modules, weights_module[weights], modules.get(weights_module[weights]))
-        )
-    if weights == "int4" and draft is not None:
-        entry.hooked.append(draft)
-        if not isinstance(draft, Int4Linear):
-            return False
+    # the twin `Linear.twin` picks (the draft's 4-bit twin, else its INT8 one; the INT8 sets'
+    # INT8 twin): a change to any of the modules it reads rebuilds the stack
+    twin = linear.twin(weights)
+    entry.checks += [(modules, name, modules.get(name)) for name in TWIN_MODULES[weights]]
+    if twin is not None:
+        entry.hooked.append(twin)
+    if isinstance(twin, Int4Linear):
         # the backend runs W4A8 on exactly these tensors (reset when they change)
-        args = draft.w4a8_args()
-        twin_bias = draft._buffers["bias"]
-        entry.checks += [(draft.__dict__, "_w4a8", args), (draft._buffers, "bias", twin_bias)]
+        args = twin.w4a8_args()
+        twin_bias = twin._buffers["bias"]
+        entry.checks += [(twin.__dict__, "_w4a8", args), (twin._buffers, "bias", twin_bias)]
         if not args:
             return False
         stack.add_int4_linear(*args, twin_bias)
         return True
-    if weights in INT8_WEIGHTS or (weights == "int4" and modules.get("int8") is not None):
-        # (a draft layer without a 4-bit twin runs its INT8 twin: `Linear.twin`)
-        int8 = modules["int8"]
-        entry.checks.append((modules, "int8", int8))
-        entry.hooked.append(int8)
-        if not isinstance(int8, Int8Linear):
-            return False
+    if isinstance(twin, Int8Linear):
         names = ("weight_int8", "weight_scale", "bias")
-        tensors = [int8._buffers[n] for n in names]
-        entry.checks += [(int8._buffers, n, t) for n, t in zip(names, tensors, strict=True)]
+        tensors = [twin._buffers[n] for n in names]
+        entry.checks += [(twin._buffers, n, t) for n, t in zip(names, tensors, strict=True)]
         if not cpu_linear.int8_weight_ok(tensors[0]) or tensors[1].dtype != torch.float32:
             return False
         w8a8 = linear.int8_activations(weights)
@@ -153,6 +146,8 @@ def _add_linear(stack, linear, weights: str, entry: _Entry) -> bool:
             return False
         stack.add_int8_linear(*tensors, w8a8)  # (w8a8: activations rounded to int8)
         return True
+    if twin is not None:
+        return False  # a twin of another kind: its own forward, in the Python loop
     entry.checks += [(params, "weight", weight), (params, "bias", bias)]
     if not _fp32(weight) or (bias is not None and not _fp32(bias)):
         return False
@@ -160,8 +155,8 @@ def _add_linear(stack, linear, weights: str, entry: _Entry) -> bool:
     return True
 
 
-# `model.Linear`'s twin per weight set
-weights_module = {"int4": "draft"} | dict.fromkeys(INT8_WEIGHTS, "int8")
+# the `model.Linear` submodules `Linear.twin` reads per weight set
+TWIN_MODULES = {"full": (), "int4": ("draft", "int8")} | dict.fromkeys(INT8_WEIGHTS, ("int8",))
 
 
 def _fp32(t: torch.Tensor) -> bool:

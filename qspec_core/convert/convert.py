@@ -341,8 +341,7 @@ def convert(
         drafts, extra = import_draft(model, draft_from)
         method, group_size = extra.pop("method"), extra.pop("group_size")
     # the INT8 verifier's weights first: a layer left out of the draft drafts on them
-    int8_tensors, int8_meta = int8_weights(model, hessians, calib_source, on_layer)
-    int8_twins = _int8_twins(model, int8_tensors)
+    int8_twins, int8_meta = int8_weights(model, hessians, calib_source, on_layer)
     attach_int8(model, int8_twins)
     if draft_from is None and method == UPPER:
         select = recipe.selects if recipe is not None else None
@@ -392,25 +391,19 @@ def convert(
             "rel_weight_error": report.rel_weight_error,
         },
     }
-    tensors = {
-        f"{name}.draft.{key}": t.contiguous()
-        for name, d in drafts.items()
-        for key, t in d.state_dict().items()
-    }
+    tensors = twin_tensors(drafts, "draft") | twin_tensors(int8_twins, "int8")
     meta["target_int8"] = int8_meta
-    write_folder(source, out, tensors | int8_tensors, meta)
+    write_folder(source, out, tensors, meta)
     return report
 
 
-def _int8_twins(model: Transformer, tensors: dict[str, torch.Tensor]) -> dict[str, Int8Linear]:
-    """The Int8Linear modules of `int8_weights`' tensors ("<linear>.int8.<buffer>")."""
-    twins = {}
-    for name in linear_layers(model):
-        prefix = f"{name}.int8."
-        state = {k[len(prefix) :]: t for k, t in tensors.items() if k.startswith(prefix)}
-        bias = state.get("bias")
-        twins[name] = Int8Linear.from_quantized(state["weight_int8"], state["weight_scale"], bias)
-    return twins
+def twin_tensors(twins: dict[str, torch.nn.Module], kind: str) -> dict[str, torch.Tensor]:
+    """draft.safetensors' entries of twins by linear name: "<linear>.<kind>.<buffer>"."""
+    return {
+        f"{name}.{kind}.{key}": t.contiguous()
+        for name, twin in twins.items()
+        for key, t in twin.state_dict().items()
+    }
 
 
 INT8_SCHEME = "per-output-channel symmetric INT8, scale max|w|/127"
@@ -425,12 +418,12 @@ def int8_weights(
     hessians: dict[str, torch.Tensor] | None = None,
     calib_source: str = "",
     on_layer=None,
-) -> tuple[dict[str, torch.Tensor], dict]:
+) -> tuple[dict[str, Int8Linear], dict]:
     """The INT8 verifier's weights (`--target-weights int8`): every linear layer on the
     per-output-channel grid, rounded by GPTQ with `hessians` (from `calibration_hessians`) or
-    to nearest without. No activation smoothing (see docs/DESIGN.md). Returns the tensors for
-    draft.safetensors and their metadata."""
-    tensors = {}
+    to nearest without. No activation smoothing (see docs/DESIGN.md). Returns the twins by
+    linear name (`twin_tensors` gives their draft.safetensors entries) and their metadata."""
+    twins = {}
     for name, layer in linear_layers(model).items():
         if hessians is None:
             q = Int8Linear.from_linear(layer)
@@ -438,8 +431,7 @@ def int8_weights(
             w_int8, scale = gptq_quantize_int8(layer.weight.data, hessians[name])
             bias = None if layer.bias is None else layer.bias.data.float()
             q = Int8Linear.from_quantized(w_int8, scale, bias)
-        for key, t in q.state_dict().items():
-            tensors[f"{name}.int8.{key}"] = t.contiguous()
+        twins[name] = q
         if on_layer:
             on_layer(name)
     meta = {
@@ -449,7 +441,7 @@ def int8_weights(
         "smoothing": None,
         "modules": sorted(linear_layers(model)),
     }
-    return tensors, meta
+    return twins, meta
 
 
 def add_int8_weights(
@@ -466,7 +458,8 @@ def add_int8_weights(
     meta = json.loads((folder / DRAFT_META).read_text())
     tensors = {k: v for k, v in load_file(folder / DRAFT_WEIGHTS).items() if ".int8." not in k}
     hessians = calibration_hessians(model, calib_ids) if calib_ids else None
-    extra, meta["target_int8"] = int8_weights(model, hessians, calib_source, on_layer)
+    twins, meta["target_int8"] = int8_weights(model, hessians, calib_source, on_layer)
+    extra = twin_tensors(twins, "int8")
     tmp_weights = folder / f".{DRAFT_WEIGHTS}.tmp"
     tmp_meta = folder / f".{DRAFT_META}.tmp"
     try:
