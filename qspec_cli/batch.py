@@ -136,7 +136,8 @@ def _report(paths, todo, skipped, failed, output, as_json) -> None:
         )
     if failed:
         for record in failed:
-            common.err.print(Text(f"  {record['path']}: {record['error']}"))
+            path, why = record["path"], record["error"]
+            common.err.print(Text(f"  {why}" if why.startswith(path) else f"  {path}: {why}"))
         raise QspecError(
             f"{len(failed)} of {len(paths)} documents failed (listed above; a rerun retries them)"
         )
