@@ -59,6 +59,7 @@ SOURCES = tuple(
 HEADERS = tuple(sorted(HERE.glob("*.h")))  # hashed with the sources, so an edit rebuilds
 DISABLE_ENV = "QSPEC_CPU_KERNELS"  # "0" turns the C++ kernels off (the PyTorch paths run)
 ISA_ENV = "QSPEC_CPU_ISA"  # native (default) | avx2 | generic
+SANITIZE_ENV = "QSPEC_CPU_SANITIZE"  # address,undefined | thread: a checking build (make sanitize)
 WAIT_ENV = "QSPEC_CPU_BUILD_WAIT"  # seconds to wait for another process's build
 DEFAULT_WAIT_S = 300.0  # a build takes 1-3 minutes on 2 busy cores; a slower one, longer
 LOCK_NAME = "qspec-build.lock"  # ours: flock, holds the holder's pid
@@ -120,16 +121,39 @@ def _check_isa_runs_here(isa: str) -> None:
         raise BuildSettingError(f"{ISA_ENV}={isa}: this CPU lacks {', '.join(missing)}")
 
 
+def sanitizers(value: str | None = None) -> list[str]:
+    """The sanitizers QSPEC_CPU_SANITIZE names ("address,undefined" or "thread"; empty: none).
+    A sanitized build is its own variant (its flags are in the tag); the process must preload
+    the sanitizer's runtime (`make sanitize` does)."""
+    value = os.environ.get(SANITIZE_ENV, "") if value is None else value
+    names = [n.strip() for n in value.split(",") if n.strip()]
+    unknown = [n for n in names if n not in ("address", "undefined", "thread")]
+    if unknown or ("thread" in names and len(names) > 1):
+        raise BuildSettingError(
+            f"{SANITIZE_ENV}={value!r}: expected address, undefined, address,undefined or thread"
+        )
+    return names
+
+
 def compile_flags(isa: str) -> list[str]:
     # -fopenmp: at::parallel_for's OpenMP backend lives in headers; without it, serial
-    return ["-O3", *ISA_FLAGS[isa], "-ffast-math", "-fno-finite-math-only", "-fopenmp"]
+    flags = ["-O3", *ISA_FLAGS[isa], "-ffast-math", "-fno-finite-math-only", "-fopenmp"]
+    if names := sanitizers():
+        # -O1 -g: readable reports; -fno-sanitize-recover: the first finding stops the process
+        flags[0] = "-O1"
+        flags += ["-g", "-fno-omit-frame-pointer", f"-fsanitize={','.join(names)}"]
+        flags += ["-fno-sanitize-recover=all"]
+    return flags
 
 
 def _tag(isa: str) -> str:
-    """Build per source, per flags and, for `native`, per CPU: -march=native code must not
-    run on another CPU (the other variants run on any CPU that has their ISA)."""
+    """Build per source, per flags, per checkout and, for `native`, per CPU: -march=native
+    code must not run on another CPU (the other variants run on any CPU that has their ISA)."""
     digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS))
     digest.update(" ".join(compile_flags(isa)).encode() + torch.__version__.encode())
+    # torch's build.ninja names the sources by path: two checkouts of the same sources sharing
+    # a folder would each find it out of date and rebuild it, over and over
+    digest.update(str(HERE.resolve()).encode())
     if isa == "native":
         digest.update(" ".join(sorted(cpu_flags())).encode() or platform.processor().encode())
     return digest.hexdigest()[:12]
@@ -257,7 +281,7 @@ def _build(isa: str) -> tuple[object | None, str | None]:
                     name=name,
                     sources=[str(p) for p in SOURCES],
                     extra_cflags=compile_flags(isa),
-                    extra_ldflags=["-fopenmp"],
+                    extra_ldflags=["-fopenmp", *(f for f in compile_flags(isa) if "sanit" in f)],
                     build_directory=str(folder),  # (so TORCH_EXTENSIONS_DIR plays no part)
                     verbose=False,
                 ), None
