@@ -25,6 +25,12 @@ does not save AVX's), and `-mno-amx-tile -mno-amx-int8 -mno-amx-bf16` where cpui
 XCR0 mask such as 0x7: x87, SSE and AVX, no AVX-512) replaces what the OS grants, for tests of
 the "cpuid yes, OS no" machines; the flags, hence the build folder, follow it.
 
+Progress: a build that compiles says so on stderr at once (the variant, the sources, the
+flags), then the time so far: redrawn every second on a terminal, a line every 30 s
+otherwise, and a last line with the total. Loading a finished build says nothing.
+ninja runs the sources in parallel (torch passes no -j unless MAX_JOBS is set: ninja's
+default, the cores + 2).
+
 Concurrent and interrupted builds: torch guards a build folder with a `lock` file that a
 killed build leaves behind, after which every later build waits on it forever. So each build
 also holds `qspec-build.lock` with flock (released by the kernel however the holder dies); a
@@ -41,12 +47,14 @@ import hashlib
 import os
 import platform
 import subprocess
+import sys
 import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
 from functools import lru_cache
 from pathlib import Path
+from typing import TextIO
 
 import torch
 
@@ -333,10 +341,85 @@ def _wait_s() -> float:
     return wait
 
 
-def _build(isa: str) -> tuple[object | None, str | None]:
-    """(module, None), or (None, why) with a warning."""
-    from torch.utils.cpp_extension import load as build
+def _elapsed(seconds: float) -> str:
+    minutes, seconds = divmod(int(seconds), 60)
+    return f"{minutes} min {seconds:02d} s" if minutes else f"{seconds} s"
 
+
+@contextlib.contextmanager
+def build_progress(
+    what: str,
+    detail: str = "",
+    stream: TextIO | None = None,
+    every_s: float | None = None,
+    quiet_s: float = 0.0,
+) -> Iterator[None]:
+    """Says on `stream` (default: stderr) that `what` is compiling and for how long, while the
+    body runs: after `quiet_s` (a body done sooner says nothing) a first line with `detail`,
+    then the time so far every `every_s` (default: a line redrawn every second on a terminal,
+    a new line every 30 s otherwise), and a last line with the total, or the time it failed
+    after. From a thread: torch's `load` is silent and blocks."""
+    stream = sys.stderr if stream is None else stream
+    try:
+        tty = stream.isatty()
+    except (AttributeError, ValueError):
+        tty = False
+    every_s = (1.0 if tty else 30.0) if every_s is None else every_s
+    start = time.monotonic()
+    done = threading.Event()
+    shown = threading.Event()
+
+    def say(text: str, last: bool = False) -> None:
+        if tty:  # one line, redrawn: \r, then erase what a longer text left
+            stream.write(f"\r{text}\033[K" + ("\n" if last else ""))
+        else:
+            stream.write(text + "\n")
+        stream.flush()
+
+    def tick() -> None:
+        if done.wait(quiet_s):
+            return
+        shown.set()
+        # a whole line (a long one wraps, and \r cannot redraw a wrapped line), then a short
+        # one that a terminal redraws
+        say(f"qspec: compiling {what}{detail} (the first time takes minutes)", last=True)
+        while not done.wait(every_s):
+            say(f"qspec: compiling {what}: {_elapsed(time.monotonic() - start)} so far")
+
+    thread = threading.Thread(target=tick, name="qspec-build-progress", daemon=True)
+    thread.start()
+    ended = "failed after"
+    try:
+        yield
+        ended = "compiled in"
+    finally:
+        done.set()
+        thread.join()
+        if shown.is_set():
+            say(f"qspec: {what} {ended} {_elapsed(time.monotonic() - start)}", last=True)
+
+
+def _compile(isa: str, name: str, folder: Path) -> object:
+    """torch's build of the `isa` variant as module `name` in `folder`."""
+    from torch.utils.cpp_extension import load
+
+    return load(
+        name=name,
+        sources=[str(p) for p in SOURCES],
+        extra_cflags=compile_flags(isa),
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(folder),  # (so TORCH_EXTENSIONS_DIR plays no part)
+        verbose=False,
+    )
+
+
+def _build(
+    isa: str,
+    compile: Callable[[str, str, Path], object] = _compile,
+    progress: TextIO | None = None,
+) -> tuple[object | None, str | None]:
+    """(module, None), or (None, why) with a warning. `compile` (tests: a fake) builds and
+    loads; `progress` is where the build says how it goes (default: stderr)."""
     wait_s = _wait_s()
     folder = build_folder(isa)
     name = folder.name
@@ -350,15 +433,17 @@ def _build(isa: str) -> tuple[object | None, str | None]:
         except BuildLockTimeout as e:
             failed = str(e)
         else:
+            # A finished build (its library there) loads in a second: quiet unless ninja
+            # finds work to do (an object deleted, an interrupted build)
+            quiet_s = 5.0 if (folder / f"{name}.so").exists() else 0.0
+            what = f"the CPU kernels ({isa})"
+            detail = (
+                f": {', '.join(p.name for p in SOURCES)} with {' '.join(compile_flags(isa))}"
+                f", into {folder}"
+            )
             try:
-                return build(
-                    name=name,
-                    sources=[str(p) for p in SOURCES],
-                    extra_cflags=compile_flags(isa),
-                    extra_ldflags=["-fopenmp"],
-                    build_directory=str(folder),  # (so TORCH_EXTENSIONS_DIR plays no part)
-                    verbose=False,
-                ), None
+                with build_progress(what, detail, stream=progress, quiet_s=quiet_s):
+                    return compile(isa, name, folder), None
             except Exception as e:  # no compiler, no headers: the PyTorch paths still work
                 failed = f"{type(e).__name__}: {e}".splitlines()[0]
     _warn(f"CPU kernels unavailable ({failed}); using the PyTorch paths")
