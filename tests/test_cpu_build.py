@@ -7,6 +7,7 @@ starts from a copy of the default build with one object file removed (a whole bu
 the sources changed since this session built them).
 """
 
+import io
 import os
 import shutil
 import signal
@@ -247,3 +248,68 @@ def test_a_build_killed_while_torch_holds_its_lock_does_not_hang_the_next(tmp_pa
     assert done.stdout.split() == ["isa", cpu_ext.isa()], done.stderr[-3000:]
     assert "interrupted" in done.stderr
     assert not (folder / cpu_ext.TORCH_BATON).exists()
+
+
+class FakeTty(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_progress_says_what_compiles_then_the_time_then_the_total():
+    out = io.StringIO()  # (not a terminal: whole lines)
+    with cpu_ext.build_progress("the CPU kernels (avx2)", ": a.cpp, b.cpp", out, every_s=0.05):
+        time.sleep(0.4)
+    lines = out.getvalue().splitlines()
+    assert lines[0].startswith("qspec: compiling the CPU kernels (avx2): a.cpp, b.cpp")
+    assert len([line for line in lines if line.endswith("so far")]) >= 3, lines
+    assert lines[-1] == "qspec: the CPU kernels (avx2) compiled in 0 s"
+    assert not [line for line in lines if line.startswith("error")]
+
+
+def test_progress_on_a_terminal_redraws_one_line():
+    out = FakeTty()
+    with cpu_ext.build_progress("the CPU kernels", "", out, every_s=0.05):
+        time.sleep(0.3)
+    text = out.getvalue()
+    first, redrawn, end = text.split("\n")
+    assert first.startswith("\rqspec: compiling the CPU kernels") and end == ""
+    assert redrawn.count("\r") >= 4 and redrawn.endswith("compiled in 0 s\033[K")
+
+
+def test_progress_is_quiet_for_a_quick_load_and_says_when_it_failed():
+    out = io.StringIO()
+    with cpu_ext.build_progress("the CPU kernels", "", out, every_s=0.05, quiet_s=5):
+        pass  # (a finished build, loaded)
+    assert out.getvalue() == ""
+    with pytest.raises(RuntimeError, match="no compiler"):
+        with cpu_ext.build_progress("the CPU kernels", "", out, every_s=0.05):
+            raise RuntimeError("no compiler")
+    assert out.getvalue().splitlines()[-1] == "qspec: the CPU kernels failed after 0 s"
+
+
+@pytest.mark.parametrize("minutes", [0, 2])
+def test_elapsed_times_read_as_minutes_and_seconds(minutes):
+    assert cpu_ext._elapsed(minutes * 60 + 5.7) == (f"{minutes} min 05 s" if minutes else "5 s")
+
+
+def test_a_build_shows_its_progress_on_stderr_only(tmp_path, fresh, capsys):
+    """The CLI's stdout (`--json`) stays clean; the sources and the variant are named."""
+    fresh.setenv("QSPEC_HOME", str(tmp_path))
+    built = []
+
+    def slow_compile(isa, name, folder):  # (a real build takes minutes)
+        time.sleep(0.3)
+        built.append(name)
+        (folder / f"{name}.so").write_text("")
+        return "module"
+
+    assert cpu_ext._build("generic", compile=slow_compile) == ("module", None)
+    out, err = capsys.readouterr()
+    assert out == ""
+    first, *_, last = err.splitlines()
+    assert first.startswith("qspec: compiling the CPU kernels (generic): hier_attention.cpp")
+    assert "module.cpp with -O3" in first and str(cpu_ext.build_folder("generic")) in first
+    assert last.startswith("qspec: the CPU kernels (generic) compiled in ")
+    # built already (its library there): loading says nothing
+    assert cpu_ext._build("generic", compile=slow_compile) == ("module", None)
+    assert capsys.readouterr() == ("", "") and len(built) == 2

@@ -3,10 +3,10 @@
 
 `generic` builds the portable C++ loops (`QSPEC_AVX2` undefined) that CPUs without AVX2 take;
 `avx2` builds the AVX2/FMA intrinsics with 256-bit auto-vectorization, which is what AVX2
-CPUs run, and differs from `native` only where the CPU has AVX-512 or AVX-VNNI; `avxvnni`
-adds the integer-dot linears' 256-bit VNNI instructions (CPUs with AVX-VNNI but no AVX-512
-VNNI run those). Each variant is built
-once into the user's qspec cache (1-2 minutes on 2 cores) and reused by later runs.
+CPUs run, and differs from `native` only where the CPU has (and the OS grants) AVX-512 or
+AVX-VNNI; `avxvnni` adds the integer-dot linears' 256-bit VNNI instructions (CPUs with AVX-VNNI
+but no AVX-512 VNNI run those). Each variant is built once, when this test first runs, into
+the user's qspec cache (1-2 minutes on 2 cores) and reused by later runs.
 """
 
 import os
@@ -36,7 +36,7 @@ def _skip_reason(isa: str) -> str | None:
     if isa == current:
         return f"the default run covers {isa}"
     if isa in cpu_ext.ISA_NEEDS:
-        flags = cpu_ext.cpu_flags()
+        flags = cpu_ext.cpu_features().usable  # (what the OS lets this process run)
         missing = [f for f in cpu_ext.ISA_NEEDS[isa] if f not in flags]
         if not cpu_ext._X86 or missing:
             return f"this CPU cannot run {isa} code (lacks {', '.join(missing) or 'x86-64'})"

@@ -9,12 +9,27 @@ with the system C++ compiler (about two minutes), per source, per instruction se
 `native`, per CPU; if it fails, `available()` is False and every caller keeps its PyTorch path.
 
 Instruction set (`QSPEC_CPU_ISA`, read at first use): `native` (default: `-march=native`,
-everything this CPU has, AVX-512 included), `avx2` (`-mavx2 -mfma -mf16c`: the sources' AVX2
-intrinsics paths, other loops auto-vectorized at 256 bits), `avxvnni` (the same with
-`-mavxvnni`: the integer-dot linears' 256-bit `vpdpbusd`, what CPUs with AVX-VNNI but no
-AVX-512 run) or `generic` (`-march=x86-64`: the portable C++ paths that CPUs without AVX2
-take). Each variant has its own build folder, so
-they coexist; `isa()` names the one loaded.
+everything this CPU has and the OS lets it run, AVX-512 included), `avx2` (`-mavx2 -mfma
+-mf16c`: the sources' AVX2 intrinsics paths, other loops auto-vectorized at 256 bits),
+`avxvnni` (the same with `-mavxvnni`: the integer-dot linears' 256-bit `vpdpbusd`, what CPUs
+with AVX-VNNI but no AVX-512 run) or `generic` (`-march=x86-64`: the portable C++ paths that
+CPUs without AVX2 take). Each variant has its own build folder, so they coexist; `isa()`
+names the one loaded.
+
+What the CPU has is what the OS grants, not what cpuid lists (`features.py`): AVX and AVX-512
+use register state the OS must enable (XCR0), and a hypervisor may list AMX and trap it. So
+`native` adds `-mno-avx512f` where the OS does not save the AVX-512 state (`-mno-avx` where it
+does not save AVX's), and `-mno-amx-tile -mno-amx-int8 -mno-amx-bf16` where cpuid lists AMX
+(the kernels use none: said to the compiler, so no header takes an AMX path); `avx2` and
+`avxvnni` are user errors where the OS withholds their state. `QSPEC_CPU_OS_XFEATURES` (an
+XCR0 mask such as 0x7: x87, SSE and AVX, no AVX-512) replaces what the OS grants, for tests of
+the "cpuid yes, OS no" machines; the flags, hence the build folder, follow it.
+
+Progress: a build that compiles says so on stderr at once (the variant, the sources, the
+flags), then the time so far: redrawn every second on a terminal, a line every 30 s
+otherwise, and a last line with the total. Loading a finished build says nothing.
+ninja runs the sources in parallel (torch passes no -j unless MAX_JOBS is set: ninja's
+default, the cores + 2).
 
 Concurrent and interrupted builds: torch guards a build folder with a `lock` file that a
 killed build leaves behind, after which every later build waits on it forever. So each build
@@ -31,13 +46,19 @@ import errno
 import hashlib
 import os
 import platform
+import subprocess
+import sys
 import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
+from functools import lru_cache
 from pathlib import Path
+from typing import TextIO
 
 import torch
+
+from kernels.cpu import features
 
 try:
     import fcntl
@@ -58,14 +79,15 @@ SOURCES = tuple(
 )
 HEADERS = tuple(sorted(HERE.glob("*.h")))  # hashed with the sources, so an edit rebuilds
 DISABLE_ENV = "QSPEC_CPU_KERNELS"  # "0" turns the C++ kernels off (the PyTorch paths run)
-ISA_ENV = "QSPEC_CPU_ISA"  # native (default) | avx2 | generic
+ISA_ENV = "QSPEC_CPU_ISA"  # native (default) | avx2 | avxvnni | generic
 SANITIZE_ENV = "QSPEC_CPU_SANITIZE"  # address,undefined | thread: a checking build (make sanitize)
+OS_XFEATURES_ENV = "QSPEC_CPU_OS_XFEATURES"  # tests: the XCR0 mask to take as the OS's grant
 WAIT_ENV = "QSPEC_CPU_BUILD_WAIT"  # seconds to wait for another process's build
 DEFAULT_WAIT_S = 300.0  # a build takes 1-3 minutes on 2 busy cores; a slower one, longer
 LOCK_NAME = "qspec-build.lock"  # ours: flock, holds the holder's pid
 TORCH_BATON = "lock"  # torch.utils.cpp_extension's FileBaton in the build folder
 
-_X86 = platform.machine().lower() in ("x86_64", "amd64")
+_X86 = features.X86
 ISA_FLAGS = {
     "native": ("-march=native",),
     "avx2": ("-mavx2", "-mfma", "-mf16c"),  # (no AVX-512 whatever the CPU has)
@@ -73,8 +95,10 @@ ISA_FLAGS = {
     # the compiler's baseline: SSE2 on x86-64, so `QSPEC_AVX2` stays undefined
     "generic": ("-march=x86-64",) if _X86 else (),
 }
-# /proc/cpuinfo flags an ISA's code needs: without them it dies of SIGILL, no message
+# /proc/cpuinfo flags an ISA's code needs, granted by the OS: else it dies of SIGILL, silently
 ISA_NEEDS = {"avx2": ("avx2", "fma", "f16c"), "avxvnni": ("avx2", "fma", "f16c", "avx_vnni")}
+# What `native` never uses, said to the compiler (gcc 12 keeps __AMX_INT8__ after -mno-amx-tile)
+AMX_OFF = ("-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16")
 
 _module = None  # the module built for `_isa` (None: not loaded yet, or failed: `_failed`)
 _failed: str | None = None
@@ -103,6 +127,32 @@ def cpu_flags() -> set[str]:
     return set()
 
 
+def _cxx() -> str:
+    return os.environ.get("CXX", "c++")  # (torch.utils.cpp_extension.get_cxx_compiler's rule)
+
+
+@lru_cache(maxsize=8)
+def _probe_os(cpuid: frozenset[str], compiler: str, ask_amx: bool) -> features.CpuFeatures:
+    return features.probe(cpuid, compiler=compiler, ask_amx=ask_amx)
+
+
+def cpu_features(ask_amx: bool = False) -> features.CpuFeatures:
+    """cpuid's flags (`cpu_flags()`) beside what the OS grants of them: QSPEC_CPU_OS_XFEATURES
+    if set, else the OS's answer (asked once per process). `ask_amx`: request the AMX state
+    in a child process (else AMX counts as withheld)."""
+    value = os.environ.get(OS_XFEATURES_ENV, "")
+    flags = frozenset(cpu_flags())
+    if not value.strip():
+        return _probe_os(flags, _cxx(), ask_amx)
+    try:
+        mask = features.parse_xfeatures(value)
+    except ValueError:
+        raise BuildSettingError(
+            f"{OS_XFEATURES_ENV}={value!r}: expected an XCR0 bit mask such as 0x7 or 0xe7"
+        ) from None
+    return features.probe(flags, os_xfeatures=mask, ask_amx=ask_amx)
+
+
 def requested_isa(value: str | None = None) -> str:
     """The ISA variant `value` (default: QSPEC_CPU_ISA) names; BuildSettingError if none."""
     value = os.environ.get(ISA_ENV, "") if value is None else value
@@ -115,10 +165,19 @@ def requested_isa(value: str | None = None) -> str:
 def _check_isa_runs_here(isa: str) -> None:
     if isa in ISA_NEEDS and not _X86:
         raise BuildSettingError(f"{ISA_ENV}={isa} needs an x86-64 CPU, not {platform.machine()}")
-    have = cpu_flags()
-    missing = [f for f in ISA_NEEDS.get(isa, ()) if f not in have]
-    if have and missing:  # (no cpuinfo to read: trust the user's choice)
-        raise BuildSettingError(f"{ISA_ENV}={isa}: this CPU lacks {', '.join(missing)}")
+    have = cpu_features()
+    needs = ISA_NEEDS.get(isa, ())
+    if not have.cpuid:  # (no cpuinfo to read: trust the user's choice)
+        return
+    lacks = [f for f in needs if f not in have.cpuid]
+    if lacks:
+        raise BuildSettingError(f"{ISA_ENV}={isa}: this CPU lacks {', '.join(lacks)}")
+    withheld = [f for f in needs if not have.granted(f)]
+    if withheld:
+        raise BuildSettingError(
+            f"{ISA_ENV}={isa}: the CPU lists {', '.join(withheld)} but the OS does not enable "
+            f"the register state they use (XCR0 {have.os_xfeatures:#x}, from {have.source})"
+        )
 
 
 def sanitizers(value: str | None = None) -> list[str]:
@@ -135,9 +194,55 @@ def sanitizers(value: str | None = None) -> list[str]:
     return names
 
 
-def compile_flags(isa: str) -> list[str]:
+@lru_cache(maxsize=8)
+def _known_to_compiler(compiler: str, flags: tuple[str, ...]) -> tuple[str, ...]:
+    """The flags of `flags` that `compiler` accepts (all of them, tried at once, in the usual
+    case); none if it cannot be run (then the build fails and says why)."""
+
+    def accepts(*tried: str) -> bool:
+        try:
+            done = subprocess.run(
+                [compiler, "-Werror", *tried, "-E", "-x", "c++", os.devnull],
+                capture_output=True,
+                timeout=60,
+            )
+        except (OSError, subprocess.SubprocessError):
+            return False
+        return done.returncode == 0
+
+    if not flags or accepts(*flags):
+        return flags
+    return tuple(f for f in flags if accepts(f))
+
+
+def native_exclusions(have: features.CpuFeatures | None = None) -> tuple[str, ...]:
+    """What `native` takes back from -march=native (which reads cpuid alone): the instruction
+    sets whose register state the OS does not enable, and AMX wherever cpuid lists it (the
+    kernels use none). Only flags the compiler knows (AMX's need gcc 11 or clang 12; an older
+    compiler emits no AMX anyway)."""
+    if not _X86:
+        return ()
+    have = cpu_features() if have is None else have
+    wanted = []
+    if not have.grants(features.YMM):  # (VEX encodings included: vaes, vpclmulqdq)
+        wanted += ["-mno-avx", "-mno-vaes", "-mno-vpclmulqdq"]  # (AVX2, FMA, F16C, AVX-512 go)
+    elif not have.grants(features.ZMM):
+        wanted += ["-mno-avx512f"]  # (every AVX-512 extension goes with it)
+    if not have.grants(features.APX) and any(f.startswith("apx") for f in have.cpuid):
+        wanted += ["-mno-apxf"]  # (gcc 14+ only: dropped where the compiler does not know it)
+    if any(f.startswith("amx") for f in have.cpuid):  # (elsewhere -march=native has no AMX)
+        wanted += AMX_OFF
+    return _known_to_compiler(_cxx(), tuple(wanted))
+
+
+def compile_flags(isa: str, have: features.CpuFeatures | None = None) -> list[str]:
+    """The flags the `isa` variant is built with; `have` (default: `cpu_features()`) decides
+    what `native` leaves out."""
+    isa_flags = ISA_FLAGS[isa]
+    if isa == "native":
+        isa_flags = (*isa_flags, *native_exclusions(have))
     # -fopenmp: at::parallel_for's OpenMP backend lives in headers; without it, serial
-    flags = ["-O3", *ISA_FLAGS[isa], "-ffast-math", "-fno-finite-math-only", "-fopenmp"]
+    flags = ["-O3", *isa_flags, "-ffast-math", "-fno-finite-math-only", "-fopenmp"]
     if names := sanitizers():
         # -O1 -g: readable reports; -fno-sanitize-recover: the first finding stops the process
         flags[0] = "-O1"
@@ -148,7 +253,8 @@ def compile_flags(isa: str) -> list[str]:
 
 def _tag(isa: str) -> str:
     """Build per source, per flags, per checkout and, for `native`, per CPU: -march=native
-    code must not run on another CPU (the other variants run on any CPU that has their ISA)."""
+    code must not run on another CPU (the other variants run on any CPU that has their ISA).
+    What the OS grants shows in the flags (`native_exclusions`)."""
     digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS))
     digest.update(" ".join(compile_flags(isa)).encode() + torch.__version__.encode())
     # torch's build.ninja names the sources by path: two checkouts of the same sources sharing
@@ -259,10 +365,85 @@ def _wait_s() -> float:
     return wait
 
 
-def _build(isa: str) -> tuple[object | None, str | None]:
-    """(module, None), or (None, why) with a warning."""
-    from torch.utils.cpp_extension import load as build
+def _elapsed(seconds: float) -> str:
+    minutes, seconds = divmod(int(seconds), 60)
+    return f"{minutes} min {seconds:02d} s" if minutes else f"{seconds} s"
 
+
+@contextlib.contextmanager
+def build_progress(
+    what: str,
+    detail: str = "",
+    stream: TextIO | None = None,
+    every_s: float | None = None,
+    quiet_s: float = 0.0,
+) -> Iterator[None]:
+    """Says on `stream` (default: stderr) that `what` is compiling and for how long, while the
+    body runs: after `quiet_s` (a body done sooner says nothing) a first line with `detail`,
+    then the time so far every `every_s` (default: a line redrawn every second on a terminal,
+    a new line every 30 s otherwise), and a last line with the total, or the time it failed
+    after. From a thread: torch's `load` is silent and blocks."""
+    stream = sys.stderr if stream is None else stream
+    try:
+        tty = stream.isatty()
+    except (AttributeError, ValueError):
+        tty = False
+    every_s = (1.0 if tty else 30.0) if every_s is None else every_s
+    start = time.monotonic()
+    done = threading.Event()
+    shown = threading.Event()
+
+    def say(text: str, last: bool = False) -> None:
+        if tty:  # one line, redrawn: \r, then erase what a longer text left
+            stream.write(f"\r{text}\033[K" + ("\n" if last else ""))
+        else:
+            stream.write(text + "\n")
+        stream.flush()
+
+    def tick() -> None:
+        if done.wait(quiet_s):
+            return
+        shown.set()
+        # a whole line (a long one wraps, and \r cannot redraw a wrapped line), then a short
+        # one that a terminal redraws
+        say(f"qspec: compiling {what}{detail} (the first time takes minutes)", last=True)
+        while not done.wait(every_s):
+            say(f"qspec: compiling {what}: {_elapsed(time.monotonic() - start)} so far")
+
+    thread = threading.Thread(target=tick, name="qspec-build-progress", daemon=True)
+    thread.start()
+    ended = "failed after"
+    try:
+        yield
+        ended = "compiled in"
+    finally:
+        done.set()
+        thread.join()
+        if shown.is_set():
+            say(f"qspec: {what} {ended} {_elapsed(time.monotonic() - start)}", last=True)
+
+
+def _compile(isa: str, name: str, folder: Path) -> object:
+    """torch's build of the `isa` variant as module `name` in `folder`."""
+    from torch.utils.cpp_extension import load
+
+    return load(
+        name=name,
+        sources=[str(p) for p in SOURCES],
+        extra_cflags=compile_flags(isa),
+        extra_ldflags=["-fopenmp", *(f for f in compile_flags(isa) if "sanit" in f)],
+        build_directory=str(folder),  # (so TORCH_EXTENSIONS_DIR plays no part)
+        verbose=False,
+    )
+
+
+def _build(
+    isa: str,
+    compile: Callable[[str, str, Path], object] = _compile,
+    progress: TextIO | None = None,
+) -> tuple[object | None, str | None]:
+    """(module, None), or (None, why) with a warning. `compile` (tests: a fake) builds and
+    loads; `progress` is where the build says how it goes (default: stderr)."""
     wait_s = _wait_s()
     folder = build_folder(isa)
     name = folder.name
@@ -276,15 +457,17 @@ def _build(isa: str) -> tuple[object | None, str | None]:
         except BuildLockTimeout as e:
             failed = str(e)
         else:
+            # A finished build (its library there) loads in a second: quiet unless ninja
+            # finds work to do (an object deleted, an interrupted build)
+            quiet_s = 5.0 if (folder / f"{name}.so").exists() else 0.0
+            what = f"the CPU kernels ({isa})"
+            detail = (
+                f": {', '.join(p.name for p in SOURCES)} with {' '.join(compile_flags(isa))}"
+                f", into {folder}"
+            )
             try:
-                return build(
-                    name=name,
-                    sources=[str(p) for p in SOURCES],
-                    extra_cflags=compile_flags(isa),
-                    extra_ldflags=["-fopenmp", *(f for f in compile_flags(isa) if "sanit" in f)],
-                    build_directory=str(folder),  # (so TORCH_EXTENSIONS_DIR plays no part)
-                    verbose=False,
-                ), None
+                with build_progress(what, detail, stream=progress, quiet_s=quiet_s):
+                    return compile(isa, name, folder), None
             except Exception as e:  # no compiler, no headers: the PyTorch paths still work
                 failed = f"{type(e).__name__}: {e}".splitlines()[0]
     _warn(f"CPU kernels unavailable ({failed}); using the PyTorch paths")
