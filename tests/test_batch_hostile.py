@@ -5,6 +5,7 @@ that cannot be joined. Each case once hung, crashed or wrote where it should not
 import base64
 import json
 import os
+import signal
 import socket
 import time
 
@@ -123,7 +124,22 @@ def fifo(tmp_path):
     return path
 
 
-def test_special_files_are_refused_without_blocking(fifo, tmp_path):
+@pytest.fixture
+def deadline():
+    """A blocked open fails the test after 20 s instead of hanging the suite (PEP 475: the
+    alarm's exception ends the retried system call)."""
+
+    def expired(*_):
+        raise TimeoutError("blocked for 20 s")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.alarm(20)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, previous)
+
+
+def test_special_files_are_refused_without_blocking(fifo, tmp_path, deadline):
     with pytest.raises(QspecError, match="is a FIFO, not a regular file"):
         read_document(fifo)
     sock = socket.socket(socket.AF_UNIX)
