@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -11,6 +12,7 @@ from pathlib import Path
 from rich.text import Text
 
 from qspec_cli import common
+from qspec_core.documents import display_name
 from qspec_core.errors import QspecError
 
 
@@ -25,7 +27,8 @@ def run_batch(
     as_json: bool,
 ) -> None:
     """Everything checked before any model loads; then the documents left to do run on one
-    process, `workers` local processes or Ray actors, each record appended as it comes."""
+    process, `workers` local processes or Ray actors, each record appended as it comes.
+    Nothing is created (the log, --snapshots) before a Ray cluster is joined."""
     from qspec_core.batch.inputs import expand_inputs
     from qspec_core.batch.records import RecordLog
     from qspec_core.batch.run import execute, plan
@@ -42,36 +45,56 @@ def run_batch(
                 "--snapshots)"
             )
     paths = expand_inputs(files)
-    if snapshots is not None:
-        if snapshots.exists() and not snapshots.is_dir():
-            raise QspecError(f"{snapshots}: --snapshots takes a folder")
-        snapshots.mkdir(parents=True, exist_ok=True)
-    with RecordLog(output) as log:
-        if log.repaired_bytes:
-            common.warn(f"{output}: dropped a torn last record ({log.repaired_bytes} bytes)")
-        todo, skipped = plan(paths, log, settings)
-        if skipped:
-            common.log(f"{len(skipped)} of {len(paths)} documents already done in {output}")
-        executor = _executor(settings, todo, workers, ray, snapshots, threads)
-        try:
+    if snapshots is not None and snapshots.exists() and not snapshots.is_dir():
+        raise QspecError(f"{display_name(snapshots)}: --snapshots takes a folder")
+    log = RecordLog(output)
+    log.check()  # a file that is not a batch log: refused before anything starts
+    executor = _ray_actors(settings, ray, workers, snapshots, threads) if ray else None
+    try:
+        if snapshots is not None:
+            snapshots.mkdir(parents=True, exist_ok=True)
+        with log:
+            name = display_name(output)
+            if log.repaired_bytes:
+                common.warn(f"{name}: dropped a torn last record ({log.repaired_bytes} bytes)")
+            todo, skipped = plan(paths, log, settings)
+            if skipped:
+                common.log(f"{len(skipped)} of {len(paths)} documents already done in {name}")
+            if executor is None:
+                executor = _executor(settings, todo, workers, snapshots, threads)
             with _progress_bar(len(todo), as_json) as on_record:
                 failed = execute(todo, log, executor, on_record)
-        finally:
+    finally:
+        if executor is not None:
             executor.close()
     _report(paths, todo, skipped, failed, output, as_json)
 
 
-def _executor(settings, todo, workers, ray, snapshots, threads):
+def _ray_actors(settings, address, workers, snapshots, threads):
+    """Ray joined (or started), then the actors: before the log or --snapshots exist, so a
+    failed join leaves nothing behind. Ray's own messages go to a log file."""
+    from qspec_core.batch.ray_pool import RayActors, import_ray
+
+    import_ray()  # (a missing extra says so before the conversion step)
+    ray_log = Path(tempfile.gettempdir()) / f"qspec-ray-{os.getpid()}.log"
+    common.log(f"Ray: {address} (its messages go to {ray_log})")
+    need_draft = settings.mode == "quantspec"
+    total = threads or os.cpu_count() or 1
+    threads = max(1, total // workers)
+    actors = RayActors(settings, address, workers, threads, snapshots, log_path=ray_log)
+    try:  # (the actors load the model when the first document comes: converted by then)
+        common.prepare(settings.model, need_draft, settings.target_weights)
+    except BaseException:
+        actors.close()
+        raise
+    return actors
+
+
+def _executor(settings, todo, workers, snapshots, threads):
     from qspec_core.batch.workers import InProcess, LocalWorkers
 
     need_draft = settings.mode == "quantspec"
     total = threads or os.cpu_count() or 1
-    if ray is not None:
-        from qspec_core.batch.ray_pool import RayActors, import_ray
-
-        import_ray()  # (a missing extra says so before the conversion step)
-        common.prepare(settings.model, need_draft, settings.target_weights)
-        return RayActors(settings, ray, workers, max(1, total // workers), snapshots)
     if workers > 1 and len(todo) > 1:
         common.prepare(settings.model, need_draft, settings.target_weights)
         return LocalWorkers(settings, min(workers, len(todo)), max(1, total // workers), snapshots)
@@ -118,13 +141,15 @@ def _progress_bar(total: int, disable: bool):
 
 def _report(paths, todo, skipped, failed, output, as_json) -> None:
     done = len(todo) - len(failed)
+    output = display_name(output)
+    failed = [{"path": r["path"], "error": common.printable(r["error"])} for r in failed]
     if as_json:
         summary = {
-            "output": str(output),
+            "output": output,
             "documents": len(paths),
             "summarized": done,
             "skipped": len(skipped),
-            "failed": [{"path": r["path"], "error": r["error"]} for r in failed],
+            "failed": failed,
         }
         print(json.dumps(summary, ensure_ascii=False))
     else:

@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.text import Text
 
 from qspec_core.config import check_kv_group_size
-from qspec_core.documents import is_stdin, read_document
+from qspec_core.documents import is_stdin, printable, read_document
 from qspec_core.engine.sampling import MIN_TEMPERATURE, SamplingParams
 from qspec_core.engine.session import MODES, ChatSession
 from qspec_core.errors import QspecError
@@ -27,17 +27,17 @@ err = Console(stderr=True, highlight=False, emoji=False)
 
 
 def log(message: str) -> None:
-    err.print(Text(message, style="dim"), soft_wrap=True)  # paths stay whole, copy-pastable
+    err.print(Text(printable(message), style="dim"), soft_wrap=True)  # paths stay copy-pastable
 
 
 def warn(message: str) -> None:
-    err.print(Text(message, style="yellow"))
+    err.print(Text(printable(message), style="yellow"))
 
 
 def print_error(message: str) -> None:
     """`error: MESSAGE` as exactly one line: a message may hold newlines (a library's error,
     a file name) and must not be wrapped at the terminal's width either."""
-    line = " ".join(part.strip() for part in str(message).splitlines() if part.strip())
+    line = " ".join(part.strip() for part in printable(str(message)).splitlines() if part.strip())
     err.print(Text.assemble(("error:", "red"), " ", line), soft_wrap=True)
 
 

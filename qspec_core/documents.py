@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import fcntl
+import functools
 import hashlib
 import io
+import os
+import stat
 import sys
 from pathlib import Path
 from typing import BinaryIO
@@ -22,8 +26,9 @@ def is_stdin(path: str | Path | None) -> bool:
 
 
 def read_document(path: str | Path) -> str:
-    """The UTF-8 text of `path` (`-`: standard input), read exactly once, so that a FIFO or
-    a pipe works; QspecError if missing, unreadable, empty, binary, not UTF-8 or huge."""
+    """The UTF-8 text of `path` (`-`: standard input), read exactly once, so that a pipe
+    works; QspecError if missing, not a regular file, unreadable, empty, binary, not UTF-8 or
+    huge."""
     return read_document_digest(path)[0]
 
 
@@ -36,8 +41,8 @@ def read_document_digest(path: str | Path) -> tuple[str, str]:
             raise QspecError(f"{name}: not available")
         data = _read(stream, name)
         return _decode(data, name), hashlib.sha256(data).hexdigest()
-    data = _read_file(Path(path))
-    return _decode(data, path), hashlib.sha256(data).hexdigest()
+    data = read_document_bytes(path)
+    return _decode(data, display_name(path)), hashlib.sha256(data).hexdigest()
 
 
 def decode_document(data: bytes, name: str) -> tuple[str, str]:
@@ -45,16 +50,80 @@ def decode_document(data: bytes, name: str) -> tuple[str, str]:
     return _decode(_read(io.BytesIO(data), name), name), hashlib.sha256(data).hexdigest()
 
 
-def _read_file(path: Path) -> bytes:
-    if not path.exists():
-        raise QspecError(f"{path}: no such file")
-    if path.is_dir():
-        raise QspecError(f"{path}: is a folder, not a text file")
+def display_name(path: str | Path) -> str:
+    """`path` as printable text: bytes that are not UTF-8 (`os.fsencode`) shown as \\xNN.
+    Python keeps such bytes as lone surrogates, which no UTF-8 writer (a terminal, a JSON
+    record) accepts; this form is for people, the exact bytes are `os.fsencode(path)`."""
+    return os.fsencode(path).decode("utf-8", "backslashreplace")
+
+
+def printable(text: str) -> str:
+    """`text` (a message that may hold a `display_name`-less path) as valid UTF-8: the bytes
+    of a non-UTF-8 file name as \\xNN, any other lone surrogate as \\udXXX."""
     try:
-        with open(path, "rb") as f:
-            return _read(f, path)
+        return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def open_document(path: str | Path) -> BinaryIO:
+    """`path` opened for reading, if it is a regular file or a pipe we were handed (/dev/stdin,
+    <(...)); QspecError otherwise. A FIFO made with mkfifo would block the open until some
+    process writes to it, maybe never: it is refused (`-` reads standard input), and so are
+    sockets and device nodes (/dev/zero never ends)."""
+    name = display_name(path)
+    try:
+        _check_kind(os.stat(path), name)
+        # O_NONBLOCK: what we opened may not be what we stat'ed (a FIFO swapped in), and
+        # opening a FIFO without it would wait for a writer; the opened fd decides
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise QspecError(f"{name}: no such file") from None
     except OSError as e:
-        raise QspecError(f"{path}: cannot read ({e.strerror or e})") from None
+        raise QspecError(f"{name}: cannot read ({e.strerror or e})") from None
+    try:
+        _check_kind(os.fstat(fd), name)
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+    except BaseException:
+        os.close(fd)
+        raise
+    return os.fdopen(fd, "rb")
+
+
+def _check_kind(st: os.stat_result, name: str) -> None:
+    mode = st.st_mode
+    if stat.S_ISREG(mode) or (stat.S_ISFIFO(mode) and st.st_dev == _pipe_device()):
+        return  # (an anonymous pipe always came with its writer, unlike a named FIFO)
+    if stat.S_ISDIR(mode):
+        raise QspecError(f"{name}: is a folder, not a text file")
+    if stat.S_ISFIFO(mode):
+        raise QspecError(
+            f"{name}: is a FIFO, not a regular file (to read a FIFO, pipe it to standard "
+            "input: qspec ... - < FIFO)"
+        )
+    kind = "a socket" if stat.S_ISSOCK(mode) else "a device"
+    raise QspecError(f"{name}: is {kind}, not a regular file")
+
+
+@functools.cache
+def _pipe_device() -> int:
+    """The device number of anonymous pipes (pipefs), which named FIFOs never share."""
+    read_end, write_end = os.pipe()
+    try:
+        return os.fstat(read_end).st_dev
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+
+
+def read_document_bytes(path: str | Path) -> bytes:
+    """The bytes of document `path` with `read_document`'s checks on kind, NUL bytes, size."""
+    name = display_name(path)
+    try:
+        with open_document(path) as f:
+            return _read(f, name)
+    except OSError as e:
+        raise QspecError(f"{name}: cannot read ({e.strerror or e})") from None
 
 
 def _read(stream: BinaryIO, name) -> bytes:

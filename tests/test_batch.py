@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from qspec_core.batch.inputs import expand_inputs
 from qspec_core.batch.job import BatchSettings
-from qspec_core.batch.records import RecordLog
+from qspec_core.batch.records import RECORD_START, RecordLog, new_record
 from qspec_core.batch.run import content_sha256, plan
 from qspec_core.errors import QspecError
 
@@ -45,7 +45,7 @@ def test_folders_expand_to_their_text_files_sorted(tmp_path):
 
 
 def _record(i, **kw):
-    return {"path": f"doc{i}.txt", "sha256": f"{i:064x}", "settings_key": "k", **kw}
+    return new_record(f"doc{i}.txt", "k", sha256=f"{i:064x}", **kw)
 
 
 def test_records_append_whole_and_reopen(tmp_path):
@@ -77,6 +77,7 @@ def test_a_torn_tail_is_dropped_and_whole_records_kept(tmp_path_factory, n, cut,
         assert log.repaired_bytes == cut - (data[:cut].rfind(b"\n") + 1)
         log.append(_record(9))
     assert out.read_bytes().endswith(b'"settings_key": "k"}\n')
+    assert all(line.startswith(RECORD_START) for line in out.read_bytes().splitlines())
     assert len(out.read_bytes().splitlines()) == whole + 1
 
 
@@ -108,11 +109,9 @@ def test_plan_skips_only_same_content_and_settings_that_succeeded(tmp_path):
         d.write_text(f"document {i}")
     s = BatchSettings(max_new_tokens=8)
     with RecordLog(tmp_path / "out.jsonl") as log:
-        log.append({"path": "x", "sha256": content_sha256(docs[0]), "settings_key": s.key()})
-        log.append({"path": "y", "sha256": content_sha256(docs[1]), "settings_key": "old"})
-        log.append(
-            {"path": "z", "sha256": content_sha256(docs[2]), "settings_key": s.key(), "error": "e"}
-        )
+        log.append(new_record("x", s.key(), sha256=content_sha256(docs[0])))
+        log.append(new_record("y", "old", sha256=content_sha256(docs[1])))
+        log.append(new_record("z", s.key(), sha256=content_sha256(docs[2]), error="e"))
         todo, skipped = plan(docs, log, s)
         assert skipped == docs[:1] and todo == docs[1:]
         docs[0].write_text("changed")
@@ -169,7 +168,7 @@ def test_a_batch_records_every_document_and_resumes(tiny_model_dir, folder, tmp_
     assert all(r["sha256"] == content_sha256(r["path"]) for r in ok)
     # a torn last line (kill -9 mid-write) is repaired; only the failed document is retried
     with open(out, "ab") as f:
-        f.write(b'{"path": "half')
+        f.write(RECORD_START + b'"half')
     (folder / "empty.md").write_text("Now it has words in it.\n")
     again = run_qspec("summarize", folder, "-o", out, "--model", tiny_model_dir, *GEN)
     assert again.returncode == 0, again.stderr

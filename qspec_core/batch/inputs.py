@@ -3,7 +3,9 @@
 A file named on the command line is taken whatever its name; a folder gives the text files
 under it (recursively, by suffix, see TEXT_SUFFIXES), skipping hidden files and folders
 (".git", ".cache", ...) and qspec's own outputs. Symlinks to files are followed; a folder
-reached twice (a symlink loop) is read once.
+reached twice (a symlink loop) is read once. A FIFO, socket or device with a text suffix is
+kept: reading it fails with a message (`documents.open_document`), where skipping it would
+hide it and opening it could wait for ever.
 """
 
 from __future__ import annotations
@@ -49,6 +51,6 @@ def _text_files(folder: Path) -> list[Path]:
             path = Path(root) / name
             if name.startswith(".") or path.suffix.lower() not in TEXT_SUFFIXES:
                 continue
-            if path.is_file():
+            if path.exists():  # (a dangling symlink is not a document)
                 files.append(path)
     return files

@@ -14,7 +14,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from qspec_core.documents import decode_document, read_document_digest
+from qspec_core.batch.records import new_record
+from qspec_core.documents import decode_document, display_name, read_document_digest
 from qspec_core.engine.sampling import SamplingParams
 from qspec_core.engine.session import SUMMARY_REQUEST, ChatSession
 from qspec_core.engine.summary import summary_record
@@ -68,16 +69,15 @@ class BatchSettings:
 def summarize_document(
     runtime, path: Path, settings: BatchSettings, snapshots=None, data: bytes | None = None
 ) -> dict:
-    """The record of `path` (its bytes `data` when given: a remote worker): {"path",
-    "sha256", "settings_key", **summary_record, "seconds", "snapshot"} or {"path", "sha256",
-    "settings_key", "error"}."""
-    record = {"path": str(path), "sha256": None, "settings_key": settings.key()}
+    """The record of `path` (its bytes `data` when given: a remote worker): `new_record`'s
+    fields, then **summary_record, "seconds", "snapshot"; or "error"."""
+    record = new_record(path, settings.key())
     start = time.perf_counter()
     try:
         if data is None:
             text, record["sha256"] = read_document_digest(path)
         else:
-            text, record["sha256"] = decode_document(data, str(path))
+            text, record["sha256"] = decode_document(data, display_name(path))
         session, snapshot = _session(runtime, text, record["sha256"], settings, snapshots)
         for _ in session.ask(settings.prompt):
             pass
@@ -110,7 +110,7 @@ def _session(runtime, text: str, sha256: str, settings: BatchSettings, snapshots
 
     path = Path(snapshots) / settings.snapshot_name(sha256, runtime)
     model = runtime.model
-    used = {"path": str(path), "loaded": False}
+    used = {"path": display_name(path), "loaded": False}
     if path.exists():
         try:
             snap = load_snapshot(

@@ -15,16 +15,19 @@ from pathlib import Path
 
 from qspec_core.batch.job import BatchSettings
 from qspec_core.batch.records import RecordLog
+from qspec_core.documents import open_document
+from qspec_core.errors import QspecError
 
 
 def content_sha256(path: Path) -> str | None:
-    """The sha256 of a file's bytes (what a record's `sha256` is), None if unreadable."""
+    """The sha256 of a file's bytes (what a record's `sha256` is), None if unreadable or not a
+    document (a FIFO, a device: never opened in a way that blocks or never ends)."""
     digest = hashlib.sha256()
     try:
-        with open(path, "rb") as f:
+        with open_document(path) as f:
             while chunk := f.read(1 << 20):
                 digest.update(chunk)
-    except OSError:
+    except (OSError, QspecError):
         return None
     return digest.hexdigest()
 

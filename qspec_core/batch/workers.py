@@ -15,12 +15,14 @@ once before any starts (`registry.prepare.prepare_for`), so workers never conver
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import signal
 from collections.abc import Iterator
 from multiprocessing.connection import wait
 from pathlib import Path
 
 from qspec_core.batch.job import BatchSettings, summarize_document
+from qspec_core.batch.records import new_record
 from qspec_core.errors import QspecError
 
 
@@ -71,7 +73,8 @@ def _worker_main(conn, settings: BatchSettings, threads: int, snapshots) -> None
             return
         if path is None:
             return
-        conn.send(("record", summarize_document(runtime, Path(path), settings, snapshots)))
+        path = Path(os.fsdecode(path))  # (sent as bytes: any name a file system allows)
+        conn.send(("record", summarize_document(runtime, path, settings, snapshots)))
 
 
 class LocalWorkers:
@@ -111,7 +114,7 @@ class LocalWorkers:
                 proc = idle.pop()
                 busy[proc] = todo.pop()
                 try:
-                    self._workers[proc].send(str(busy[proc]))
+                    self._workers[proc].send(os.fsencode(busy[proc]))
                 except OSError:
                     pass  # it died: its sentinel brings the path back
             owner = {conn: proc for proc, conn in self._workers.items()}
@@ -149,12 +152,8 @@ class LocalWorkers:
         if path is not None:
             tries[path] = tries.get(path, 0) + 1
             if tries[path] > self.retries:
-                record = {
-                    "path": str(path),
-                    "sha256": None,
-                    "settings_key": self.settings.key(),
-                    "error": f"a worker died on it {tries[path]} times (exit code {proc.exitcode})",
-                }
+                why = f"a worker died on it {tries[path]} times (exit code {proc.exitcode})"
+                record = new_record(path, self.settings.key(), error=why)
             else:
                 todo.append(path)  # next, on a fresh worker
         if todo and len(self._workers) < self.n:
