@@ -114,6 +114,23 @@ def test_kernel_setting_errors_are_one_line(capsys, doc, monkeypatch):
     assert_one_error(qspec(capsys, "summarize", doc), "QSPEC_CPU_ISA='avx9'")
 
 
+@pytest.mark.parametrize(
+    "option,value",
+    [
+        ("--context", "2k,"),
+        ("--context", "2k,,8k"),
+        ("--context", ",2k"),
+        ("--context", ","),
+        ("--modes", "ar,"),
+        ("--modes", "ar,,quantspec"),
+        ("--modes", ""),
+    ],
+)
+def test_bench_lists_refuse_an_empty_item(capsys, no_model, option, value):
+    """`2k,,8k` is a typo, not a request for two sizes: refused, never silently dropped."""
+    assert_one_error(qspec(capsys, "bench", option, value), option)
+
+
 # ----------------------------------------------------------------------------- before the model
 
 
