@@ -11,8 +11,8 @@ from rich.console import Console
 from rich.text import Text
 
 from qspec_cli import common
+from qspec_core.atomic_write import check_output_file
 from qspec_core.config import check_kv_group_size
-from qspec_core.paths import check_output_file
 
 
 def bench(

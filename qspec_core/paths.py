@@ -50,19 +50,6 @@ def writable_models_dir(env: dict[str, str] | None = None) -> Path:
     return folder
 
 
-def check_output_file(path: Path, option: str) -> None:
-    """Refuse an output file that cannot be written, before the work that produces it: a
-    folder in its place, or a parent folder that is missing or not writable."""
-    path = Path(path)
-    if path.is_dir():
-        raise QspecError(f"{option} {path}: is a folder; give a file name")
-    parent = path.parent
-    if not parent.is_dir():
-        raise QspecError(f"{option} {path}: folder {parent} does not exist")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise QspecError(f"{option} {path}: folder {parent} is not writable")
-
-
 def sha256_file(path: Path, chunk: int = 8 << 20) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:

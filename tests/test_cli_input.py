@@ -221,6 +221,24 @@ def test_other_inputs_before_loading(capsys, tmp_path, doc, no_model):
     assert_one_error(qspec(capsys, "summarize", doc, "--mode", "warp"), "mode 'warp'")
 
 
+def test_output_files_are_refused_with_the_true_reason(capsys, tmp_path, doc, no_model):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    for output, words in [
+        ("/", ["/ is a folder; give a file name"]),
+        (tmp_path, [f"{tmp_path} is a folder"]),
+        (blocker / "s.qspec", [f"{blocker} is a file, not a folder"]),
+    ]:
+        assert_one_error(qspec(capsys, "prefill", doc, "-o", output, "--force"), *words)
+    if os.path.isfile("/proc/version"):  # a file no one can replace; ENOENT, not EACCES
+        for args in (["prefill", doc, "-o", "/proc/version", "--force"],
+                     ["bench", "--json", "/proc/version"]):  # fmt: skip
+            result = qspec(capsys, *args)
+            assert_one_error(result, "cannot write /proc/version: no new file can be made in /proc")
+            assert "not writable" not in result.err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "doc.txt"]
+
+
 # ----------------------------------------------------------------------------- after the model
 
 

@@ -4,18 +4,21 @@ Each check raises QspecError (or ValueError for SamplingParams, which the CLI tu
 which the CLI prints as one `error:` line with exit code 2.
 """
 
+import errno
 import math
 import os
 import threading
+from pathlib import Path
 
 import pytest
 
-from qspec_core import documents
+from qspec_core import atomic_write, documents
+from qspec_core.atomic_write import check_output_file
 from qspec_core.config import check_kv_group_size
 from qspec_core.documents import read_document
 from qspec_core.engine.sampling import MIN_TEMPERATURE, SamplingParams
 from qspec_core.errors import QspecError
-from qspec_core.paths import check_output_file, writable_models_dir
+from qspec_core.paths import writable_models_dir
 
 # ----------------------------------------------------------------------------- documents
 
@@ -164,3 +167,52 @@ def test_output_file_checks(tmp_path):
         check_output_file(tmp_path, "--json")
     with pytest.raises(QspecError, match="does not exist"):
         check_output_file(tmp_path / "missing" / "report.json", "--json")
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    with pytest.raises(QspecError, match=f"^--json: .*: {blocker} is a file, not a folder"):
+        check_output_file(blocker / "report.json", "--json")
+
+
+def _proc_refuses_new_files() -> bool:
+    try:
+        os.close(os.open("/proc/qspec-probe", os.O_WRONLY | os.O_CREAT | os.O_EXCL))
+    except OSError:
+        return os.path.isfile("/proc/version")
+    os.unlink("/proc/qspec-probe")
+    return False
+
+
+@pytest.mark.skipif(not _proc_refuses_new_files(), reason="needs a Linux /proc")
+def test_output_in_proc_says_what_failed():
+    """/proc/version is a regular file in a folder root may "write" (os.access says so), yet
+    no file can be created there, with ENOENT: the message gives that errno as it is, not a
+    contradictory "/proc is not writable (No such file or directory)"."""
+    for check in (
+        lambda: check_output_file(Path("/proc/version"), "--json"),
+        lambda: atomic_write.check_output(Path("/proc/version"), force=True),
+        lambda: atomic_write.check_output(Path("/proc/version"), force=False),  # not "--force"
+    ):
+        with pytest.raises(QspecError) as refused:
+            check()
+        message = str(refused.value)
+        assert "cannot write /proc/version: no new file can be made in /proc" in message
+        assert "(No such file or directory)" in message and "not writable" not in message
+
+
+def test_output_in_a_read_only_folder(tmp_path, monkeypatch):
+    """A refusal is "not writable", named with its errno, and comes before "exists": --force
+    would not help. (Root writes any plain folder, so the refusal is simulated.)"""
+    real_open = os.open
+
+    def read_only(path, flags, *args):
+        if str(path).startswith(str(tmp_path)) and flags & os.O_CREAT:
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(atomic_write.os, "open", read_only)
+    existing = tmp_path / "report.json"
+    existing.write_text("{}")
+    with pytest.raises(QspecError, match=rf"--json: cannot write {existing}: {tmp_path} is not "):
+        check_output_file(existing, "--json")
+    with pytest.raises(QspecError, match=r"is not writable \(Read-only file system\)$"):
+        atomic_write.check_output(existing, force=False)
