@@ -82,7 +82,6 @@ def bench(
         seed=seed,
         group_size=group_size,
         warmup=warmup,
-        target_weights=wanted_target_weights(target_weights, "cpu"),
         lookup=lookup,
     )
     # gamma meets G only where a speculative mode verifies on the hierarchical cache (the
@@ -103,6 +102,8 @@ def bench(
 
         check_plotting(plot)
         check_output_file(plot, "--plot")
+    # (after every check: auto asks whether the CPU kernels run, which builds them, minutes)
+    config.target_weights = wanted_target_weights(target_weights, "cpu")
     # a named model's converted folder (made once) only when a mode needs the draft or INT8
     need = needs_converted_model(config)
     # modes pick their weights; auto settles here (full where the model has no W8A8 weights)
