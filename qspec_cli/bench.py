@@ -11,8 +11,8 @@ from rich.console import Console
 from rich.text import Text
 
 from qspec_cli import common
+from qspec_core.atomic_write import check_output_file
 from qspec_core.config import check_kv_group_size
-from qspec_core.paths import check_output_file
 
 
 def bench(
@@ -82,7 +82,6 @@ def bench(
         seed=seed,
         group_size=group_size,
         warmup=warmup,
-        target_weights=wanted_target_weights(target_weights, "cpu"),
         lookup=lookup,
     )
     # gamma meets G only where a speculative mode verifies on the hierarchical cache (the
@@ -103,6 +102,8 @@ def bench(
 
         check_plotting(plot)
         check_output_file(plot, "--plot")
+    # (after every check: auto asks whether the CPU kernels run, which builds them, minutes)
+    config.target_weights = wanted_target_weights(target_weights, "cpu")
     # a named model's converted folder (made once) only when a mode needs the draft or INT8
     need = needs_converted_model(config)
     # modes pick their weights; auto settles here (full where the model has no W8A8 weights)

@@ -167,7 +167,9 @@ def check_session_options(
 
 
 def check_run_options(dtype: str, threads: int | None, target_weights: str = "full") -> None:
-    """Options `load` uses, checked before anything is read or loaded."""
+    """Options `load` uses, checked before anything is read or loaded; then the qspec folder
+    (QSPEC_HOME), before the CPU kernels would build in it."""
+    from qspec_core.paths import check_home
     from qspec_core.registry.runtime import DTYPES, TARGET_WEIGHTS
 
     if dtype != "auto" and dtype not in DTYPES:
@@ -180,6 +182,7 @@ def check_run_options(dtype: str, threads: int | None, target_weights: str = "fu
         raise QspecError(
             f"--target-weights must be one of {', '.join(TARGET_WEIGHTS)}, not {target_weights!r}"
         )
+    check_home()
 
 
 def check_group_size(group_size: int | None, runtime, gamma: int | str | None = None) -> None:

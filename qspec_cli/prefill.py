@@ -44,7 +44,7 @@ def prefill(
     """
     import time
 
-    from qspec_cli.render import PrefillProgress
+    from qspec_cli.render import PrefillProgress, snapshot_size_line
     from qspec_core.cache.sizes import full_kv_bytes
     from qspec_core.engine.session import SNAPSHOT_ANSWER_ROOM
     from qspec_core.store.snapshot import check_output, estimate_bytes, save_snapshot
@@ -116,7 +116,4 @@ def prefill(
             f"({len(ids) / seconds:,.0f} tok/s)"
         )
     )
-    common.out.print(
-        f"snapshot {size / 2**20:,.1f} MiB · a bf16 KV cache of the same tokens "
-        f"{bf16 / 2**20:,.1f} MiB ({bf16 / size:.2f}x larger)"
-    )
+    common.out.print(snapshot_size_line(size, bf16))

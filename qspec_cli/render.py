@@ -28,6 +28,21 @@ def plural(n: int, word: str) -> str:
     return f"{n:,} {word}" + ("" if n == 1 else "s")
 
 
+def snapshot_size_line(snapshot_bytes: int, bf16_bytes: int) -> str:
+    """The snapshot's size beside a bf16 KV cache of the same tokens, the ratio always >= 1 and
+    said of whichever is larger: a short document's snapshot can outweigh the cache."""
+    line = (
+        f"snapshot {snapshot_bytes / 2**20:,.1f} MiB · a bf16 KV cache of the same tokens "
+        f"{bf16_bytes / 2**20:,.1f} MiB"
+    )
+    ratio = max(snapshot_bytes, bf16_bytes) / max(min(snapshot_bytes, bf16_bytes), 1)
+    if f"{ratio:.2f}" == "1.00":
+        return f"{line} (the same size)"
+    if bf16_bytes > snapshot_bytes:
+        return f"{line} ({ratio:.2f}x larger)"
+    return f"{line} (the snapshot is {ratio:.2f}x larger)"
+
+
 def session_title(answers: int, stopped: int = 0) -> str:
     """Title of chat's /stats table: the replies its totals add up."""
     return f"session · {plural(answers, 'answer')}" + (f" ({stopped:,} stopped)" if stopped else "")

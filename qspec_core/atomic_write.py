@@ -83,6 +83,14 @@ def remove_stale_temps(path: Path) -> list[Path]:
     return removed
 
 
+def _file_in_the_way(path: Path) -> Path | str:
+    """The nearest existing parent of `path` that is not a folder (what ENOTDIR was about)."""
+    for parent in path.parents:
+        if parent.exists():
+            return parent if not parent.is_dir() else "a parent of it"
+    return "a parent of it"
+
+
 def check_target(path: Path, force: bool) -> None:
     """Refuse an output that exists (without force) or that is not a regular file."""
     try:
@@ -90,11 +98,11 @@ def check_target(path: Path, force: bool) -> None:
     except FileNotFoundError:
         return
     except NotADirectoryError:
-        raise QspecError(f"{path}: a parent of it is a file, not a folder") from None
+        raise QspecError(f"{path}: {_file_in_the_way(path)} is a file, not a folder") from None
     except OSError as e:
         raise QspecError(f"{path}: cannot inspect ({e.strerror})") from None
     if stat.S_ISDIR(st.st_mode):
-        raise QspecError(f"{path} is a folder")
+        raise QspecError(f"{path} is a folder; give a file name")
     if stat.S_ISLNK(st.st_mode):
         try:
             st = path.stat()
@@ -118,7 +126,8 @@ def _existing_ancestor(folder: Path) -> Path:
             probe = probe.parent
             continue
         except NotADirectoryError:
-            raise QspecError(f"{folder}: a parent of it is a file, not a folder") from None
+            blocker = _file_in_the_way(folder)
+            raise QspecError(f"{folder}: {blocker} is a file, not a folder") from None
         except OSError as e:
             raise QspecError(f"{folder}: cannot inspect ({e.strerror})") from None
         if not stat.S_ISDIR(st.st_mode):
@@ -141,8 +150,17 @@ def _probe_writable(path: Path) -> None:
             trial.mkdir()
             trial.rmdir()
     except OSError as e:
-        what = "is not writable" if base == folder else "cannot be created"
-        raise QspecError(f"{folder} {what} ({e.strerror})") from None
+        raise QspecError(f"cannot write {path}: {_create_failure(folder, base, e)}") from None
+
+
+def _create_failure(folder: Path, base: Path, e: OSError) -> str:
+    """What a failed trial create says, true to its errno: only a refusal is "not writable";
+    /proc, say, refuses a new file with ENOENT in a folder that plainly exists."""
+    if base != folder:
+        return f"folder {folder} cannot be created in {base} ({e.strerror})"
+    if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return f"{folder} is not writable ({e.strerror})"
+    return f"no new file can be made in {folder} ({e.strerror})"
 
 
 def check_output(path: Path, force: bool, need_bytes: int | None = None) -> None:
@@ -154,8 +172,9 @@ def check_output(path: Path, force: bool, need_bytes: int | None = None) -> None
     Creates nothing that stays.
     """
     path = Path(path)
+    check_target(path, force=True)  # a folder, a device, a dangling link: never replaced
+    _probe_writable(path)  # before "exists": --force would not help a folder we cannot write
     check_target(path, force)
-    _probe_writable(path)
     remove_stale_temps(path)
     if need_bytes is not None:
         base = _existing_ancestor(path.parent)
@@ -165,6 +184,20 @@ def check_output(path: Path, force: bool, need_bytes: int | None = None) -> None
                 f"{base}: {free / 2**20:,.1f} MiB free, the output needs about "
                 f"{need_bytes / 2**20:,.1f} MiB; free some space or write elsewhere"
             )
+
+
+def check_output_file(path: Path, option: str) -> None:
+    """`check_output` of a file an option names, replaced if it exists (`--json`, `--plot`),
+    its message prefixed with the option: before the work that produces it. Its folder must
+    exist (a typo in it is refused, not created)."""
+    path = Path(path)
+    try:
+        check_target(path, force=True)
+        if _existing_ancestor(path.parent) != path.parent:
+            raise QspecError(f"{path}: folder {path.parent} does not exist")
+        check_output(path, force=True)
+    except QspecError as e:
+        raise QspecError(f"{option}: {e}") from None
 
 
 def _fsync_folder(folder: Path) -> None:
@@ -224,7 +257,7 @@ def write_atomic(path: Path, write: Callable[[BinaryIO], None], force: bool) -> 
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except (FileExistsError, NotADirectoryError):
-        raise QspecError(f"{path}: a parent of it is a file, not a folder") from None
+        raise QspecError(f"{path}: {_file_in_the_way(path)} is a file, not a folder") from None
     except OSError as e:
         raise QspecError(f"{path.parent} cannot be created ({e.strerror})") from None
     remove_stale_temps(path)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
+import tempfile
 from pathlib import Path
 
 from qspec_core.errors import QspecError
@@ -32,6 +34,46 @@ def _home_source(env: dict[str, str]) -> str:
     return "the default ~/.cache/qspec (neither QSPEC_HOME nor XDG_CACHE_HOME is set)"
 
 
+def _folder_problem(folder: Path) -> str | None:
+    """Why `folder` could not be made or written (None: it can), naming the part of its path
+    at fault. Creates nothing."""
+    for part in (folder, *folder.parents):
+        try:
+            if part.is_symlink() and not part.exists():  # (a loop also "does not exist")
+                return f"{part} is a symbolic link to {os.readlink(part)}, which leads nowhere"
+            if not part.exists():  # (also false below a file: ENOTDIR)
+                continue
+        except OSError as e:
+            return f"{part}: {e.strerror or e}"
+        if not part.is_dir():
+            return f"{part} is not a folder"
+        if not os.access(part, os.W_OK | os.X_OK):
+            return f"{part} is not writable"
+        try:  # os.access says yes to root, even in /proc or /sys: a real create does not lie
+            os.rmdir(tempfile.mkdtemp(prefix=".qspec-probe-", dir=part))
+        except OSError as e:
+            if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+                return f"{part} is not writable ({e.strerror})"
+            return f"no folder can be made in {part} ({e.strerror})"
+        return None
+    return None
+
+
+def check_home(env: dict[str, str] | None = None) -> None:
+    """Refuse a qspec folder that cannot be used, before anything uses it. The CPU kernels
+    build under it too: they read QSPEC_HOME themselves and only warn, so without this a bad
+    one prints their warnings before the real error. Creates nothing."""
+    env = os.environ if env is None else env
+    home = qspec_home(env)
+    for folder in (home, home / "models", home / "build"):  # (build: as kernels/cpu/build.py)
+        problem = _folder_problem(folder)
+        if problem is not None:
+            raise QspecError(
+                f"cannot use {folder}: {problem}; it comes from {_home_source(env)}: "
+                "point QSPEC_HOME at a writable folder"
+            )
+
+
 def writable_models_dir(env: dict[str, str] | None = None) -> Path:
     """`models_dir()`, created if needed; a QspecError naming the variable that chose it when
     it cannot be used (a regular file on the way, no permission, a read-only file system)."""
@@ -48,19 +90,6 @@ def writable_models_dir(env: dict[str, str] | None = None) -> Path:
             f"{_home_source(env)}; point QSPEC_HOME at a writable folder"
         )
     return folder
-
-
-def check_output_file(path: Path, option: str) -> None:
-    """Refuse an output file that cannot be written, before the work that produces it: a
-    folder in its place, or a parent folder that is missing or not writable."""
-    path = Path(path)
-    if path.is_dir():
-        raise QspecError(f"{option} {path}: is a folder; give a file name")
-    parent = path.parent
-    if not parent.is_dir():
-        raise QspecError(f"{option} {path}: folder {parent} does not exist")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise QspecError(f"{option} {path}: folder {parent} is not writable")
 
 
 def sha256_file(path: Path, chunk: int = 8 << 20) -> str:

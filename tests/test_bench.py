@@ -31,7 +31,7 @@ MODE_KEYS = {
 def test_parse_contexts():
     assert parse_contexts("2k,8k,32k") == [2048, 8192, 32768]
     assert parse_contexts(" 1.5K, 300 ") == [1536, 300]
-    for bad in ("", "abc", "0", "-2k", "1.0001k", "2k,,x"):
+    for bad in ("", "abc", "0", "-2k", "1.0001k", "2k,,x", "2k,", "2k,,8k", ","):
         with pytest.raises(QspecError, match="--context"):
             parse_contexts(bad)
 
@@ -43,6 +43,9 @@ def test_parse_modes():
     assert parse_modes("ar,quantspec,ar") == ("ar", "quantspec")
     with pytest.raises(QspecError, match="unknown nope"):
         parse_modes("ar,nope")
+    for bad in ("", "ar,", "ar,,quantspec"):
+        with pytest.raises(QspecError, match="--modes"):
+            parse_modes(bad)
 
 
 @pytest.fixture(scope="module")

@@ -113,6 +113,23 @@ def test_kernel_setting_errors_are_one_line(capsys, doc, monkeypatch):
     assert_one_error(qspec(capsys, "summarize", doc), "QSPEC_CPU_ISA='avx9'")
 
 
+@pytest.mark.parametrize(
+    "option,value",
+    [
+        ("--context", "2k,"),
+        ("--context", "2k,,8k"),
+        ("--context", ",2k"),
+        ("--context", ","),
+        ("--modes", "ar,"),
+        ("--modes", "ar,,quantspec"),
+        ("--modes", ""),
+    ],
+)
+def test_bench_lists_refuse_an_empty_item(capsys, no_model, option, value):
+    """`2k,,8k` is a typo, not a request for two sizes: refused, never silently dropped."""
+    assert_one_error(qspec(capsys, "bench", option, value), option)
+
+
 # ----------------------------------------------------------------------------- before the model
 
 
@@ -201,6 +218,24 @@ def test_other_inputs_before_loading(capsys, tmp_path, doc, no_model):
     assert_one_error(qspec(capsys, "bench", "--json", tmp_path / "no" / "r.json"), "not exist")
     assert_one_error(qspec(capsys, "bench", "--json", tmp_path), "is a folder")
     assert_one_error(qspec(capsys, "summarize", doc, "--mode", "warp"), "mode 'warp'")
+
+
+def test_output_files_are_refused_with_the_true_reason(capsys, tmp_path, doc, no_model):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    for output, words in [
+        ("/", ["/ is a folder; give a file name"]),
+        (tmp_path, [f"{tmp_path} is a folder"]),
+        (blocker / "s.qspec", [f"{blocker} is a file, not a folder"]),
+    ]:
+        assert_one_error(qspec(capsys, "prefill", doc, "-o", output, "--force"), *words)
+    if os.path.isfile("/proc/version"):  # a file no one can replace; ENOENT, not EACCES
+        for args in (["prefill", doc, "-o", "/proc/version", "--force"],
+                     ["bench", "--json", "/proc/version"]):  # fmt: skip
+            result = qspec(capsys, *args)
+            assert_one_error(result, "cannot write /proc/version: no new file can be made in /proc")
+            assert "not writable" not in result.err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "doc.txt"]
 
 
 # ----------------------------------------------------------------------------- after the model

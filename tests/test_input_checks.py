@@ -4,18 +4,22 @@ Each check raises QspecError (or ValueError for SamplingParams, which the CLI tu
 which the CLI prints as one `error:` line with exit code 2.
 """
 
+import errno
 import math
 import os
 import threading
+from pathlib import Path
 
 import pytest
+from conftest import run_qspec
 
-from qspec_core import documents
+from qspec_core import atomic_write, documents, paths
+from qspec_core.atomic_write import check_output_file
 from qspec_core.config import check_kv_group_size
 from qspec_core.documents import read_document
 from qspec_core.engine.sampling import MIN_TEMPERATURE, SamplingParams
 from qspec_core.errors import QspecError
-from qspec_core.paths import check_output_file, writable_models_dir
+from qspec_core.paths import check_home, writable_models_dir
 
 # ----------------------------------------------------------------------------- documents
 
@@ -168,3 +172,128 @@ def test_output_file_checks(tmp_path):
         check_output_file(tmp_path, "--json")
     with pytest.raises(QspecError, match="does not exist"):
         check_output_file(tmp_path / "missing" / "report.json", "--json")
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    with pytest.raises(QspecError, match=f"^--json: .*: {blocker} is a file, not a folder"):
+        check_output_file(blocker / "report.json", "--json")
+
+
+def _proc_refuses_new_files() -> bool:
+    try:
+        os.close(os.open("/proc/qspec-probe", os.O_WRONLY | os.O_CREAT | os.O_EXCL))
+    except OSError:
+        return os.path.isfile("/proc/version")
+    os.unlink("/proc/qspec-probe")
+    return False
+
+
+@pytest.mark.skipif(not _proc_refuses_new_files(), reason="needs a Linux /proc")
+def test_output_in_proc_says_what_failed():
+    """/proc/version is a regular file in a folder root may "write" (os.access says so), yet
+    no file can be created there, with ENOENT: the message gives that errno as it is, not a
+    contradictory "/proc is not writable (No such file or directory)"."""
+    for check in (
+        lambda: check_output_file(Path("/proc/version"), "--json"),
+        lambda: atomic_write.check_output(Path("/proc/version"), force=True),
+        lambda: atomic_write.check_output(Path("/proc/version"), force=False),  # not "--force"
+    ):
+        with pytest.raises(QspecError) as refused:
+            check()
+        message = str(refused.value)
+        assert "cannot write /proc/version: no new file can be made in /proc" in message
+        assert "(No such file or directory)" in message and "not writable" not in message
+
+
+def test_output_in_a_read_only_folder(tmp_path, monkeypatch):
+    """A refusal is "not writable", named with its errno, and comes before "exists": --force
+    would not help. (Root writes any plain folder, so the refusal is simulated.)"""
+    real_open = os.open
+
+    def read_only(path, flags, *args):
+        if str(path).startswith(str(tmp_path)) and flags & os.O_CREAT:
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(atomic_write.os, "open", read_only)
+    existing = tmp_path / "report.json"
+    existing.write_text("{}")
+    with pytest.raises(QspecError, match=rf"--json: cannot write {existing}: {tmp_path} is not "):
+        check_output_file(existing, "--json")
+    with pytest.raises(QspecError, match=r"is not writable \(Read-only file system\)$"):
+        atomic_write.check_output(existing, force=False)
+
+
+def _bad_homes(tmp_path) -> dict[str, tuple[Path, str]]:
+    """QSPEC_HOME values that cannot be used, and what the message must say of each."""
+    a_file = tmp_path / "a-file"
+    a_file.write_text("not a folder")
+    dangling = tmp_path / "dangling"
+    dangling.symlink_to(tmp_path / "gone")
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop)
+    return {
+        "file": (a_file, f"{a_file} is not a folder"),
+        "inside-a-file": (a_file / "qspec", f"{a_file} is not a folder"),
+        "dangling-link": (dangling, f"{dangling} is a symbolic link to {tmp_path / 'gone'}"),
+        "below-a-dangling-link": (dangling / "qspec", f"{dangling} is a symbolic link"),
+        "link-loop": (loop, f"{loop} is a symbolic link"),
+    }
+
+
+@pytest.mark.parametrize(
+    "kind", ["file", "inside-a-file", "dangling-link", "below-a-dangling-link", "link-loop"]
+)
+def test_check_home_names_what_is_wrong(tmp_path, kind):
+    home, words = _bad_homes(tmp_path)[kind]
+    with pytest.raises(QspecError, match=f"QSPEC_HOME={home}: point QSPEC_HOME at a writable"):
+        check_home({"QSPEC_HOME": str(home)})
+    with pytest.raises(QspecError) as refused:
+        check_home({"QSPEC_HOME": str(home)})
+    assert words in str(refused.value)
+
+
+def test_check_home_of_a_folder_that_refuses_files(tmp_path, monkeypatch):
+    with pytest.raises(QspecError, match=r"home is not writable; it comes from QSPEC_HOME="):
+        with monkeypatch.context() as patched:  # what a user without permission sees
+            patched.setattr(os, "access", lambda path, mode: False)
+            (tmp_path / "home").mkdir()
+            check_home({"QSPEC_HOME": str(tmp_path / "home")})
+
+    def read_only(*args, **kwargs):  # root passes os.access; a read-only mount still refuses
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+
+    monkeypatch.setattr(paths.tempfile, "mkdtemp", read_only)
+    with pytest.raises(QspecError, match=r"is not writable \(Read-only file system\); it"):
+        check_home({"QSPEC_HOME": str(tmp_path / "new")})
+
+
+@pytest.mark.skipif(not _proc_refuses_new_files(), reason="needs a Linux /proc")
+def test_check_home_in_proc():
+    """os.access says yes to root in /proc; the trial create says what really happens."""
+    with pytest.raises(QspecError, match=r"no folder can be made in /proc \(No such file"):
+        check_home({"QSPEC_HOME": "/proc/qspec"})
+
+
+def test_check_home_creates_nothing(tmp_path):
+    check_home({"QSPEC_HOME": str(tmp_path / "home")})
+    check_home({"XDG_CACHE_HOME": str(tmp_path)})
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("kind", ["file", "inside-a-file", "dangling-link"])
+@pytest.mark.parametrize("command", ["prefill", "bench"])
+def test_a_bad_home_is_the_one_error_line(tmp_path, kind, command):
+    """In a fresh process, where the CPU kernels would build under QSPEC_HOME and warn that
+    they cannot: the home is refused first, as the only line on stderr."""
+    home, words = _bad_homes(tmp_path)[kind]
+    doc = tmp_path / "doc.txt"
+    doc.write_text("The keeper counted 41 ships.\n")
+    env = {**os.environ, "QSPEC_HOME": str(home)}
+    env.pop("QSPEC_CPU_KERNELS", None)  # (the kernels as a user has them)
+    args = ["prefill", doc, "-o", tmp_path / "doc.qspec"] if command == "prefill" else [command]
+    proc = run_qspec(*args, env=env, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: cannot use "), proc.stderr
+    assert words in lines[0]
+    assert not (tmp_path / "doc.qspec").exists()

@@ -24,6 +24,7 @@ from test_snapshot import (
     small_cache,
 )
 
+from qspec_cli.render import snapshot_size_line
 from qspec_core import atomic_write
 from qspec_core.errors import QspecError
 from qspec_core.store import snapshot as snap
@@ -296,3 +297,13 @@ def test_only_dead_writers_temp_files_are_removed(tmp_path, model_folder):
     save_small(tmp_path / "s.qspec", model_folder)
     assert not (tmp_path / names["dead"]).exists()
     assert (tmp_path / names["live"]).exists()
+
+
+def test_size_comparison_is_worded_from_the_larger_side():
+    mib = 2**20
+    # the usual case, a long document: the bf16 cache is the larger
+    assert snapshot_size_line(mib, 4 * mib).endswith("4.0 MiB (4.00x larger)")
+    # a short document: the snapshot is the larger, and must not read "0.50x larger"
+    line = snapshot_size_line(2 * mib, mib)
+    assert line.endswith("(the snapshot is 2.00x larger)") and "0.50x" not in line
+    assert snapshot_size_line(mib, mib).endswith("(the same size)")

@@ -83,13 +83,22 @@ SPEC_STAGES = ("lookup", "draft", "verify", "accept", "rollback", "rotate")
 WARMUP_TOKENS = 8
 
 
+def comma_items(text: str, option: str, example: str) -> list[str]:
+    """The stripped items of a comma-separated option. An empty one (`2k,`, `2k,,8k`) is
+    refused, not dropped: a typo would otherwise run a different bench than the one asked."""
+    items = [part.strip() for part in text.split(",")]
+    if not any(items):
+        raise QspecError(f"{option} needs at least one value, e.g. {example}")
+    if "" in items:
+        raise QspecError(f"{option} {text!r} has an empty item, a comma too many? (e.g. {example})")
+    return items
+
+
 def parse_contexts(text: str) -> list[int]:
     """'2k,8k,32k' -> [2048, 8192, 32768]; plain numbers are token counts."""
     sizes = []
-    for part in text.split(","):
-        part = part.strip().lower()
-        if not part:
-            continue
+    for part in comma_items(text, "--context", "2k,8k"):
+        part = part.lower()
         scale = 1024 if part.endswith("k") else 1
         number = part[:-1] if part.endswith("k") else part
         try:
@@ -101,8 +110,6 @@ def parse_contexts(text: str) -> list[int]:
         if value <= 0 or value != int(value):
             raise QspecError(f"--context: {part!r} is not a whole positive number of tokens")
         sizes.append(int(value))
-    if not sizes:
-        raise QspecError("--context needs at least one size, e.g. 2k,8k")
     return sizes
 
 
@@ -111,11 +118,11 @@ def size_label(context: int) -> str:
 
 
 def parse_modes(text: str | None) -> tuple[str, ...]:
-    if not text:
+    if text is None:
         return DEFAULT_MODES
-    modes = tuple(dict.fromkeys(m.strip() for m in text.split(",") if m.strip()))
+    modes = tuple(dict.fromkeys(comma_items(text, "--modes", "ar,quantspec")))
     unknown = [m for m in modes if m not in MODES]
-    if unknown or not modes:
+    if unknown:
         raise QspecError(f"--modes: unknown {', '.join(unknown)} (have: {', '.join(MODES)})")
     return modes
 
