@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.qspec-installed
 
-.PHONY: setup test lint demo bench-ar clean
+.PHONY: setup test lint demo bench-ar clean sanitize
 
 setup: $(STAMP)
 
@@ -31,3 +31,16 @@ bench-ar: setup
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
+
+# The C++ kernels built with AddressSanitizer and UndefinedBehaviorSanitizer (any finding stops
+# the run), then the kernel, batch-invariance and reproducibility tests against that build.
+SANITIZED_TESTS ?= tests/test_cpu_attention.py tests/test_cpu_linear.py tests/test_cpu_decode.py \
+	tests/test_cpu_step.py tests/test_batch_invariance.py tests/test_reproducible.py
+SANITIZE_ENV = QSPEC_CPU_SANITIZE=address,undefined QSPEC_CPU_BUILD_WAIT=3600 \
+	LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
+	ASAN_OPTIONS=detect_leaks=0:alloc_dealloc_mismatch=0:abort_on_error=1 \
+	UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 TRITON_INTERPRET=1
+sanitize: setup
+	$(SANITIZE_ENV) $(PY) -c "from kernels.cpu import build; import sys; \
+		sys.exit(0 if build.available() else 'sanitized kernels: ' + str(build.failure()))"
+	$(SANITIZE_ENV) $(PY) -m pytest -q -x -p no:cacheprovider $(SANITIZED_TESTS)

@@ -121,6 +121,7 @@ class ChatSession:
         self.gamma = gamma
         self.group_size = group_size
         self.lookup = lookup  # quantspec also drafts from the conversation (`lookup.py`)
+        self.planner = None  # with gamma "auto": a `RoundPlanner` to use instead of a new one
         self.runtime = runtime
         self.params = params or SamplingParams()
         self.max_new_tokens = max_new_tokens
@@ -306,7 +307,13 @@ class ChatSession:
                 with timer.stage("lookup"):  # (indexing a 32k-token prompt: about 0.1 s)
                     index = DocumentLookup(ids) if self.lookup else None
                 tokens = speculative_decode(
-                    *common, self.gamma, timer, stats.spec, target_path=self.path, lookup=index
+                    *common,
+                    self.gamma,
+                    timer,
+                    stats.spec,
+                    target_path=self.path,
+                    lookup=index,
+                    planner=self.planner,
                 )
             else:
                 tokens = decode(*common, path=self.path, timer=timer)
