@@ -1,8 +1,9 @@
 // The torch entry points of the integer-dot linears (W8A8, W4A8); the cores and their
-// description are in int_dot.h.
+// description are in int_dot.h and int4_dot.h.
 #include <torch/extension.h>
 
 #include "kernels.h"  // (the declarations these definitions must match)
+#include "int4_dot.h"
 #include "int_dot.h"
 #include <ATen/Parallel.h>
 
