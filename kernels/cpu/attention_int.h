@@ -19,7 +19,7 @@
 // W / 2 + b in its high one. Included by hier_attention.cpp alone.
 #pragma once
 #include "attention_math.h"
-#include "kernels.h"
+#include "isa.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -82,8 +82,8 @@ inline void round_queries(const float* q, const float* ks, const float* kz, cons
 // dots [RT, n]: sum over positions of codes[r] times the n tokens' bytes u, from the planes'
 // rows up/lo [n, D/2] (lo: the lower plane, read by the target only).
 template <bool TARGET>
-void int_dots_portable(const uint8_t* up, const uint8_t* lo, int64_t n, int64_t D,
-                       const int16_t* codes, int64_t RT, int32_t* dots) {
+inline void int_dots_portable(const uint8_t* up, const uint8_t* lo, int64_t n, int64_t D,
+                              const int16_t* codes, int64_t RT, int32_t* dots) {
   const int64_t W = segment_width(D), hw = W / 2, half = D / 2;
   for (int64_t r = 0; r < RT; ++r) {
     const int16_t* c = codes + r * D;

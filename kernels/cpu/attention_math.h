@@ -4,7 +4,7 @@
 // "deinterleaved" order (see hier_attention.cpp). Portable C++, AVX2/FMA and AVX-512; included by
 // hier_attention.cpp alone.
 #pragma once
-#include "kernels.h"
+#include "isa.h"
 
 #include <algorithm>
 #include <cmath>
@@ -45,9 +45,9 @@ inline void block_codes(const uint8_t* __restrict up, const uint8_t* __restrict 
 // values vb [n, D]; `vscale`/`vzero` (per token, or null when vb holds values) turn codes into
 // values: sum_j p_j (s_j c_j + z_j) = sum_j (p_j s_j) c_j + sum_j p_j z_j (the latter in zacc);
 // vscale holds s_j already divided by the view's step divisor.
-void fold_row_portable(float* __restrict p, int64_t n, const float* __restrict vb,
-                       const float* vscale, const float* vzero, int64_t D,
-                       float* __restrict acc, float& m, float& l, float& zacc) {
+inline void fold_row_portable(float* __restrict p, int64_t n, const float* __restrict vb,
+                              const float* vscale, const float* vzero, int64_t D,
+                              float* __restrict acc, float& m, float& l, float& zacc) {
   float mx = m;
   for (int64_t j = 0; j < n; ++j) mx = std::max(mx, p[j]);
   if (mx == NEG_INF) return;
@@ -75,8 +75,8 @@ void fold_row_portable(float* __restrict p, int64_t n, const float* __restrict v
   m = mx;
 }
 
-void scores_portable(const float* __restrict qr, const float* __restrict kb, int64_t n,
-                     int64_t D, float bias, float* __restrict p) {
+inline void scores_portable(const float* __restrict qr, const float* __restrict kb, int64_t n,
+                            int64_t D, float bias, float* __restrict p) {
   for (int64_t j = 0; j < n; ++j) {
     const float* __restrict kj = kb + j * D;
     float dot = 0.f;

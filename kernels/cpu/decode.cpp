@@ -10,6 +10,7 @@
 #include <torch/extension.h>
 
 #include "kernels.h"  // (the declarations these definitions must match)
+#include "norm_rope.h"
 #include <ATen/Parallel.h>
 
 #include <cmath>
@@ -19,15 +20,6 @@ namespace {
 void check_float_rows(const torch::Tensor& x, const char* name) {
   TORCH_CHECK(x.scalar_type() == torch::kFloat && x.is_contiguous(), name,
               " must be contiguous fp32");
-}
-
-// Sum of squares in double-free fp32, eight lanes (the compiler vectorizes this loop).
-inline void norm_row(const float* __restrict x, const float* __restrict w, float* __restrict y,
-                     int64_t H, float eps) {
-  float ss = 0.f;
-  for (int64_t i = 0; i < H; ++i) ss += x[i] * x[i];
-  const float r = 1.f / std::sqrt(ss / float(H) + eps);
-  for (int64_t i = 0; i < H; ++i) y[i] = w[i] * (x[i] * r);
 }
 
 }  // namespace
@@ -65,18 +57,13 @@ void rope_cpu(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
               "x must be fp32 [B, T, n, D] with stride 1 along D");
   check_float_rows(cos, "cos");
   check_float_rows(sin, "sin");
-  const int64_t B = x.size(0), T = x.size(1), n = x.size(2), D = x.size(3), half = D / 2;
+  const int64_t B = x.size(0), T = x.size(1), n = x.size(2), D = x.size(3);
   float* xp = x.data_ptr<float>();
   const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
   for (int64_t b = 0; b < B; ++b)
     for (int64_t t = 0; t < T; ++t)
       for (int64_t h = 0; h < n; ++h) {
         float* r = xp + b * x.stride(0) + t * x.stride(1) + h * x.stride(2);
-        const float *c = cp + t * D, *s = sp + t * D;
-        for (int64_t i = 0; i < half; ++i) {  // (x1, x2) -> (x1 c - x2 s, x2 c + x1 s)
-          const float x1 = r[i], x2 = r[half + i];
-          r[i] = x1 * c[i] - x2 * s[i];
-          r[half + i] = x2 * c[half + i] + x1 * s[half + i];
-        }
+        rope_row(r, cp + t * D, sp + t * D, D);
       }
 }

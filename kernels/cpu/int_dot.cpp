@@ -1,450 +1,21 @@
-// Integer-dot linears for the few rows of a decode or verify step (CPU): the activations are
-// rounded to int8 per 64 inputs (symmetric, step max|x| / 127, ties to even, as llama.cpp
-// rounds them for its Q8 dot products and as `kernels.cpu.linear.quantize_activations` does),
-// so that the inner products run on integers, 64 multiply-adds per instruction with VNNI.
-//
-//   w8a8_rows_cpu: the INT8 target twin (int8 w [N, K], fp32 scale [N]; W = scale[n] q) with
-//     int8 activations, W8A8: y[m, n] = scale[n] sum_c step[m, c] (sum_{k in c} q x_codes) + b.
-//   int4_rows_cpu: the draft's 4-bit twin (packed [N, K/2], scale/zero [N, K/G]), W4A8.
-//
-// A step reads every weight byte once, and these kernels turn that stream from fp32 arithmetic
-// into integer arithmetic: the per-chunk integer dot is exact (|sum| <= 64 * 128 * 127 < 2^24,
-// so its fp32 conversion is exact too), and only the per-chunk sum of step * dot is in floats,
-// in chunk order, in lanes laid out by the instruction set alone. So a row's result depends
-// neither on how many rows share the call nor on where the row sits: batch-invariant, what
-// greedy QuantSpec == target-ar rests on (the result does differ between instruction sets).
-//
-// Paths: AVX-512 VNNI (vpdpbusd: u8 x s8, four products per int32 lane; the int8 weights are
-// made unsigned by flipping the top bit, w + 128, and each lane starts at -128 times the sum of
-// its four activation codes, so the lane sum is exactly sum q x); AVX2 (vpmaddubsw on |w| and
-// x with w's sign, pairs then quads summed exactly), which with AVX-VNNI (256-bit vpdpbusd)
-// computes the same integer lanes in fewer instructions (W8A8: the same bits, measured);
-// portable C++. K must be a multiple of 64;
-// x is fp32 [M, K], at most kMaxStepRows rows (W8A8) or 8 (W4A8), out [M, N] fp32.
+// The torch entry points of the integer-dot linears (W8A8, W4A8); the cores and their
+// description are in int_dot.h and int4_dot.h.
 #include <torch/extension.h>
 
 #include "kernels.h"  // (the declarations these definitions must match)
+#include "int4_dot.h"
+#include "int_dot.h"
 #include <ATen/Parallel.h>
-
-#include <cmath>
-#include <limits>
-#include <vector>
 
 namespace {
 
-constexpr int64_t CHUNK = 64;  // inputs per activation step
-
-// Asks for the cache line at p + 2 * block_bytes: the same column of the weight rows two blocks
-// of NR rows ahead. The hardware prefetchers see NR interleaved streams of K bytes each, too
-// short to train on, and a pass from cold memory ran at a third of the bandwidth without this.
-// (A prefetch never faults, past the end of the weights included.)
-inline void prefetch_ahead(const void* p, int64_t block_bytes) {
-  __builtin_prefetch(static_cast<const char*>(p) + 2 * block_bytes, 0, 3);
-}
-
-// Rounds x[0, 64) to int8 codes; returns the step (kernels.h: round_to_codes).
-inline float quantize_chunk(const float* x, int8_t* codes) {
-  return round_to_codes(x, CHUNK, codes);
-}
-
-// ------------------------------------------------------------------------------------ W8A8
-constexpr int64_t W8_BLOCK_ROWS = 8;  // rows of x per pass over the weights
-
-struct Int8Rows {                // x [M, K] as codes
-  std::vector<int8_t> codes;     // [M, K]
-  std::vector<float> step;       // [M, C]
-  std::vector<int32_t> offset;   // [M, C, 16]: -128 * (sum of codes 4j .. 4j + 3): the VNNI
-                                 // lanes' start, undoing the weights' + 128
+// torch's thread pool for the cores' row blocks.
+struct TorchParallelFor {
+  template <class F>
+  void operator()(int64_t begin, int64_t end, int64_t grain, const F& fn) const {
+    at::parallel_for(begin, end, grain, fn);
+  }
 };
-
-// y scale[n] + bias[n] as one fused multiply-add, always: left to the compiler (-ffast-math
-// contracts when it sees fit), it fused in some instantiations of M and not in others, and a
-// row's result then changed with the number of rows in the call.
-inline float w8a8_finish(float y, const float* scale, const float* bias, int64_t n) {
-  return bias ? std::fma(y, scale[n], bias[n]) : y * scale[n];
-}
-
-Int8Rows quantize_rows8(const float* x, int64_t M, int64_t K) {
-  const int64_t C = K / CHUNK;
-  Int8Rows r{std::vector<int8_t>(M * K), std::vector<float>(M * C),
-             std::vector<int32_t>(M * C * 16)};
-  for (int64_t mc = 0; mc < M * C; ++mc) {
-    int8_t* codes = &r.codes[mc * CHUNK];
-    r.step[mc] = quantize_chunk(x + mc * CHUNK, codes);
-    for (int j = 0; j < 16; ++j) {
-      const int s = codes[4 * j] + codes[4 * j + 1] + codes[4 * j + 2] + codes[4 * j + 3];
-      r.offset[mc * 16 + j] = -128 * s;
-    }
-  }
-  return r;
-}
-
-#if defined(QSPEC_AVX512_VNNI)
-// NR weight rows from n against x rows m0 .. m0 + M - 1; acc lanes: 16 int32 partial dots of a
-// chunk, converted, times the chunk's step, summed over chunks in order, then one fixed
-// 16-lane reduction.
-template <int M, int NR>
-inline void w8a8_block(const Int8Rows& xq, const int8_t* w, const float* scale,
-                       const float* bias, float* out, int64_t K, int64_t N, int64_t n,
-                       int64_t m0) {
-  const int64_t C = K / CHUNK;
-  const __m512i flip = _mm512_set1_epi8(char(0x80));
-  __m512 acc[NR][M];
-#pragma GCC unroll 8
-  for (int r = 0; r < NR; ++r)
-#pragma GCC unroll 8
-    for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
-  for (int64_t c = 0; c < C; ++c) {
-    __m512i wu[NR];
-#pragma GCC unroll 8
-    for (int r = 0; r < NR; ++r) {
-      wu[r] = _mm512_xor_si512(_mm512_loadu_si512(w + (n + r) * K + c * CHUNK), flip);
-      prefetch_ahead(w + (n + r) * K + c * CHUNK, NR * K);
-    }
-#pragma GCC unroll 8
-    for (int m = 0; m < M; ++m) {
-      const int64_t at = (m0 + m) * C + c;
-      const __m512i xv = _mm512_loadu_si512(&xq.codes[at * CHUNK]);
-      const __m512i start = _mm512_loadu_si512(&xq.offset[at * 16]);
-      const __m512 step = _mm512_set1_ps(xq.step[at]);
-#pragma GCC unroll 8
-      for (int r = 0; r < NR; ++r) {
-        const __m512i d = _mm512_dpbusd_epi32(start, wu[r], xv);
-        acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), step, acc[r][m]);
-      }
-    }
-  }
-  // (unrolled like the loops above: an indexed read would keep acc in memory, not registers)
-#pragma GCC unroll 8
-  for (int r = 0; r < NR; ++r)
-#pragma GCC unroll 8
-    for (int m = 0; m < M; ++m) {
-      out[(m0 + m) * N + n + r] = w8a8_finish(_mm512_reduce_add_ps(acc[r][m]), scale, bias, n + r);
-    }
-}
-template <int M>
-constexpr int w8a8_nr() { return M == 1 ? 8 : M <= 4 ? 4 : 2; }  // NR * M accumulators <= 20
-
-#elif defined(QSPEC_AVX2)
-// As above with 8 int32 lanes: |w| (u8) times x with w's sign (s8) in pairs (vpmaddubsw, exact:
-// |pair| <= 2 * 128 * 127 < 2^15), pairs to quads (vpmaddwd), the chunk's two halves added.
-template <int M, int NR>
-inline void w8a8_block(const Int8Rows& xq, const int8_t* w, const float* scale,
-                       const float* bias, float* out, int64_t K, int64_t N, int64_t n,
-                       int64_t m0) {
-  const int64_t C = K / CHUNK;
-#ifdef QSPEC_AVX_VNNI
-  const __m256i flip = _mm256_set1_epi8(char(0x80));
-#else
-  const __m256i ones = _mm256_set1_epi16(1);
-#endif
-  __m256 acc[NR][M];
-#pragma GCC unroll 8
-  for (int r = 0; r < NR; ++r)
-#pragma GCC unroll 8
-    for (int m = 0; m < M; ++m) acc[r][m] = _mm256_setzero_ps();
-  for (int64_t c = 0; c < C; ++c) {
-    __m256i wl[NR], wh[NR];
-#pragma GCC unroll 8
-    for (int r = 0; r < NR; ++r) {
-      const int8_t* p = w + (n + r) * K + c * CHUNK;
-      wl[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-      wh[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32));
-      prefetch_ahead(p, NR * K);
-#ifdef QSPEC_AVX_VNNI
-      wl[r] = _mm256_xor_si256(wl[r], flip), wh[r] = _mm256_xor_si256(wh[r], flip);  // w + 128
-#endif
-    }
-#pragma GCC unroll 8
-    for (int m = 0; m < M; ++m) {
-      const int64_t at = (m0 + m) * C + c;
-      const int8_t* xp = &xq.codes[at * CHUNK];
-      const __m256i xl = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp));
-      const __m256i xh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + 32));
-      const __m256 step = _mm256_set1_ps(xq.step[at]);
-#ifdef QSPEC_AVX_VNNI
-      // each lane starts at -128 times the sum of its eight codes (its four in either half)
-      const __m256i start = _mm256_add_epi32(
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(&xq.offset[at * 16])),
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(&xq.offset[at * 16 + 8])));
-#endif
-#pragma GCC unroll 8
-      for (int r = 0; r < NR; ++r) {
-#ifdef QSPEC_AVX_VNNI
-        const __m256i lanes = _mm256_dpbusd_avx_epi32(
-            _mm256_dpbusd_avx_epi32(start, wl[r], xl), wh[r], xh);
-#else
-        const __m256i pl = _mm256_madd_epi16(
-            _mm256_maddubs_epi16(_mm256_abs_epi8(wl[r]), _mm256_sign_epi8(xl, wl[r])), ones);
-        const __m256i ph = _mm256_madd_epi16(
-            _mm256_maddubs_epi16(_mm256_abs_epi8(wh[r]), _mm256_sign_epi8(xh, wh[r])), ones);
-        const __m256i lanes = _mm256_add_epi32(pl, ph);
-#endif
-        const __m256 d = _mm256_cvtepi32_ps(lanes);
-        acc[r][m] = _mm256_fmadd_ps(d, step, acc[r][m]);
-      }
-    }
-  }
-  // (unrolled like the loops above: an indexed read would keep acc in memory, not registers)
-#pragma GCC unroll 8
-  for (int r = 0; r < NR; ++r)
-#pragma GCC unroll 8
-    for (int m = 0; m < M; ++m) {
-      out[(m0 + m) * N + n + r] = w8a8_finish(hsum(acc[r][m]), scale, bias, n + r);
-    }
-}
-template <int M>
-constexpr int w8a8_nr() { return M == 1 ? 4 : M <= 3 ? 2 : 1; }  // 16 ymm registers
-
-#else
-// Portable: per chunk an exact int dot, then the same float sum in chunk order.
-template <int M, int NR>
-inline void w8a8_block(const Int8Rows& xq, const int8_t* w, const float* scale,
-                       const float* bias, float* out, int64_t K, int64_t N, int64_t n,
-                       int64_t m0) {
-  const int64_t C = K / CHUNK;
-  for (int r = 0; r < NR; ++r)
-    for (int m = 0; m < M; ++m) {
-      float y = 0.f;
-      for (int64_t c = 0; c < C; ++c) {
-        const int8_t* wp = w + (n + r) * K + c * CHUNK;
-        const int8_t* xp = &xq.codes[((m0 + m) * C + c) * CHUNK];
-        int32_t dot = 0;
-        for (int i = 0; i < CHUNK; ++i) dot += int32_t(wp[i]) * int32_t(xp[i]);
-        y += float(dot) * xq.step[(m0 + m) * C + c];
-      }
-      out[(m0 + m) * N + n + r] = w8a8_finish(y, scale, bias, n + r);
-    }
-}
-template <int M>
-constexpr int w8a8_nr() { return 1; }
-#endif
-
-template <int M>
-void w8a8_pass(const Int8Rows& xq, const int8_t* w, const float* scale, const float* bias,
-               float* out, int64_t K, int64_t N, int64_t m0) {
-  constexpr int NR = w8a8_nr<M>();
-  at::parallel_for(0, (N + NR - 1) / NR, grain_rows(K * NR), [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t n = b * NR;
-      if (n + NR <= N) {
-        w8a8_block<M, NR>(xq, w, scale, bias, out, K, N, n, m0);
-      } else {
-        for (int64_t i = n; i < N; ++i) w8a8_block<M, 1>(xq, w, scale, bias, out, K, N, i, m0);
-      }
-    }
-  });
-}
-
-// ------------------------------------------------------------------------------------ W4A8
-// y = x W^T with W[n, k] = (q - z) s per group, q packed two per byte ([N, K/2], even k in
-// the low nibble), s/z fp32 [N, K/G]. Per 64-input chunk c of row n:
-//   sum_k (q - z) s xq dx = s dx (sum_k q xq - z sum_k xq).
-// The zero-point term is summed per weight group from per-chunk step * sum(codes), computed
-// once with the activations. The twin is `kernels.cpu.linear.int4_linear_ref` (the same
-// activation rounding, then a dense matmul); this is the draft path only, whose output only
-// proposes tokens.
-struct QuantRows {  // x [M, K] -> per 64-chunk: even/odd int8 halves, step; per group: zsum
-  std::vector<int8_t> even, odd;  // [M, C, 32]
-  std::vector<float> step;        // [M, C]
-  std::vector<float> step8;       // [M, C + 1, 8]: step broadcast 8 times, then 8 zeros
-  std::vector<float> zsum;        // [M, K/G]: sum over the group's chunks of step * sum(codes)
-};
-
-QuantRows quantize_rows4(const float* x, int64_t M, int64_t K, int64_t G) {
-  const int64_t C = K / CHUNK, per_group = G / CHUNK;
-  QuantRows r{std::vector<int8_t>(M * C * 32), std::vector<int8_t>(M * C * 32),
-              std::vector<float>(M * C), std::vector<float>(M * (C + 1) * 8, 0.f),
-              std::vector<float>(M * (K / G), 0.f)};
-  int8_t codes[CHUNK];
-  for (int64_t m = 0; m < M; ++m) {
-    for (int64_t c = 0; c < C; ++c) {
-      const float step = quantize_chunk(x + m * K + c * CHUNK, codes);
-      int sum = 0;
-      int8_t* even = &r.even[(m * C + c) * 32];
-      int8_t* odd = &r.odd[(m * C + c) * 32];
-      for (int i = 0; i < 32; ++i) {
-        even[i] = codes[2 * i];
-        odd[i] = codes[2 * i + 1];
-        sum += codes[2 * i] + codes[2 * i + 1];
-      }
-      r.step[m * C + c] = step;
-      for (int j = 0; j < 8; ++j) r.step8[(m * (C + 1) + c) * 8 + j] = step;
-      r.zsum[m * (K / G) + c / per_group] += step * float(sum);
-    }
-  }
-  return r;
-}
-
-// Zero-point terms and bias: out[m, n] = y - sum_g s z zsum[m, g] + b.
-inline float int4_finish(float y, const QuantRows& xq, const float* scale, const float* zero,
-                         const float* bias, int64_t m, int64_t n, int64_t NG) {
-  const float* s = scale + n * NG;
-  const float* z = zero + n * NG;
-  for (int64_t g = 0; g < NG; ++g) y -= s[g] * z[g] * xq.zsum[m * NG + g];
-  return bias ? y + bias[n] : y;
-}
-
-#if defined(QSPEC_AVX512_VNNI)
-// Two chunks per 64-byte load: lanes 0-7 hold chunk c's partial dots, lanes 8-15 chunk c + 1's
-// (the low nibbles against the even codes, the high against the odd, both in one int32 lane
-// sum); an odd last chunk loads half, its upper lanes zero with a zero step.
-template <int M, int NR>
-inline void int4_block(const QuantRows& xq, const uint8_t* packed, const float* scale,
-                       const float* zero, const float* bias, float* out, int64_t K, int64_t N,
-                       int64_t G, int64_t n) {
-  const int64_t C = K / CHUNK, NG = K / G, per_group = G / CHUNK;
-  const __m512i mask = _mm512_set1_epi8(0x0F);
-  __m512 acc[NR][M];
-#pragma GCC unroll 8
-  for (int r = 0; r < NR; ++r)
-#pragma GCC unroll 8
-    for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
-  for (int64_t c = 0; c < C; c += 2) {
-    const __mmask64 bytes = c + 1 < C ? ~__mmask64(0) : __mmask64(0xFFFFFFFFull);
-    const int64_t g0 = c / per_group, g1 = c + 1 < C ? (c + 1) / per_group : g0;
-    __m512i lo[NR], hi[NR];
-    __m512 sv[NR];
-#pragma GCC unroll 8
-    for (int r = 0; r < NR; ++r) {
-      const uint8_t* p = packed + (n + r) * (K / 2) + c * 32;
-      const __m512i b = _mm512_maskz_loadu_epi8(bytes, p);
-      prefetch_ahead(p, NR * K / 2);
-      lo[r] = _mm512_and_si512(b, mask);
-      hi[r] = _mm512_and_si512(_mm512_srli_epi16(b, 4), mask);
-      const float* s = scale + (n + r) * NG;
-      sv[r] = _mm512_insertf32x8(_mm512_set1_ps(s[g0]), _mm256_set1_ps(s[g1]), 1);
-    }
-#pragma GCC unroll 8
-    for (int m = 0; m < M; ++m) {
-      const int64_t at = (m * C + c) * 32;
-      const __m512i e = _mm512_maskz_loadu_epi8(bytes, &xq.even[at]);
-      const __m512i o = _mm512_maskz_loadu_epi8(bytes, &xq.odd[at]);
-      const __m512 step = _mm512_loadu_ps(&xq.step8[(m * (C + 1) + c) * 8]);
-#pragma GCC unroll 8
-      for (int r = 0; r < NR; ++r) {
-        const __m512i d = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[r], e),
-                                              hi[r], o);
-        acc[r][m] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(d), step), sv[r], acc[r][m]);
-      }
-    }
-  }
-  // (unrolled like the loops above: an indexed read would keep acc in memory, not registers)
-#pragma GCC unroll 8
-  for (int r = 0; r < NR; ++r)
-#pragma GCC unroll 8
-    for (int m = 0; m < M; ++m)
-      out[m * N + n + r] =
-          int4_finish(_mm512_reduce_add_ps(acc[r][m]), xq, scale, zero, bias, m, n + r, NG);
-}
-template <int M>
-constexpr int int4_nr() { return M <= 2 ? 4 : 2; }  // lo, hi, scales, sums: 4 NR + NR M zmm
-
-#elif defined(QSPEC_AVX2)
-// NR weight rows from n against M rows of x. Per 64-input chunk c and row pair (r, m):
-// acc += s[r, g] * step[m, c] * sum_k q x_codes (vpmaddubsw: 32 nibbles (u8) times 32 codes,
-// pairs added, exact: |pair| <= 2 * 15 * 127); the zero points after.
-template <int M, int NR>
-inline void int4_block(const QuantRows& xq, const uint8_t* packed, const float* scale,
-                       const float* zero, const float* bias, float* out, int64_t K, int64_t N,
-                       int64_t G, int64_t n) {
-  const int64_t C = K / CHUNK, NG = K / G, per_group = G / CHUNK;
-  const __m256i mask = _mm256_set1_epi8(0x0F);
-#ifndef QSPEC_AVX_VNNI
-  const __m256i ones = _mm256_set1_epi16(1);
-#endif
-  __m256 acc[NR][M];
-#pragma GCC unroll 8
-  for (int r = 0; r < NR; ++r)
-#pragma GCC unroll 8
-    for (int m = 0; m < M; ++m) acc[r][m] = _mm256_setzero_ps();
-  for (int64_t c = 0; c < C; ++c) {
-    __m256i lo[NR], hi[NR];
-    __m256 sv[NR];
-#pragma GCC unroll 8
-    for (int r = 0; r < NR; ++r) {
-      const uint8_t* p = packed + (n + r) * (K / 2) + c * 32;
-      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-      if (c % 2 == 0) prefetch_ahead(p, NR * K / 2);  // (a cache line is two chunks)
-      lo[r] = _mm256_and_si256(b, mask);
-      hi[r] = _mm256_and_si256(_mm256_srli_epi16(b, 4), mask);
-      sv[r] = _mm256_set1_ps(scale[(n + r) * NG + c / per_group]);
-    }
-#pragma GCC unroll 8
-    for (int m = 0; m < M; ++m) {
-      const int64_t at = (m * C + c) * 32;
-      const __m256i e = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(&xq.even[at]));
-      const __m256i o = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(&xq.odd[at]));
-      const __m256 step = _mm256_broadcast_ss(&xq.step[m * C + c]);
-#pragma GCC unroll 8
-      for (int r = 0; r < NR; ++r) {
-#ifdef QSPEC_AVX_VNNI
-        const __m256i lanes = _mm256_dpbusd_avx_epi32(
-            _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), lo[r], e), hi[r], o);
-#else
-        const __m256i lanes = _mm256_madd_epi16(
-            _mm256_add_epi16(_mm256_maddubs_epi16(lo[r], e), _mm256_maddubs_epi16(hi[r], o)),
-            ones);
-#endif
-        const __m256 p = _mm256_cvtepi32_ps(lanes);
-        acc[r][m] = _mm256_fmadd_ps(_mm256_mul_ps(p, step), sv[r], acc[r][m]);
-      }
-    }
-  }
-  // (unrolled like the loops above: an indexed read would keep acc in memory, not registers)
-#pragma GCC unroll 8
-  for (int r = 0; r < NR; ++r)
-#pragma GCC unroll 8
-    for (int m = 0; m < M; ++m)
-      out[m * N + n + r] = int4_finish(hsum(acc[r][m]), xq, scale, zero, bias, m, n + r, NG);
-}
-template <int M>
-constexpr int int4_nr() { return M == 1 ? 4 : M == 2 ? 2 : 1; }
-
-#else
-template <int M, int NR>
-inline void int4_block(const QuantRows& xq, const uint8_t* packed, const float* scale,
-                       const float* zero, const float* bias, float* out, int64_t K, int64_t N,
-                       int64_t G, int64_t n) {
-  const int64_t C = K / CHUNK, NG = K / G, per_group = G / CHUNK;
-  for (int r = 0; r < NR; ++r) {
-    const uint8_t* row = packed + (n + r) * (K / 2);
-    for (int m = 0; m < M; ++m) {
-      float y = 0.f;
-      for (int64_t c = 0; c < C; ++c) {
-        int dot = 0;
-        for (int i = 0; i < 32; ++i) {
-          const uint8_t byte = row[c * 32 + i];
-          dot += (byte & 15) * xq.even[(m * C + c) * 32 + i];
-          dot += (byte >> 4) * xq.odd[(m * C + c) * 32 + i];
-        }
-        y += float(dot) * scale[(n + r) * NG + c / per_group] * xq.step[m * C + c];
-      }
-      out[m * N + n + r] = int4_finish(y, xq, scale, zero, bias, m, n + r, NG);
-    }
-  }
-}
-template <int M>
-constexpr int int4_nr() { return 1; }
-#endif
-
-template <int M>
-void int4_rows(const QuantRows& xq, const uint8_t* packed, const float* scale, const float* zero,
-               const float* bias, float* out, int64_t K, int64_t N, int64_t G) {
-  // NR weight rows share each activation load; the most for one row of x (a draft step)
-  constexpr int NR = int4_nr<M>();
-  at::parallel_for(0, (N + NR - 1) / NR, grain_rows(K / 2 * NR), [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t n = b * NR;
-      if (n + NR <= N) {
-        int4_block<M, NR>(xq, packed, scale, zero, bias, out, K, N, G, n);
-      } else {
-        for (int64_t i = n; i < N; ++i)
-          int4_block<M, 1>(xq, packed, scale, zero, bias, out, K, N, G, i);
-      }
-    }
-  });
-}
 
 const float* bias_of(const c10::optional<torch::Tensor>& b, torch::Tensor* keep, int64_t N) {
   if (!b.has_value() || !b->defined()) return nullptr;
@@ -462,29 +33,15 @@ torch::Tensor w8a8_rows_cpu(torch::Tensor x, torch::Tensor w, torch::Tensor scal
   TORCH_CHECK(w.scalar_type() == torch::kChar && w.is_contiguous(), "int8 contiguous w [N, K]");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   TORCH_CHECK(M >= 1 && M <= kMaxStepRows, "1 to ", kMaxStepRows, " rows");
-  TORCH_CHECK(K % CHUNK == 0, "K must be a multiple of 64");
+  TORCH_CHECK(K % intdot::CHUNK == 0, "K must be a multiple of 64");
   TORCH_CHECK(scale.scalar_type() == torch::kFloat && scale.numel() == N && scale.is_contiguous(),
               "fp32 scale [N]");
   x = x.is_contiguous() ? x : x.contiguous();
   torch::Tensor keep;
   const float* bias = bias_of(b, &keep, N);
-  const Int8Rows xq = quantize_rows8(x.data_ptr<float>(), M, K);
   auto out = torch::empty({M, N}, torch::kFloat);
-  const int8_t* wp = w.data_ptr<int8_t>();
-  const float* sp = scale.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  for (int64_t m0 = 0; m0 < M; m0 += W8_BLOCK_ROWS) {
-    switch (std::min(W8_BLOCK_ROWS, M - m0)) {
-      case 1: w8a8_pass<1>(xq, wp, sp, bias, op, K, N, m0); break;
-      case 2: w8a8_pass<2>(xq, wp, sp, bias, op, K, N, m0); break;
-      case 3: w8a8_pass<3>(xq, wp, sp, bias, op, K, N, m0); break;
-      case 4: w8a8_pass<4>(xq, wp, sp, bias, op, K, N, m0); break;
-      case 5: w8a8_pass<5>(xq, wp, sp, bias, op, K, N, m0); break;
-      case 6: w8a8_pass<6>(xq, wp, sp, bias, op, K, N, m0); break;
-      case 7: w8a8_pass<7>(xq, wp, sp, bias, op, K, N, m0); break;
-      default: w8a8_pass<8>(xq, wp, sp, bias, op, K, N, m0); break;
-    }
-  }
+  intdot::w8a8_rows(x.data_ptr<float>(), M, K, w.data_ptr<int8_t>(), scale.data_ptr<float>(),
+                    bias, N, out.data_ptr<float>(), TorchParallelFor{});
   return out;
 }
 
@@ -494,6 +51,7 @@ torch::Tensor int4_rows_cpu(torch::Tensor x, torch::Tensor packed, torch::Tensor
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat, "x must be fp32 [M, K]");
   const int64_t M = x.size(0), K = x.size(1), N = packed.size(0);
   TORCH_CHECK(M >= 1 && M <= 8, "at most 8 rows");
+  constexpr int64_t CHUNK = intdot::CHUNK;
   TORCH_CHECK(group_size > 0 && K % CHUNK == 0 && group_size % CHUNK == 0 && K % group_size == 0,
               "K and the group size must be multiples of 64");
   TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == torch::kByte && packed.size(1) * 2 == K,
@@ -506,20 +64,9 @@ torch::Tensor int4_rows_cpu(torch::Tensor x, torch::Tensor packed, torch::Tensor
   zero = zero.to(torch::kFloat).contiguous();
   torch::Tensor keep;
   const float* bias = bias_of(b, &keep, N);
-  const QuantRows xq = quantize_rows4(x.data_ptr<float>(), M, K, group_size);
   auto out = torch::empty({M, N}, torch::kFloat);
-  const uint8_t* pp = packed.data_ptr<uint8_t>();
-  const float *sp = scale.data_ptr<float>(), *zp = zero.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  switch (M) {
-    case 1: int4_rows<1>(xq, pp, sp, zp, bias, op, K, N, group_size); break;
-    case 2: int4_rows<2>(xq, pp, sp, zp, bias, op, K, N, group_size); break;
-    case 3: int4_rows<3>(xq, pp, sp, zp, bias, op, K, N, group_size); break;
-    case 4: int4_rows<4>(xq, pp, sp, zp, bias, op, K, N, group_size); break;
-    case 5: int4_rows<5>(xq, pp, sp, zp, bias, op, K, N, group_size); break;
-    case 6: int4_rows<6>(xq, pp, sp, zp, bias, op, K, N, group_size); break;
-    case 7: int4_rows<7>(xq, pp, sp, zp, bias, op, K, N, group_size); break;
-    default: int4_rows<8>(xq, pp, sp, zp, bias, op, K, N, group_size); break;
-  }
+  intdot::int4_rows(x.data_ptr<float>(), M, K, packed.data_ptr<uint8_t>(),
+                    scale.data_ptr<float>(), zero.data_ptr<float>(), group_size, bias, N,
+                    out.data_ptr<float>(), TorchParallelFor{});
   return out;
 }

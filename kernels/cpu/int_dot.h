@@ -1,0 +1,342 @@
+// Integer-dot linears for the few rows of a decode or verify step (CPU): the activations are
+// rounded to int8 per 64 inputs (symmetric, step max|x| / 127, ties to even, as llama.cpp
+// rounds them for its Q8 dot products and as `kernels.cpu.linear.quantize_activations` does),
+// so that the inner products run on integers, 64 multiply-adds per instruction with VNNI.
+//
+//   w8a8_rows_cpu: the INT8 target twin (int8 w [N, K], fp32 scale [N]; W = scale[n] q) with
+//     int8 activations, W8A8: y[m, n] = scale[n] sum_c step[m, c] (sum_{k in c} q x_codes) + b.
+//   int4_rows_cpu: the draft's 4-bit twin (packed [N, K/2], scale/zero [N, K/G]), W4A8.
+//
+// A step reads every weight byte once, and these kernels turn that stream from fp32 arithmetic
+// into integer arithmetic: the per-chunk integer dot is exact (|sum| <= 64 * 128 * 127 < 2^24,
+// so its fp32 conversion is exact too), and only the per-chunk sum of step * dot is in floats,
+// in chunk order, in lanes laid out by the instruction set alone. So a row's result depends
+// neither on how many rows share the call nor on where the row sits: batch-invariant, what
+// greedy QuantSpec == target-ar rests on (the result does differ between instruction sets:
+// AVX-512, AVX2 = AVX-VNNI = NEON, portable).
+//
+// Paths: AVX-512 VNNI (vpdpbusd: u8 x s8, four products per int32 lane; the int8 weights are
+// made unsigned by flipping the top bit, w + 128, and each lane starts at -128 times the sum of
+// its four activation codes, so the lane sum is exactly sum q x); AVX2 (vpmaddubsw on |w| and
+// x with w's sign, pairs then quads summed exactly), which with AVX-VNNI (256-bit vpdpbusd)
+// computes the same integer lanes in fewer instructions (W8A8: the same bits, measured);
+// NEON on aarch64 (sdot with dotprod, else widening multiplies), which computes the AVX2 path's
+// integer lanes and vector float operations in the same order: W8A8 gives the AVX2 path's bits
+// (kernels/cpu/tests checks it under emulation); W4A8 nearly, its zero-point terms being scalar
+// code that the compiler fuses into multiply-adds as it sees fit per target (a few ulp apart);
+// portable C++. K must be a multiple of 64;
+// x is fp32 [M, K], at most kMaxStepRows rows (W8A8) or 8 (W4A8), out [M, N] fp32.
+//
+// This header holds the torch-free cores, W4A8's in int4_dot.h (int_dot.cpp: the torch entry
+// points; the test driver in kernels/cpu/tests calls the cores on raw pointers).
+#pragma once
+#include "isa.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace intdot {
+
+
+constexpr int64_t CHUNK = 64;  // inputs per activation step
+
+// Asks for the cache line at p + 2 * block_bytes: the same column of the weight rows two blocks
+// of NR rows ahead. The hardware prefetchers see NR interleaved streams of K bytes each, too
+// short to train on, and a pass from cold memory ran at a third of the bandwidth without this.
+// (A prefetch never faults, past the end of the weights included.)
+inline void prefetch_ahead(const void* p, int64_t block_bytes) {
+  __builtin_prefetch(static_cast<const char*>(p) + 2 * block_bytes, 0, 3);
+}
+
+// Rounds x[0, 64) to int8 codes; returns the step (kernels.h: round_to_codes).
+inline float quantize_chunk(const float* x, int8_t* codes) {
+  return round_to_codes(x, CHUNK, codes);
+}
+
+#ifdef QSPEC_NEON
+// acc + the products of w and x, four adjacent bytes per int32 lane (lane j: bytes 4j .. 4j + 3),
+// exactly: sdot with dotprod; else products (|p| <= 128 * 127), adjacent pairs (< 2^15), then
+// pairs of pairs. Both give the same integers.
+inline int32x4_t dot16(int32x4_t acc, int8x16_t w, int8x16_t x) {
+#ifdef QSPEC_NEON_DOTPROD
+  return vdotq_s32(acc, w, x);
+#else
+  const int16x8_t pairs =
+      vpaddq_s16(vmull_s8(vget_low_s8(w), vget_low_s8(x)), vmull_high_s8(w, x));
+  return vpadalq_s16(acc, pairs);
+#endif
+}
+
+// The eight lanes lo (0-3), hi (4-7) summed in the order of the AVX2 `hsum` (isa.h):
+// ((v0 + v4) + (v2 + v6)) + ((v1 + v5) + (v3 + v7)), in vector operations (that -ffast-math
+// leaves in order).
+inline float hsum(float32x4_t lo, float32x4_t hi) {
+  const float32x4_t s = vaddq_f32(lo, hi);
+  const float32x2_t t = vadd_f32(vget_low_f32(s), vget_high_f32(s));
+  return vget_lane_f32(t, 0) + vget_lane_f32(t, 1);
+}
+#endif
+
+// ------------------------------------------------------------------------------------ W8A8
+constexpr int64_t W8_BLOCK_ROWS = 8;  // rows of x per pass over the weights
+
+struct Int8Rows {                // x [M, K] as codes
+  std::vector<int8_t> codes;     // [M, K]
+  std::vector<float> step;       // [M, C]
+  std::vector<int32_t> offset;   // [M, C, 16]: -128 * (sum of codes 4j .. 4j + 3): the VNNI
+                                 // lanes' start, undoing the weights' + 128
+};
+
+// y scale[n] + bias[n] as one fused multiply-add, always: left to the compiler (-ffast-math
+// contracts when it sees fit), it fused in some instantiations of M and not in others, and a
+// row's result then changed with the number of rows in the call.
+inline float w8a8_finish(float y, const float* scale, const float* bias, int64_t n) {
+  return bias ? std::fma(y, scale[n], bias[n]) : y * scale[n];
+}
+
+inline Int8Rows quantize_rows8(const float* x, int64_t M, int64_t K) {
+  const int64_t C = K / CHUNK;
+  Int8Rows r{std::vector<int8_t>(M * K), std::vector<float>(M * C),
+             std::vector<int32_t>(M * C * 16)};
+  for (int64_t mc = 0; mc < M * C; ++mc) {
+    int8_t* codes = &r.codes[mc * CHUNK];
+    r.step[mc] = quantize_chunk(x + mc * CHUNK, codes);
+    for (int j = 0; j < 16; ++j) {
+      const int s = codes[4 * j] + codes[4 * j + 1] + codes[4 * j + 2] + codes[4 * j + 3];
+      r.offset[mc * 16 + j] = -128 * s;
+    }
+  }
+  return r;
+}
+
+#if defined(QSPEC_AVX512_VNNI)
+// NR weight rows from n against x rows m0 .. m0 + M - 1; acc lanes: 16 int32 partial dots of a
+// chunk, converted, times the chunk's step, summed over chunks in order, then one fixed
+// 16-lane reduction.
+template <int M, int NR>
+inline void w8a8_block(const Int8Rows& xq, const int8_t* w, const float* scale,
+                       const float* bias, float* out, int64_t K, int64_t N, int64_t n,
+                       int64_t m0) {
+  const int64_t C = K / CHUNK;
+  const __m512i flip = _mm512_set1_epi8(char(0x80));
+  __m512 acc[NR][M];
+#pragma GCC unroll 8
+  for (int r = 0; r < NR; ++r)
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < C; ++c) {
+    __m512i wu[NR];
+#pragma GCC unroll 8
+    for (int r = 0; r < NR; ++r) {
+      wu[r] = _mm512_xor_si512(_mm512_loadu_si512(w + (n + r) * K + c * CHUNK), flip);
+      prefetch_ahead(w + (n + r) * K + c * CHUNK, NR * K);
+    }
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) {
+      const int64_t at = (m0 + m) * C + c;
+      const __m512i xv = _mm512_loadu_si512(&xq.codes[at * CHUNK]);
+      const __m512i start = _mm512_loadu_si512(&xq.offset[at * 16]);
+      const __m512 step = _mm512_set1_ps(xq.step[at]);
+#pragma GCC unroll 8
+      for (int r = 0; r < NR; ++r) {
+        const __m512i d = _mm512_dpbusd_epi32(start, wu[r], xv);
+        acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), step, acc[r][m]);
+      }
+    }
+  }
+  // (unrolled like the loops above: an indexed read would keep acc in memory, not registers)
+#pragma GCC unroll 8
+  for (int r = 0; r < NR; ++r)
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) {
+      out[(m0 + m) * N + n + r] = w8a8_finish(_mm512_reduce_add_ps(acc[r][m]), scale, bias, n + r);
+    }
+}
+template <int M>
+constexpr int w8a8_nr() { return M == 1 ? 8 : M <= 4 ? 4 : 2; }  // NR * M accumulators <= 20
+
+#elif defined(QSPEC_AVX2)
+// As above with 8 int32 lanes: |w| (u8) times x with w's sign (s8) in pairs (vpmaddubsw, exact:
+// |pair| <= 2 * 128 * 127 < 2^15), pairs to quads (vpmaddwd), the chunk's two halves added.
+template <int M, int NR>
+inline void w8a8_block(const Int8Rows& xq, const int8_t* w, const float* scale,
+                       const float* bias, float* out, int64_t K, int64_t N, int64_t n,
+                       int64_t m0) {
+  const int64_t C = K / CHUNK;
+#ifdef QSPEC_AVX_VNNI
+  const __m256i flip = _mm256_set1_epi8(char(0x80));
+#else
+  const __m256i ones = _mm256_set1_epi16(1);
+#endif
+  __m256 acc[NR][M];
+#pragma GCC unroll 8
+  for (int r = 0; r < NR; ++r)
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) acc[r][m] = _mm256_setzero_ps();
+  for (int64_t c = 0; c < C; ++c) {
+    __m256i wl[NR], wh[NR];
+#pragma GCC unroll 8
+    for (int r = 0; r < NR; ++r) {
+      const int8_t* p = w + (n + r) * K + c * CHUNK;
+      wl[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+      wh[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32));
+      prefetch_ahead(p, NR * K);
+#ifdef QSPEC_AVX_VNNI
+      wl[r] = _mm256_xor_si256(wl[r], flip), wh[r] = _mm256_xor_si256(wh[r], flip);  // w + 128
+#endif
+    }
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) {
+      const int64_t at = (m0 + m) * C + c;
+      const int8_t* xp = &xq.codes[at * CHUNK];
+      const __m256i xl = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp));
+      const __m256i xh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + 32));
+      const __m256 step = _mm256_set1_ps(xq.step[at]);
+#ifdef QSPEC_AVX_VNNI
+      // each lane starts at -128 times the sum of its eight codes (its four in either half)
+      const __m256i start = _mm256_add_epi32(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(&xq.offset[at * 16])),
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(&xq.offset[at * 16 + 8])));
+#endif
+#pragma GCC unroll 8
+      for (int r = 0; r < NR; ++r) {
+#ifdef QSPEC_AVX_VNNI
+        const __m256i lanes = _mm256_dpbusd_avx_epi32(
+            _mm256_dpbusd_avx_epi32(start, wl[r], xl), wh[r], xh);
+#else
+        const __m256i pl = _mm256_madd_epi16(
+            _mm256_maddubs_epi16(_mm256_abs_epi8(wl[r]), _mm256_sign_epi8(xl, wl[r])), ones);
+        const __m256i ph = _mm256_madd_epi16(
+            _mm256_maddubs_epi16(_mm256_abs_epi8(wh[r]), _mm256_sign_epi8(xh, wh[r])), ones);
+        const __m256i lanes = _mm256_add_epi32(pl, ph);
+#endif
+        const __m256 d = _mm256_cvtepi32_ps(lanes);
+        acc[r][m] = _mm256_fmadd_ps(d, step, acc[r][m]);
+      }
+    }
+  }
+  // (unrolled like the loops above: an indexed read would keep acc in memory, not registers)
+#pragma GCC unroll 8
+  for (int r = 0; r < NR; ++r)
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) {
+      out[(m0 + m) * N + n + r] = w8a8_finish(hsum(acc[r][m]), scale, bias, n + r);
+    }
+}
+template <int M>
+constexpr int w8a8_nr() { return M == 1 ? 4 : M <= 3 ? 2 : 1; }  // 16 ymm registers
+
+#elif defined(QSPEC_NEON)
+// The AVX2 path's eight int32 lanes as two int32x4 (lanes 0-3: bytes 0-15 and 32-47 of the
+// chunk, four per lane; lanes 4-7: bytes 16-31 and 48-63), the same fp32 multiply-adds per lane
+// and the same horizontal sum: the AVX2 path's bits (the integer lanes are exact either way).
+template <int M, int NR>
+inline void w8a8_block(const Int8Rows& xq, const int8_t* w, const float* scale,
+                       const float* bias, float* out, int64_t K, int64_t N, int64_t n,
+                       int64_t m0) {
+  const int64_t C = K / CHUNK;
+  const int32x4_t zero = vdupq_n_s32(0);
+  float32x4_t acc[NR][M][2];
+#pragma GCC unroll 8
+  for (int r = 0; r < NR; ++r)
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) acc[r][m][0] = acc[r][m][1] = vdupq_n_f32(0.f);
+  for (int64_t c = 0; c < C; ++c) {
+    int8x16_t wv[NR][4];
+#pragma GCC unroll 8
+    for (int r = 0; r < NR; ++r) {
+      const int8_t* p = w + (n + r) * K + c * CHUNK;
+      for (int i = 0; i < 4; ++i) wv[r][i] = vld1q_s8(p + 16 * i);
+      prefetch_ahead(p, NR * K);
+    }
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) {
+      const int64_t at = (m0 + m) * C + c;
+      const int8_t* xp = &xq.codes[at * CHUNK];
+      int8x16_t xv[4];
+      for (int i = 0; i < 4; ++i) xv[i] = vld1q_s8(xp + 16 * i);
+      const float32x4_t step = vdupq_n_f32(xq.step[at]);
+#pragma GCC unroll 8
+      for (int r = 0; r < NR; ++r) {
+        const int32x4_t lo = dot16(dot16(zero, wv[r][0], xv[0]), wv[r][2], xv[2]);
+        const int32x4_t hi = dot16(dot16(zero, wv[r][1], xv[1]), wv[r][3], xv[3]);
+        acc[r][m][0] = vfmaq_f32(acc[r][m][0], vcvtq_f32_s32(lo), step);
+        acc[r][m][1] = vfmaq_f32(acc[r][m][1], vcvtq_f32_s32(hi), step);
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < NR; ++r)
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) {
+      out[(m0 + m) * N + n + r] =
+          w8a8_finish(hsum(acc[r][m][0], acc[r][m][1]), scale, bias, n + r);
+    }
+}
+template <int M>
+constexpr int w8a8_nr() { return M == 1 ? 4 : M <= 3 ? 2 : 1; }  // as AVX2 (32 q registers)
+
+#else
+// Portable: per chunk an exact int dot, then the same float sum in chunk order.
+template <int M, int NR>
+inline void w8a8_block(const Int8Rows& xq, const int8_t* w, const float* scale,
+                       const float* bias, float* out, int64_t K, int64_t N, int64_t n,
+                       int64_t m0) {
+  const int64_t C = K / CHUNK;
+  for (int r = 0; r < NR; ++r)
+    for (int m = 0; m < M; ++m) {
+      float y = 0.f;
+      for (int64_t c = 0; c < C; ++c) {
+        const int8_t* wp = w + (n + r) * K + c * CHUNK;
+        const int8_t* xp = &xq.codes[((m0 + m) * C + c) * CHUNK];
+        int32_t dot = 0;
+        for (int i = 0; i < CHUNK; ++i) dot += int32_t(wp[i]) * int32_t(xp[i]);
+        y += float(dot) * xq.step[(m0 + m) * C + c];
+      }
+      out[(m0 + m) * N + n + r] = w8a8_finish(y, scale, bias, n + r);
+    }
+}
+template <int M>
+constexpr int w8a8_nr() { return 1; }
+#endif
+
+template <int M, class For>
+void w8a8_pass(const Int8Rows& xq, const int8_t* w, const float* scale, const float* bias,
+               float* out, int64_t K, int64_t N, int64_t m0, const For& parallel_for) {
+  constexpr int NR = w8a8_nr<M>();
+  parallel_for(0, (N + NR - 1) / NR, grain_rows(K * NR), [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t n = b * NR;
+      if (n + NR <= N) {
+        w8a8_block<M, NR>(xq, w, scale, bias, out, K, N, n, m0);
+      } else {
+        for (int64_t i = n; i < N; ++i) w8a8_block<M, 1>(xq, w, scale, bias, out, K, N, i, m0);
+      }
+    }
+  });
+}
+
+// out [M, N] = x [M, K] (M <= 17, K % 64 == 0) times w [N, K] int8 with scale [N] (W8A8), plus
+// bias [N] (or null). parallel_for(begin, end, grain, fn) runs fn(b0, b1) over [begin, end) in
+// pieces (at::parallel_for in the extension, one call in the test driver).
+template <class For>
+void w8a8_rows(const float* x, int64_t M, int64_t K, const int8_t* w, const float* scale,
+               const float* bias, int64_t N, float* out, const For& parallel_for) {
+  const Int8Rows xq = quantize_rows8(x, M, K);
+  for (int64_t m0 = 0; m0 < M; m0 += W8_BLOCK_ROWS) {
+    switch (std::min(W8_BLOCK_ROWS, M - m0)) {
+      case 1: w8a8_pass<1>(xq, w, scale, bias, out, K, N, m0, parallel_for); break;
+      case 2: w8a8_pass<2>(xq, w, scale, bias, out, K, N, m0, parallel_for); break;
+      case 3: w8a8_pass<3>(xq, w, scale, bias, out, K, N, m0, parallel_for); break;
+      case 4: w8a8_pass<4>(xq, w, scale, bias, out, K, N, m0, parallel_for); break;
+      case 5: w8a8_pass<5>(xq, w, scale, bias, out, K, N, m0, parallel_for); break;
+      case 6: w8a8_pass<6>(xq, w, scale, bias, out, K, N, m0, parallel_for); break;
+      case 7: w8a8_pass<7>(xq, w, scale, bias, out, K, N, m0, parallel_for); break;
+      default: w8a8_pass<8>(xq, w, scale, bias, out, K, N, m0, parallel_for); break;
+    }
+  }
+}
+
+}  // namespace intdot

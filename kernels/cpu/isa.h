@@ -1,0 +1,95 @@
+// The torch-free core the CPU kernels share: which instruction set paths this build compiles
+// (QSPEC_AVX2, QSPEC_AVX512_VNNI, QSPEC_AVX_VNNI on x86-64; QSPEC_NEON, QSPEC_NEON_DOTPROD on
+// aarch64; portable C++ otherwise), the activations' rounding, the thread-pool grain. Included
+// by kernels.h and by the torch-free test driver (kernels/cpu/tests/driver.cpp).
+#pragma once
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <type_traits>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define QSPEC_AVX2 1  // the sources' AVX2 intrinsics paths (else: portable C++)
+#endif
+#if defined(QSPEC_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__) && \
+    defined(__AVX512DQ__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#define QSPEC_AVX512_VNNI 1  // the integer-dot linears' 512-bit vpdpbusd paths (int_dot.h)
+#elif defined(QSPEC_AVX2) && defined(__AVXVNNI__)
+#define QSPEC_AVX_VNNI 1  // their AVX2 paths with the 256-bit vpdpbusd (AVX-VNNI)
+#endif
+
+#if defined(__aarch64__) && defined(__ARM_NEON)
+#include <arm_neon.h>
+#define QSPEC_NEON 1  // the linears' NEON paths (int_dot.h, linear.h): the AVX2 paths' lanes
+#if defined(__ARM_FEATURE_DOTPROD)
+#define QSPEC_NEON_DOTPROD 1  // their sdot form (Armv8.2-A dotprod: Graviton 2+, Apple M1+)
+#endif
+#endif
+
+// Rows per thread at the least: waking the thread pool costs tens of microseconds on a small
+// VM, more than a layer of a 135M model takes on one core, so only large matrices (lm_head)
+// are split. `row_bytes`: weight bytes per unit of work.
+inline int64_t grain_rows(int64_t row_bytes) {
+  constexpr int64_t MIN_BYTES_PER_THREAD = 256 << 10;
+  return std::max<int64_t>(1, MIN_BYTES_PER_THREAD / std::max<int64_t>(row_bytes, 1));
+}
+
+// Rounds x[0, n) to integer codes in -L..L (symmetric: step max|x| / L, ties to even), L = 127
+// for int8 codes, 32767 for int16; returns the step. The integer-dot linears round
+// activations to int8 per 64 inputs, the attention its queries to int16 per head. Below
+// kMinAmax (L / amax would overflow near 4e-37 for int8) x counts as zero: codes 0, step 0;
+// a NaN anywhere gives a NaN step, so the NaN reaches the output. The twin:
+// `kernels.formats.round_symmetric`, which rounds the same way.
+constexpr float kMinAmax = 1e-30f;
+template <typename Code>
+inline float round_to_codes(const float* x, int64_t n, Code* codes) {
+  static_assert(std::is_same_v<Code, int8_t> || std::is_same_v<Code, int16_t>);
+  float amax = 0.f;
+  bool nan = false;
+  int64_t i = 0;
+#if defined(QSPEC_AVX512_VNNI)  // (max is exact: the vector pass gives the scalar one's amax)
+  __m512 vmax = _mm512_setzero_ps();
+  __mmask16 vnan = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 v = _mm512_loadu_ps(x + i);
+    vmax = _mm512_max_ps(vmax, _mm512_abs_ps(v));
+    vnan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  }
+  amax = _mm512_reduce_max_ps(vmax), nan = vnan != 0;
+#endif
+  for (; i < n; ++i) {
+    amax = std::max(amax, std::abs(x[i]));
+    nan |= std::isnan(x[i]);
+  }
+  // (volatile: -ffast-math would turn amax / L into amax * (1 / L), an ulp off the twin's)
+  volatile float levels = std::is_same_v<Code, int8_t> ? 127.f : 32767.f;
+  if (nan || !(amax >= kMinAmax)) {
+    for (int64_t k = 0; k < n; ++k) codes[k] = 0;
+    return nan ? std::numeric_limits<float>::quiet_NaN() : 0.f;
+  }
+  const float inv = levels / amax;
+  i = 0;
+#if defined(QSPEC_AVX512_VNNI)  // cvtps rounds half to even (the default mode), as lrintf does
+  const __m512 vinv = _mm512_set1_ps(inv);
+  for (; i + 16 <= n; i += 16) {
+    const __m512i c = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + i), vinv));
+    if constexpr (std::is_same_v<Code, int8_t>)
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + i), _mm512_cvtsepi32_epi8(c));
+    else
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + i), _mm512_cvtsepi32_epi16(c));
+  }
+#endif
+  // lrintf rounds half to even (the default rounding mode), as torch.round does
+  for (; i < n; ++i) codes[i] = Code(lrintf(x[i] * inv));
+  return amax / levels;
+}
+
+#ifdef QSPEC_AVX2
+inline float hsum(__m256 v) {  // one fixed order of the eight lanes
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+#endif
