@@ -6,6 +6,7 @@ goes through a real `python -m qspec_cli.app` process.
 """
 
 import json
+import os
 import subprocess
 import sys
 from dataclasses import dataclass
