@@ -78,3 +78,22 @@ def tiny_model_dir(tmp_path_factory, default_model_dir) -> Path:
     converted = tmp_path_factory.mktemp("tiny") / "llama"
     convert(folder, converted, load_model(folder, dtype=torch.float32), "rtn", 32)
     return converted
+
+
+@pytest.fixture
+def read_only_tmp(tmp_path, monkeypatch) -> Path:
+    """tmp_path as a read-only mount would be: every create under it fails with EROFS (root
+    writes any plain folder, so the refusal is simulated in `atomic_write`'s os.open)."""
+    import errno
+
+    from qspec_core import atomic_write
+
+    real_open = os.open
+
+    def read_only(path, flags, *args):
+        if str(path).startswith(str(tmp_path)) and flags & os.O_CREAT:
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(atomic_write.os, "open", read_only)
+    return tmp_path

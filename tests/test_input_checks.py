@@ -204,17 +204,10 @@ def test_output_in_proc_says_what_failed():
         assert "(No such file or directory)" in message and "not writable" not in message
 
 
-def test_output_in_a_read_only_folder(tmp_path, monkeypatch):
+def test_output_in_a_read_only_folder(read_only_tmp):
     """A refusal is "not writable", named with its errno, and comes before "exists": --force
     would not help. (Root writes any plain folder, so the refusal is simulated.)"""
-    real_open = os.open
-
-    def read_only(path, flags, *args):
-        if str(path).startswith(str(tmp_path)) and flags & os.O_CREAT:
-            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
-        return real_open(path, flags, *args)
-
-    monkeypatch.setattr(atomic_write.os, "open", read_only)
+    tmp_path = read_only_tmp
     existing = tmp_path / "report.json"
     existing.write_text("{}")
     with pytest.raises(QspecError, match=rf"--json: cannot write {existing}: {tmp_path} is not "):

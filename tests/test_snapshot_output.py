@@ -206,17 +206,10 @@ def test_check_output_in_a_folder_root_cannot_write():
         snap.check_output(Path("/sys/qspec-new-folder/s.qspec"), force=False)
 
 
-def test_check_output_probes_with_a_real_file(tmp_path, monkeypatch):
+def test_check_output_probes_with_a_real_file(read_only_tmp):
     """os.access says yes to root; what matters is whether a create succeeds (here: a
     read-only mount, simulated, since root cannot be denied in a plain folder)."""
-    real_open = os.open
-
-    def read_only_fs(path, flags, *args):
-        if str(path).startswith(str(tmp_path)) and flags & os.O_CREAT:
-            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
-        return real_open(path, flags, *args)
-
-    monkeypatch.setattr(atomic_write.os, "open", read_only_fs)
+    tmp_path = read_only_tmp
     with pytest.raises(QspecError, match="is not writable .Read-only file system"):
         snap.check_output(tmp_path / "s.qspec", force=False)
 
