@@ -3,16 +3,23 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.qspec-installed
+# qspec alone: what `make demo` needs (the test tools and Ray come with `setup`)
+RUN_STAMP := $(VENV)/.qspec-run-installed
 
 .PHONY: setup test lint demo bench-ar clean sanitize
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(RUN_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check --upgrade pip
 	# torch is pinned to the CPU wheel in pyproject.toml; see docs/DESIGN.md
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[test,ray]'  # (ray: the --ray tests)
+	$(PY) -m pip install -q --disable-pip-version-check -e .
+	touch $@
+
+# the test tools and Ray on top (ray: the --ray tests)
+$(STAMP): $(RUN_STAMP)
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[test,ray]'
 	touch $@
 
 lint: setup
@@ -23,7 +30,7 @@ lint: setup
 test: lint
 	TRITON_INTERPRET=1 $(PY) -m pytest -q
 
-demo: setup
+demo: $(RUN_STAMP)  # (not the test tools: a first summary sooner)
 	$(VENV)/bin/qspec summarize qspec_core/data/apache-2.0.txt
 
 bench-ar: setup

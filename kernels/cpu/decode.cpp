@@ -7,7 +7,7 @@
 //   add_rms_norm_cpu(x, h, w, eps)   x += h in place, then rms_norm(x)
 //   rope_cpu(x, cos, sin)            rotate-half RoPE in place on x [B, T, n, D] (stride 1
 //                                    along D), cos/sin [T, D]
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 
 #include "kernels.h"  // (the declarations these definitions must match)
 #include "norm_rope.h"
@@ -17,33 +17,33 @@
 
 namespace {
 
-void check_float_rows(const torch::Tensor& x, const char* name) {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat && x.is_contiguous(), name,
+void check_float_rows(const at::Tensor& x, const char* name) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous(), name,
               " must be contiguous fp32");
 }
 
 }  // namespace
 
-torch::Tensor rms_norm_cpu(torch::Tensor x, torch::Tensor w, double eps) {
+at::Tensor rms_norm_cpu(at::Tensor x, at::Tensor w, double eps) {
   check_float_rows(x, "x");
   check_float_rows(w, "w");
   const int64_t H = x.size(-1), M = x.numel() / H;
-  auto y = torch::empty_like(x);
+  auto y = at::empty_like(x);
   const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   for (int64_t m = 0; m < M; ++m) norm_row(xp + m * H, wp, yp + m * H, H, float(eps));
   return y;
 }
 
-torch::Tensor add_rms_norm_cpu(torch::Tensor x, torch::Tensor h, torch::Tensor w, double eps) {
+at::Tensor add_rms_norm_cpu(at::Tensor x, at::Tensor h, at::Tensor w, double eps) {
   check_float_rows(x, "x");
   check_float_rows(w, "w");
   h = h.is_contiguous() ? h : h.contiguous();
-  TORCH_CHECK(h.scalar_type() == torch::kFloat && h.numel() == x.numel(), "h must match x");
+  TORCH_CHECK(h.scalar_type() == at::kFloat && h.numel() == x.numel(), "h must match x");
   const int64_t H = x.size(-1), M = x.numel() / H;
   float* xp = x.data_ptr<float>();
   const float *hp = h.data_ptr<float>(), *wp = w.data_ptr<float>();
-  auto y = torch::empty_like(x);
+  auto y = at::empty_like(x);
   float* yp = y.data_ptr<float>();
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t i = 0; i < H; ++i) xp[m * H + i] += hp[m * H + i];
@@ -52,8 +52,8 @@ torch::Tensor add_rms_norm_cpu(torch::Tensor x, torch::Tensor h, torch::Tensor w
   return y;
 }
 
-void rope_cpu(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat && x.dim() == 4 && x.stride(3) == 1,
+void rope_cpu(at::Tensor x, at::Tensor cos, at::Tensor sin) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 4 && x.stride(3) == 1,
               "x must be fp32 [B, T, n, D] with stride 1 along D");
   check_float_rows(cos, "cos");
   check_float_rows(sin, "sin");

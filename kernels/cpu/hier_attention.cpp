@@ -19,7 +19,7 @@
 // "deinterleaved" per segment of W = 64 dims (W = D when 64 does not divide D): a segment's
 // even dims, then its odd dims, so that a byte's two nibbles land in two contiguous runs and
 // every inner loop is stride 1. q, the K metadata and the output are permuted alike.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 
 #include "kernels.h"  // (the declarations these definitions must match)
 #include "attention_int.h"
@@ -280,37 +280,37 @@ void run_task(const Args& a, int64_t bh, int64_t c, Rows& rows) {
   }
 }
 
-torch::Tensor as_long(const torch::Tensor& x) {
-  return x.scalar_type() == torch::kLong && x.is_contiguous() ? x : x.to(torch::kLong).contiguous();
+at::Tensor as_long(const at::Tensor& x) {
+  return x.scalar_type() == at::kLong && x.is_contiguous() ? x : x.to(at::kLong).contiguous();
 }
 
-torch::Tensor dense(const torch::Tensor& x) { return x.is_contiguous() ? x : x.contiguous(); }
+at::Tensor dense(const at::Tensor& x) { return x.is_contiguous() ? x : x.contiguous(); }
 
 }  // namespace
 
 // Returns [B, H, T, D] fp32 (a view of a [B, T, H, D] buffer, so that the caller's
 // transpose(1, 2).reshape(B, T, H * D) for the output projection is free).
 // n_quant_q/fp_lo/input_pos: integer [T]. fp_k/fp_v: fp32, stride 1 along D.
-torch::Tensor hier_attention_cpu(torch::Tensor q, torch::Tensor k_upper, torch::Tensor k_lower,
-                                 torch::Tensor k_scale, torch::Tensor k_zero,
-                                 torch::Tensor v_upper, torch::Tensor v_lower,
-                                 torch::Tensor v_scale, torch::Tensor v_zero,
-                                 torch::Tensor n_quant_q, torch::Tensor fp_k, torch::Tensor fp_v,
-                                 int64_t fp_pos0, torch::Tensor fp_lo, torch::Tensor input_pos,
+at::Tensor hier_attention_cpu(at::Tensor q, at::Tensor k_upper, at::Tensor k_lower,
+                                 at::Tensor k_scale, at::Tensor k_zero,
+                                 at::Tensor v_upper, at::Tensor v_lower,
+                                 at::Tensor v_scale, at::Tensor v_zero,
+                                 at::Tensor n_quant_q, at::Tensor fp_k, at::Tensor fp_v,
+                                 int64_t fp_pos0, at::Tensor fp_lo, at::Tensor input_pos,
                                  bool target, bool int_queries, int64_t group_size,
                                  int64_t chunk) {
   const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3);
   const int64_t n_kv = k_upper.size(1), R = H / n_kv, RT = R * T;
   TORCH_CHECK(!int_queries || D <= kMaxIntQueryDim, "integer queries need head_dim <= ",
               kMaxIntQueryDim, ", not ", D);
-  TORCH_CHECK(fp_k.scalar_type() == torch::kFloat && fp_v.scalar_type() == torch::kFloat,
+  TORCH_CHECK(fp_k.scalar_type() == at::kFloat && fp_v.scalar_type() == at::kFloat,
               "fp_k/fp_v must be fp32");
   TORCH_CHECK(fp_k.stride(3) == 1 && fp_v.stride(3) == 1, "fp_k/fp_v need stride 1 along D");
   k_upper = dense(k_upper), k_lower = dense(k_lower), v_upper = dense(v_upper);
   v_lower = dense(v_lower), k_scale = dense(k_scale), k_zero = dense(k_zero);
   v_scale = dense(v_scale), v_zero = dense(v_zero);
   n_quant_q = as_long(n_quant_q), fp_lo = as_long(fp_lo), input_pos = as_long(input_pos);
-  auto q32 = q.scalar_type() == torch::kFloat ? q : q.to(torch::kFloat);
+  auto q32 = q.scalar_type() == at::kFloat ? q : q.to(at::kFloat);
 
   std::vector<int64_t> perm(D);
   for (int64_t d = 0; d < D; ++d) perm[d] = original_dim(d, D);
@@ -379,7 +379,7 @@ torch::Tensor hier_attention_cpu(torch::Tensor q, torch::Tensor k_upper, torch::
     }
   });
   // log-sum-exp merge over tasks, written to [B, T, H, D] with dims re-interleaved
-  auto out = torch::empty({B, T, H, D}, torch::kFloat);
+  auto out = at::empty({B, T, H, D}, at::kFloat);
   float* out_p = out.data_ptr<float>();
   std::vector<float> o(D);
   for (int64_t bh = 0; bh < B * n_kv; ++bh) {

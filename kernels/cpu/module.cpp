@@ -1,5 +1,9 @@
 // The one Python module of qspec's CPU kernels (built by kernels/cpu/build.py).
+#include <torch/extension.h>
+
 #include "kernels.h"
+
+void bind_decoder_stack(pybind11::module& m);  // step.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("hier_attention_cpu", &hier_attention_cpu, "hierarchical KV attention (CPU)");

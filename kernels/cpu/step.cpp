@@ -16,6 +16,8 @@
 //     hier_attention_cpu over the layer's planes and the region's first n_fp positions;
 //   run_full: a full-precision cache k/v [L, B, n_kv, S, D], the new K/V written at
 //     [start, end), then SDPA over [0, end) with the cache's mask (or is_causal).
+#include <torch/extension.h>  // (the stack is a pybind11 class)
+
 #include <functional>
 #include <vector>
 
@@ -28,12 +30,12 @@ namespace {
 // as `Int8Linear` runs a step's rows: `int8_rows_cpu` (W8A32) or, with int8 activations
 // (`a8`), `w8a8_rows_cpu`.
 struct Projection {
-  torch::Tensor weight, packed, scale, zero, int8;
-  c10::optional<torch::Tensor> bias;
+  at::Tensor weight, packed, scale, zero, int8;
+  c10::optional<at::Tensor> bias;
   int64_t group_size = 0;
   bool a8 = false;
 
-  torch::Tensor operator()(const torch::Tensor& x) const {
+  at::Tensor operator()(const at::Tensor& x) const {
     if (packed.defined()) return int4_rows_cpu(x, packed, scale, zero, group_size, bias);
     if (int8.defined() && a8) return w8a8_rows_cpu(x, int8, scale, bias);
     if (int8.defined()) return int8_rows_cpu(x, int8, scale, bias);
@@ -42,13 +44,13 @@ struct Projection {
 };
 
 struct Layer {
-  torch::Tensor input_norm, post_norm;
+  at::Tensor input_norm, post_norm;
   Projection q, k, v, o, gate, up, down;
 };
 
 // (layer, q [B, H, T, D], k/v [B, n_kv, T, D]) -> attention output [B, H, T, D]
-using Attend = std::function<torch::Tensor(int64_t, const torch::Tensor&, const torch::Tensor&,
-                                           const torch::Tensor&)>;
+using Attend = std::function<at::Tensor(int64_t, const at::Tensor&, const at::Tensor&,
+                                           const at::Tensor&)>;
 
 }  // namespace
 
@@ -58,32 +60,32 @@ class DecoderStack {
       : H_(n_heads), n_kv_(n_kv_heads), D_(head_dim), eps_(eps) {}
 
   // The next projection of the layer being built, in the order q, k, v, o, gate, up, down.
-  void add_linear(torch::Tensor weight, c10::optional<torch::Tensor> bias) {
-    TORCH_CHECK(weight.scalar_type() == torch::kFloat && weight.is_contiguous(),
+  void add_linear(at::Tensor weight, c10::optional<at::Tensor> bias) {
+    TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous(),
                 "fp32 contiguous weights only");
     Projection p;
     p.weight = weight, p.bias = bias;
     pending_.push_back(p);
   }
 
-  void add_int4_linear(torch::Tensor packed, torch::Tensor scale, torch::Tensor zero,
-                       int64_t group_size, c10::optional<torch::Tensor> bias) {
+  void add_int4_linear(at::Tensor packed, at::Tensor scale, at::Tensor zero,
+                       int64_t group_size, c10::optional<at::Tensor> bias) {
     Projection p;
     p.packed = packed, p.scale = scale, p.zero = zero, p.group_size = group_size, p.bias = bias;
     pending_.push_back(p);
   }
 
   // int8_activations: round x to int8 per 64 inputs (W8A8) instead of keeping it fp32 (W8A32)
-  void add_int8_linear(torch::Tensor weight_int8, torch::Tensor weight_scale,
-                       c10::optional<torch::Tensor> bias, bool int8_activations) {
-    TORCH_CHECK(weight_scale.scalar_type() == torch::kFloat, "fp32 INT8 scales only");
+  void add_int8_linear(at::Tensor weight_int8, at::Tensor weight_scale,
+                       c10::optional<at::Tensor> bias, bool int8_activations) {
+    TORCH_CHECK(weight_scale.scalar_type() == at::kFloat, "fp32 INT8 scales only");
     Projection p;
     p.int8 = weight_int8, p.scale = weight_scale, p.bias = bias, p.a8 = int8_activations;
     pending_.push_back(p);
   }
 
   // Closes a layer: its two norms and the seven projections added since the last one.
-  void add_layer(torch::Tensor input_norm, torch::Tensor post_norm) {
+  void add_layer(at::Tensor input_norm, at::Tensor post_norm) {
     TORCH_CHECK(pending_.size() == 7, "a layer takes 7 projections, got ", pending_.size());
     layers_.push_back(Layer{input_norm, post_norm, pending_[0], pending_[1], pending_[2],
                             pending_[3], pending_[4], pending_[5], pending_[6]});
@@ -92,19 +94,19 @@ class DecoderStack {
 
   int64_t size() const { return int64_t(layers_.size()); }
 
-  torch::Tensor run_hier(torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
-                         std::vector<torch::Tensor> buffers, int64_t lo, int64_t n_fp,
-                         int64_t n_quant, torch::Tensor n_quant_q, torch::Tensor shift,
-                         torch::Tensor input_pos, bool target, bool int_queries,
+  at::Tensor run_hier(at::Tensor x, at::Tensor cos, at::Tensor sin,
+                         std::vector<at::Tensor> buffers, int64_t lo, int64_t n_fp,
+                         int64_t n_quant, at::Tensor n_quant_q, at::Tensor shift,
+                         at::Tensor input_pos, bool target, bool int_queries,
                          int64_t group_size, int64_t chunk) {
     // buffers: k_upper, k_lower, k_scale, k_zero, v_upper, v_lower, v_scale, v_zero, fp_k, fp_v
     TORCH_CHECK(buffers.size() == 10, "the hierarchical cache's 10 buffers");
     const auto& fp_k = buffers[8];
     const auto& fp_v = buffers[9];
-    TORCH_CHECK(fp_k.scalar_type() == torch::kFloat, "fp32 full-precision region only");
+    TORCH_CHECK(fp_k.scalar_type() == at::kFloat, "fp32 full-precision region only");
     const int64_t T = x.size(1);
-    return run(x, cos, sin, [&](int64_t l, const torch::Tensor& q, const torch::Tensor& k,
-                                const torch::Tensor& v) {
+    return run(x, cos, sin, [&](int64_t l, const at::Tensor& q, const at::Tensor& k,
+                                const at::Tensor& v) {
       auto fk = fp_k.select(0, l), fv = fp_v.select(0, l);
       fk.narrow(2, lo, T).copy_(k);
       fv.narrow(2, lo, T).copy_(v);
@@ -117,13 +119,13 @@ class DecoderStack {
     });
   }
 
-  torch::Tensor run_full(torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
-                         torch::Tensor k_cache, torch::Tensor v_cache, int64_t start,
-                         int64_t end, c10::optional<torch::Tensor> mask, bool is_causal) {
-    TORCH_CHECK(k_cache.scalar_type() == torch::kFloat, "fp32 cache only");
+  at::Tensor run_full(at::Tensor x, at::Tensor cos, at::Tensor sin,
+                         at::Tensor k_cache, at::Tensor v_cache, int64_t start,
+                         int64_t end, c10::optional<at::Tensor> mask, bool is_causal) {
+    TORCH_CHECK(k_cache.scalar_type() == at::kFloat, "fp32 cache only");
     const bool gqa = H_ != n_kv_;
-    return run(x, cos, sin, [&](int64_t l, const torch::Tensor& q, const torch::Tensor& k,
-                                const torch::Tensor& v) {
+    return run(x, cos, sin, [&](int64_t l, const at::Tensor& q, const at::Tensor& k,
+                                const at::Tensor& v) {
       auto kc = k_cache.select(0, l), vc = v_cache.select(0, l);
       kc.narrow(2, start, end - start).copy_(k);
       vc.narrow(2, start, end - start).copy_(v);
@@ -134,9 +136,9 @@ class DecoderStack {
   }
 
  private:
-  torch::Tensor run(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin,
+  at::Tensor run(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
                     const Attend& attend) {
-    TORCH_CHECK(x.scalar_type() == torch::kFloat && x.is_contiguous() && x.dim() == 3,
+    TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && x.dim() == 3,
                 "x must be contiguous fp32 [B, T, hidden]");
     TORCH_CHECK(x.size(0) * x.size(1) <= kMaxStepRows, "a decode step: at most ", kMaxStepRows,
                 " tokens");
