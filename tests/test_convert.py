@@ -407,3 +407,25 @@ def test_int8_upper_recipe_reads_the_int8_weights(tiny_folder, tmp_path):
     hf_config = json.loads((tiny_folder / "config.json").read_text())
     with pytest.raises(QspecError, match="zero points must be integers"):
         export_gptq(model, hf_config, tmp_path / "gptq")
+
+
+@pytest.mark.parametrize("shape,group", [((96, 256), 64), ((64, 320), 64), ((40, 96), 32)])
+def test_gptq_both_sweeps_at_once_round_as_each_alone(shape, group):
+    """The conversion's one sweep over [2N, K] (`gptq_quantize_both`) rounds as the 4-bit and
+    the INT8 sweeps alone do: every row's updates read its own row only. A stray cross-row
+    read (a wrong slice of the stacked weights) moves codes by many steps in most rows; the
+    bound leaves room only for a GEMM that blocks 2N rows differently from N on some CPU."""
+    from qspec_core.quant.gptq import gptq_quantize_both
+
+    N, K = shape
+    w = torch.randn(N, K, generator=_g(3))
+    x = torch.randn(4 * K, K, generator=_g(4)) * torch.rand(K, generator=_g(5))  # uneven inputs
+    hessian = 2 * x.t() @ x
+    (q4, s4, z4), (q8, s8) = gptq_quantize_both(w, hessian, group)
+    a4, as4, az4 = gptq_quantize(w, hessian, group)
+    a8, as8 = gptq_quantize_int8(w, hessian)
+    assert torch.equal(s8, as8)
+    for got, alone in ((q4, a4), (q8, a8)):
+        diff = (got.int() - alone.int()).abs()
+        assert diff.max() <= 1 and (diff > 0).float().mean() < 1e-3
+    assert torch.allclose(s4, as4) and torch.allclose(z4, az4)

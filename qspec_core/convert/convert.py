@@ -43,7 +43,12 @@ from qspec_core.model.transformer import (
 from qspec_core.paths import sha256_file
 from qspec_core.precision import DRAFT_W4, FP, Precision
 from qspec_core.quant.awq import ActivationCollector, awq_quantize
-from qspec_core.quant.gptq import HessianCollector, gptq_quantize, gptq_quantize_int8
+from qspec_core.quant.gptq import (
+    HessianCollector,
+    gptq_quantize,
+    gptq_quantize_both,
+    gptq_quantize_int8,
+)
 from qspec_core.quant.int4 import Int4Linear, rtn_quantize
 from qspec_core.quant.int8 import Int8Linear
 
@@ -258,11 +263,14 @@ def quantize_model(
     hessians: dict[str, torch.Tensor] | None = None,
     select=None,
     damp: float = 0.01,
+    made: dict[str, tuple] | None = None,
 ) -> dict[str, Int4Linear]:
     """4-bit twins of every linear layer (lm_head included), or of those `select(name)`
     accepts (`Recipe.selects`), by RTN, GPTQ (damping `damp`) or AWQ.
 
-    GPTQ uses `hessians` when given (from `calibration_hessians` on `calib_ids`)."""
+    GPTQ uses `hessians` when given (from `calibration_hessians` on `calib_ids`), and the
+    (q, scale, zero) of `made` (`gptq_pairs`) where it has them."""
+    made = made or {}
     if method not in METHODS:
         raise QspecError(f"unknown method {method!r} (have: {', '.join(METHODS)})")
     layers = linear_layers(model)
@@ -290,13 +298,15 @@ def quantize_model(
             draft = Int4Linear.from_quantized(q, scale, zero, group_size, bias)
             draft = draft.with_scales(input_scale=input_scale)
         else:
-            if method == "gptq":
+            if method == "gptq" and name in made:
+                q, scale, zero = made[name]
+            elif method == "gptq":
                 q, scale, zero = gptq_quantize(weight, hessians[name], group_size, damp)
             else:
                 q, scale, zero = rtn_quantize(weight, group_size)
             draft = Int4Linear.from_quantized(q, scale, zero, group_size, bias)
         drafts[name] = draft
-        if on_layer:
+        if on_layer and name not in made:
             on_layer(name)
     return drafts
 
@@ -340,8 +350,15 @@ def convert(
     if draft_from is not None:
         drafts, extra = import_draft(model, draft_from)
         method, group_size = extra.pop("method"), extra.pop("group_size")
+    paired = {}
+    if draft_from is None and method == "gptq" and hessians is not None:
+        damp = 0.01 if recipe is None else recipe.damp
+        select = None if recipe is None else recipe.selects
+        paired = gptq_pairs(model, hessians, group_size, damp, select, on_layer)
     # the INT8 verifier's weights first: a layer left out of the draft drafts on them
-    int8_twins, int8_meta = int8_weights(model, hessians, calib_source, on_layer)
+    int8_twins, int8_meta = int8_weights(
+        model, hessians, calib_source, on_layer, {n: p[1] for n, p in paired.items()}
+    )
     attach_int8(model, int8_twins)
     if draft_from is None and method == UPPER:
         select = recipe.selects if recipe is not None else None
@@ -359,8 +376,9 @@ def convert(
         select = None if recipe is None else recipe.selects
         damp = 0.01 if recipe is None else recipe.damp
         drafts = quantize_model(
-            model, method, group_size, calib_ids, on_layer, hessians, select, damp
-        )
+            model, method, group_size, calib_ids, on_layer, hessians, select, damp,
+            {n: p[0] for n, p in paired.items()},
+        )  # fmt: skip
     layers = linear_layers(model)
     report = DraftReport(tokens=len(calib_ids))
     for name, draft in drafts.items():
@@ -397,6 +415,31 @@ def convert(
     return report
 
 
+def gptq_pairs(
+    model: Transformer,
+    hessians: dict[str, torch.Tensor],
+    group_size: int,
+    damp: float,
+    select=None,
+    on_layer=None,
+) -> dict[str, tuple[tuple, tuple]]:
+    """GPTQ's 4-bit codes and the INT8 verifier's of each layer both get, made in one sweep
+    (`gptq_quantize_both`) where the two roundings would share their H^-1 (the same damping as
+    the INT8 weights'): name -> ((q, scale, zero), (q_int8, scale_int8)). The rest is made by
+    `quantize_model` and `int8_weights` alone, which count only what they make with
+    `on_layer` (called here twice a pair: a step for each weight set, as `convert_steps` has)."""
+    if damp != INT8_DAMP:
+        return {}
+    pairs = {}
+    for name, layer in linear_layers(model).items():
+        if select is None or select(name):
+            pairs[name] = gptq_quantize_both(layer.weight.data, hessians[name], group_size, damp)
+            if on_layer:
+                on_layer(name)
+                on_layer(name)
+    return pairs
+
+
 def twin_tensors(twins: dict[str, torch.nn.Module], kind: str) -> dict[str, torch.Tensor]:
     """draft.safetensors' entries of twins by linear name: "<linear>.<kind>.<buffer>"."""
     return {
@@ -411,6 +454,7 @@ INT8_SCHEME = "per-output-channel symmetric INT8, scale max|w|/127"
 # "rtn" (round to nearest) otherwise. A folder whose INT8 weights are older or RTN is
 # upgraded once by `registry.prepare.prepare_named` (the default model's cache).
 INT8_METHOD = "gptq"
+INT8_DAMP = 0.01  # GPTQ's damping for the INT8 weights
 
 
 def int8_weights(
@@ -418,21 +462,25 @@ def int8_weights(
     hessians: dict[str, torch.Tensor] | None = None,
     calib_source: str = "",
     on_layer=None,
+    made: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> tuple[dict[str, Int8Linear], dict]:
     """The INT8 verifier's weights (`--target-weights int8`): every linear layer on the
     per-output-channel grid, rounded by GPTQ with `hessians` (from `calibration_hessians`) or
     to nearest without. No activation smoothing (see docs/DESIGN.md). Returns the twins by
-    linear name (`twin_tensors` gives their draft.safetensors entries) and their metadata."""
-    twins = {}
+    linear name (`twin_tensors` gives their draft.safetensors entries) and their metadata.
+    `made`: (q_int8, scale) already rounded with `hessians` (`gptq_pairs`), by linear name."""
+    twins, made = {}, made or {}
     for name, layer in linear_layers(model).items():
         if hessians is None:
             q = Int8Linear.from_linear(layer)
         else:
-            w_int8, scale = gptq_quantize_int8(layer.weight.data, hessians[name])
+            w_int8, scale = made.get(name) or gptq_quantize_int8(
+                layer.weight.data, hessians[name], INT8_DAMP
+            )
             bias = None if layer.bias is None else layer.bias.data.float()
             q = Int8Linear.from_quantized(w_int8, scale, bias)
         twins[name] = q
-        if on_layer:
+        if on_layer and name not in made:
             on_layer(name)
     meta = {
         "scheme": INT8_SCHEME,
