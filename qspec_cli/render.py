@@ -189,7 +189,33 @@ def bench_tables(report: dict) -> list[Table]:
         tables.append(_stage_table(ctx))
         if report.get("read_bandwidth_gb_s"):
             tables.append(_traffic_table(ctx, report["read_bandwidth_gb_s"]))
+        if report.get("gemm_peak_gflop_s"):
+            tables.append(_compute_table(ctx, report["gemm_peak_gflop_s"]))
     return tables
+
+
+def _compute_table(ctx: dict, peaks: dict) -> Table:
+    """Per mode: the prefill's FLOPs (linears, attention), its rate, and that rate against the
+    best GEMM this run measured."""
+    probe = " · ".join(f"{k} {v:,.0f}" for k, v in peaks.items() if v)
+    table = Table(
+        title=f"context {_size(ctx['context'])} · prefill against the compute limit "
+        f"(GEMM GFLOP/s measured in this run: {probe})",
+        title_justify="left",
+        show_edge=False,
+        pad_edge=False,
+    )
+    for col in ("mode", "GFLOP linears", "GFLOP attention", "GFLOP/s", "of best peak"):
+        table.add_column(col, justify="left" if col == "mode" else "right")
+    for name, r in ctx["modes"].items():
+        c = r.get("prefill_compute")
+        if c:
+            share = c["fraction_of_peak"]
+            table.add_row(
+                Text(name), f"{c['gflop_linears']:,.1f}", f"{c['gflop_attention']:,.1f}",
+                f"{c['gflop_s']:,.1f}", f"{share:.0%}" if share else "",
+            )  # fmt: skip
+    return table
 
 
 def _lookup_cell(spec: dict | None) -> str:

@@ -115,6 +115,13 @@ def test_tiny_bench_interleaves_and_reports_consistent_numbers(tiny_runtime):
                     rel=0.01,
                     abs=6e-5,  # (the report rounds it to 4 decimals: a slow step's is 0.0015)
                 )
+            # the prefill against the compute limit: its FLOPs over its median time
+            c = r["prefill_compute"]
+            prefill_s = statistics.median(x["prefill_s"] for x in runs)
+            assert c["gflop"] == pytest.approx(c["gflop_linears"] + c["gflop_attention"], 1e-3)
+            assert c["gflop_s"] == pytest.approx(c["gflop"] / prefill_s, rel=1e-3)
+            best = max(v for v in report["gemm_peak_gflop_s"].values() if v)
+            assert c["fraction_of_peak"] == pytest.approx(c["gflop_s"] / best, rel=0.01)
         steps = {m: r["steps"] for m, r in ctx["modes"].items()}
         assert steps["quantspec"]["draft"]["mb_read"] < steps["quantspec"]["verify"]["mb_read"]
         assert steps["quantspec"]["draft"]["weights"] == "int4"

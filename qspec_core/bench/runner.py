@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from qspec_core.bench.bandwidth import path_weight_bytes, read_bandwidth, step_traffic
+from qspec_core.bench.compute import gemm_peaks, prefill_compute, prefill_flops
 from qspec_core.bench.corpus import bench_prompt
 from qspec_core.cache.full import FullPrecisionCache
 from qspec_core.cache.hierarchical import HierarchicalKVCache
@@ -448,8 +449,10 @@ def run_bench(
             if on_run:
                 on_run(f"warm-up {mode}")
             run_once(runtime, mode, small, WARMUP_TOKENS, config, config.seed)
-    # the machine's read bandwidth, in this process and on these threads (CPU only)
-    bandwidth = read_bandwidth() if runtime.model.device.type == "cpu" else None
+    # the machine's read bandwidth and GEMM peaks, in this process and on these threads (CPU)
+    on_cpu = runtime.model.device.type == "cpu"
+    bandwidth = read_bandwidth() if on_cpu else None
+    peaks = gemm_peaks() if on_cpu else None
     contexts = []
     for context in config.contexts:
         runs: dict[str, list[Run]] = {m: [] for m in config.modes}
@@ -465,6 +468,11 @@ def run_bench(
         if bandwidth:
             for m in config.modes:
                 modes[m]["steps"] = step_lines(runs[m], runtime.model, config, bandwidth)
+        if peaks:
+            flops = prefill_flops(runtime.model.config, len(prompts[context]))
+            for m in config.modes:
+                seconds = statistics.median(r.prefill_s for r in runs[m])
+                modes[m]["prefill_compute"] = prefill_compute(seconds, flops, peaks)
         contexts.append(
             {"context": context, "prompt_tokens": len(prompts[context]), "modes": modes}
         )
@@ -492,5 +500,9 @@ def run_bench(
             "interleaved": True,
         },
         "read_bandwidth_gb_s": round(bandwidth / 1e9, 2) if bandwidth else None,
+        # the best GEMM rate per element type (`bench/compute.py`), GFLOP/s
+        "gemm_peak_gflop_s": (
+            {k: round(v / 1e9, 1) if v else None for k, v in peaks.items()} if peaks else None
+        ),
         "contexts": contexts,
     }
