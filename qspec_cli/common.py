@@ -170,6 +170,7 @@ def check_run_options(dtype: str, threads: int | None, target_weights: str = "fu
     """Options `load` uses, checked before anything is read or loaded; then the qspec folder
     (QSPEC_HOME), before the CPU kernels would build in it."""
     from qspec_core.paths import check_home
+    from qspec_core.quant.prefill_choice import override
     from qspec_core.registry.runtime import DTYPES, TARGET_WEIGHTS
 
     if dtype != "auto" and dtype not in DTYPES:
@@ -182,6 +183,7 @@ def check_run_options(dtype: str, threads: int | None, target_weights: str = "fu
         raise QspecError(
             f"--target-weights must be one of {', '.join(TARGET_WEIGHTS)}, not {target_weights!r}"
         )
+    override()  # (QSPEC_INT8_PREFILL: a bad value is an error now, not at the first prefill)
     check_home()
 
 

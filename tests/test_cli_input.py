@@ -114,6 +114,14 @@ def test_kernel_setting_errors_are_one_line(capsys, doc, monkeypatch):
     assert_one_error(qspec(capsys, "summarize", doc), "QSPEC_CPU_ISA='avx9'")
 
 
+@pytest.mark.parametrize("command", ["summarize", "prefill", "bench"])
+def test_a_bad_int8_prefill_setting_is_refused_before_loading(capsys, doc, monkeypatch, command):
+    monkeypatch.setenv("QSPEC_INT8_PREFILL", "bf16")
+    monkeypatch.setattr(common, "load", lambda *a, **k: pytest.fail("loaded"))
+    args = (command,) if command == "bench" else (command, doc)
+    assert_one_error(qspec(capsys, *args), "QSPEC_INT8_PREFILL='bf16'")
+
+
 @pytest.mark.parametrize(
     "option,value",
     [

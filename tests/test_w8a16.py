@@ -6,6 +6,8 @@ int8 kernel for more (prefill, `Int8Linear.forward`).
 conftest.py sets TRITON_INTERPRET=1 before any import, so `_launch` really runs Triton here.
 """
 
+import json
+
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -17,9 +19,11 @@ from kernels.formats import dequantize_int8, quantize_int8
 from kernels.triton import w8a16
 from kernels.triton.w8a16 import _launch, w8a16_matmul, w8a16_ref
 from qspec_core.backend.cpu import CPU_BACKEND
+from qspec_core.errors import QspecError
 from qspec_core.model.transformer import Linear
 from qspec_core.precision import W8
 from qspec_core.quant import int8 as int8_linear
+from qspec_core.quant import prefill_choice
 from qspec_core.quant.int8 import Int8Linear
 
 BF16_U = 2.0**-9  # unit roundoff of bf16 (8 significant bits, round to nearest)
@@ -50,7 +54,9 @@ def magnitude(x, layer: Int8Linear):
 
 @pytest.fixture
 def op_calls(monkeypatch):
-    """Count calls of torch._weight_int8pack_mm, so a silent fallback to the twin can't pass."""
+    """Count calls of torch._weight_int8pack_mm, so a silent fallback to the twin can't pass.
+    (Many-row products take it whatever this machine measured: `quant/prefill_choice.py`.)"""
+    monkeypatch.setenv(prefill_choice.ENV, "int8pack")
     real = torch._weight_int8pack_mm
     calls = []
 
@@ -362,3 +368,63 @@ def test_w8a8_needs_whole_64_input_chunks():
         layers = linear_layers(model)
         attach_int8(model, {name: Int8Linear.from_linear(m) for name, m in layers.items()})
         assert "int8" in model.weight_sets and ("w8a8" in model.weight_sets) == ok
+
+
+# ---------------------------------------------------------------------------------------------
+# The many-row (prefill) path, chosen by measurement once per machine
+
+
+@pytest.fixture
+def fresh_choice(monkeypatch, tmp_path):
+    """An empty qspec cache, no override, no choice remembered by this process."""
+    monkeypatch.setenv("QSPEC_HOME", str(tmp_path))
+    monkeypatch.delenv(prefill_choice.ENV, raising=False)
+    prefill_choice._measured_choice.cache_clear()
+    yield tmp_path
+    prefill_choice._measured_choice.cache_clear()
+
+
+def test_prefill_path_is_measured_once_and_kept_per_machine(fresh_choice, monkeypatch):
+    timings = iter([{"int8pack": 2.0, "fp32": 1.0}, {"int8pack": 1.0, "fp32": 2.0}])
+    calls = []
+    monkeypatch.setattr(prefill_choice, "measure", lambda: calls.append(1) or next(timings))
+    assert prefill_choice.prefill_path() == "fp32"
+    kept = json.loads((fresh_choice / prefill_choice.FILE).read_text())
+    assert kept[prefill_choice.machine_key()]["path"] == "fp32"
+    prefill_choice._measured_choice.cache_clear()  # a later process: reads, never re-measures
+    assert prefill_choice.prefill_path() == "fp32" and len(calls) == 1
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 977)  # another key: measured anew
+    assert prefill_choice.prefill_path() == "int8pack" and len(calls) == 2
+
+
+def test_prefill_path_override_and_bad_values(fresh_choice, monkeypatch):
+    monkeypatch.setattr(prefill_choice, "measure", lambda: pytest.fail("measured"))
+    for value in ("fp32", "int8pack", " FP32 "):
+        monkeypatch.setenv(prefill_choice.ENV, value)
+        assert prefill_choice.prefill_path() == value.strip().lower()
+    monkeypatch.setenv(prefill_choice.ENV, "bf16")
+    with pytest.raises(QspecError, match="QSPEC_INT8_PREFILL"):
+        prefill_choice.prefill_path()
+
+
+def test_a_damaged_choice_file_is_measured_over(fresh_choice, monkeypatch):
+    (fresh_choice / prefill_choice.FILE).write_text("[1, 2")
+    monkeypatch.setattr(prefill_choice, "measure", lambda: {"int8pack": 1.0, "fp32": 2.0})
+    assert prefill_choice.prefill_path() == "int8pack"
+    assert json.loads((fresh_choice / prefill_choice.FILE).read_text())  # rewritten, whole
+
+
+@pytest.mark.parametrize("m", [1, 16, 63, 64, 300])
+def test_many_rows_take_the_chosen_path_and_few_rows_the_int8_kernel(m, monkeypatch, op_calls):
+    """fp32 chosen: from PREFILL_ROWS rows on, dequantize-then-fp32 (fp32 rounding only, far
+    inside the bf16 kernel's bound); fewer rows keep the int8 kernel (one byte a weight)."""
+    monkeypatch.setenv(prefill_choice.ENV, "fp32")
+    layer = make_layer(576, 96, bias=True)
+    x = torch.randn(m, 576, generator=torch.Generator().manual_seed(m))
+    y = layer(x)
+    exact = fp64_reference(x, layer)
+    if m >= prefill_choice.PREFILL_ROWS:
+        assert not op_calls
+        assert (y.double() - exact).abs().max() <= 1e-5 * magnitude(x, layer).max()
+    else:
+        assert len(op_calls) == 1

@@ -38,8 +38,11 @@ Forward paths:
   vector of ones and applied in fp32 afterwards, because the kernel reads scales in the
   activation dtype: bf16 scales would add a fixed per-channel error of up to 2^-9 (a bias
   repeated on every token) on top of the rounding noise.
+  That is where the bf16 kernel runs only if this machine measured it faster: from
+  `PREFILL_ROWS` rows on, `quant/prefill_choice.py` picks it or the fp32 path below (W
+  dequantized, fp32 GEMM: fp32 rounding only), timed once per machine and kept in the cache.
 - Anything else (other devices, shapes the CPU kernel cannot take, torch builds without the
-  op): `kernels.triton.w8a16.w8a16_ref`, exact but slow.
+  op): `kernels.triton.w8a16.w8a16_ref`, dequantize-then-fp32-matmul.
 
 CPU kernel constraints (torch 2.13, read from its AVX2/AVX-512 code and checked here): it
 loads activation rows with *aligned* 16-byte (AVX2) or 32-byte (AVX-512) vector loads in steps
@@ -56,6 +59,7 @@ from torch import nn
 
 from kernels.formats import dequantize_int8, quantize_int8
 from kernels.triton.w8a16 import w8a16_matmul, w8a16_ref
+from qspec_core.quant.prefill_choice import PREFILL_ROWS, prefill_path
 
 # torch._weight_int8pack_mm walks K in vector steps of 8 (AVX2) or 16 (AVX-512) bf16 values.
 CPU_K_MULTIPLE = 16
@@ -143,6 +147,9 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:
             return w8a16_matmul(x, self.weight_int8, self.weight_scale, self.bias)
+        many = x.numel() >= PREFILL_ROWS * self.in_features
+        if x.device.type == "cpu" and many and prefill_path() == "fp32":
+            return w8a16_ref(x, self.weight_int8, self.weight_scale, self.bias)
         if x.device.type == "cpu" and self.cpu_kernel_ok():
             y = self._cpu_forward(x)
             if y is not None:

@@ -1,0 +1,150 @@
+"""Which CPU path runs an INT8-weight layer's many-row products (a prefill), by measurement.
+
+Two paths compute x W^T for W = q * scale (per output channel), x [M, K] with M in the
+hundreds:
+- "int8pack": torch's int8 weight kernel `torch._weight_int8pack_mm`, fast only with bf16
+  activations: x is rounded to bf16 and the sum to bf16 (`quant/int8.py` bounds the error);
+- "fp32": W dequantized to fp32, then torch's fp32 GEMM: fp32 rounding only, so the W8A8
+  target's prefill is then within fp32 noise of what its decode computes.
+Which one is faster depends on the CPU, not on a flag it lists: on an Intel Xeon with
+AVX512-BF16 the bf16 path prefilled at 0.62-0.69x the fp32 path; on a Zen 5 EPYC it was the
+faster one (shared/facts.md). So the first many-row product on a machine times both on a
+prefill-sized product and keeps the faster, and the choice is written to the qspec cache
+(`int8-prefill.json`, keyed by CPU, torch version and threads) so later runs on that machine
+compute the same numbers: greedy output stays reproducible from run to run (README).
+
+`QSPEC_INT8_PREFILL=int8pack|fp32` overrides the measurement (tests, or a user who measured).
+Fewer rows than `PREFILL_ROWS` (decode, verify without the C++ kernels) always take int8pack:
+dequantizing W for one row would read 9 bytes a weight instead of one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import platform
+import time
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from qspec_core.errors import QspecError
+from qspec_core.paths import qspec_home
+
+PATHS = ("int8pack", "fp32")
+ENV = "QSPEC_INT8_PREFILL"
+PREFILL_ROWS = 64  # from here on a product is a prefill's (decode and verify stay under it)
+PROBE = (256, 1024, 1024)  # M, K, N: a prefill chunk's rows through a mid-sized linear
+FILE = "int8-prefill.json"
+
+try:
+    import fcntl
+except ImportError:  # (Windows: no lock; two first runs may each measure)
+    fcntl = None
+
+
+@lru_cache(maxsize=1)
+def _cpu() -> str:
+    """This CPU's model name and flags (what /proc/cpuinfo says; the platform's name else)."""
+    with contextlib.suppress(OSError):
+        info = Path("/proc/cpuinfo").read_text()
+        lines = [ln for ln in info.splitlines() if ln.startswith(("model name", "flags"))]
+        if lines:
+            return "\n".join(sorted(set(lines)))
+    return platform.processor() or platform.machine()
+
+
+def machine_key() -> str:
+    """What the choice depends on: the CPU (model and flags), torch, and torch's threads."""
+    text = f"{_cpu()}|torch {torch.__version__}|threads {torch.get_num_threads()}"
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _products(m: int, k: int, n: int):
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(m, k, generator=gen)
+    q = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)
+    scale = torch.rand(n, generator=gen) / 127
+    ones = torch.ones(n, dtype=torch.bfloat16)
+    return {
+        "int8pack": lambda: torch._weight_int8pack_mm(x.to(torch.bfloat16), q, ones) * scale,
+        "fp32": lambda: x @ (q.float() * scale[:, None]).t(),
+    }
+
+
+def measure(shape: tuple[int, int, int] = PROBE, repeats: int = 5) -> dict[str, float]:
+    """Seconds per product of each path at `shape` (best of `repeats` after a warm-up); a path
+    this torch cannot run here is left out."""
+    out = {}
+    for name, run in _products(*shape).items():
+        try:
+            run()
+        except RuntimeError:
+            continue
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            run()
+            best = min(best, time.perf_counter() - start)
+        out[name] = best
+    return out
+
+
+def _read(path: Path, key: str) -> str | None:
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        path_choice = json.loads(path.read_text()).get(key, {}).get("path")
+        if path_choice in PATHS:
+            return path_choice
+    return None
+
+
+@lru_cache(maxsize=4)
+def _measured_choice(key: str) -> str:
+    """The path for `key`: from the qspec cache, else measured now and written there (under
+    a lock, so two first runs at once agree). Without a writable cache: measured, not kept."""
+    folder = qspec_home()
+    path = folder / FILE
+    found = _read(path, key)
+    if found is not None:
+        return found
+    with contextlib.ExitStack() as stack:
+        with contextlib.suppress(OSError):
+            folder.mkdir(parents=True, exist_ok=True)
+            lock = stack.enter_context(open(folder / (FILE + ".lock"), "a"))
+            if fcntl is not None:
+                fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        found = _read(path, key)  # (another process measured while we waited)
+        if found is not None:
+            return found
+        seconds = measure()
+        choice = min(seconds, key=seconds.get) if seconds else "fp32"
+        table = {}
+        with contextlib.suppress(OSError, ValueError):  # (a damaged file is written over)
+            table = json.loads(path.read_text())
+        table = table if isinstance(table, dict) else {}
+        with contextlib.suppress(OSError):
+            table[key] = {"path": choice, "seconds": {k: round(v, 6) for k, v in seconds.items()}}
+            tmp = path.with_name(f"{FILE}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(table, indent=1) + "\n")
+            os.replace(tmp, path)
+        return choice
+
+
+def override() -> str | None:
+    """The path QSPEC_INT8_PREFILL forces, None for "auto" or unset; a QspecError for anything
+    else (the CLI checks it before loading anything)."""
+    value = os.environ.get(ENV, "")
+    forced = value.strip().lower()
+    if forced in PATHS:
+        return forced
+    if forced not in ("", "auto"):
+        raise QspecError(f"{ENV}={value!r}: expected auto, {' or '.join(PATHS)}")
+    return None
+
+
+def prefill_path() -> str:
+    """The path many-row INT8-weight products take on this machine (`PATHS`)."""
+    return override() or _measured_choice(machine_key())
