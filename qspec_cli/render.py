@@ -146,6 +146,7 @@ def bench_tables(report: dict) -> list[Table]:
     """`qspec bench`'s report: one table of rates per context, one of the stage breakdown."""
     m, cfg = report["machine"], report["config"]
     gpu = f" · {m['gpu']}" if m["gpu"] else ""
+    gpu += f" · INT8 prefill {m['int8_prefill']}" if m.get("int8_prefill") else ""
     header = (
         f"{report['model']} · {m['dtype']} · {m['cpu']}, {m['threads']} threads{gpu} · torch "
         f"{m['torch']} · gen {cfg['gen']} · gamma {cfg['gamma']} · T {cfg['temperature']} · "

@@ -137,3 +137,30 @@ def test_int4_layer_uses_the_kernel_for_a_draft_step_only():
         exact = torch.nn.functional.linear(prefill, layer.dequantized())
         got = CPU_BACKEND.linear(outer, prefill, DRAFT)
         torch.testing.assert_close(got, exact, rtol=2e-2, atol=2e-2)  # bf16 kernel
+
+
+@pytest.mark.parametrize("weights", ["w8a8", "int8"])
+@pytest.mark.parametrize("rows", [18, 40, 257])
+def test_a_prefill_through_the_row_kernels_is_bit_for_bit_a_decode(weights, rows, monkeypatch):
+    """With the "rows" prefill path (`quant/prefill_choice.py`), the backend runs a prefill's
+    INT8-weight linears through the step kernels a slice at a time: every row equals, bit for
+    bit, that row alone through the same kernel (a decode step). A slice that lost a row, an
+    offset slice, or a fallback to another kernel breaks the equality."""
+    from qspec_core.precision import TARGET
+    from qspec_core.quant.int8 import Int8Linear
+
+    monkeypatch.setenv("QSPEC_INT8_PREFILL", "rows")
+    outer = Linear(192, 80, bias=True)
+    outer.int8 = Int8Linear.from_linear(outer)
+    path = TARGET.with_weights(weights)
+    x = torch.randn(1, rows, 192, generator=torch.Generator().manual_seed(rows))
+    with torch.no_grad():
+        got = CPU_BACKEND.linear(outer, x, path)
+        alone = torch.cat(
+            [CPU_BACKEND.linear(outer, x[:, i : i + 1], path) for i in range(rows)], 1
+        )
+    assert got.shape == (1, rows, 80)
+    assert torch.equal(got, alone)
+    monkeypatch.setenv("QSPEC_INT8_PREFILL", "int8pack")  # (the bf16 kernel: not the same bits)
+    with torch.no_grad():
+        assert not torch.equal(CPU_BACKEND.linear(outer, x, path), alone)

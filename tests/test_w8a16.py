@@ -428,3 +428,16 @@ def test_many_rows_take_the_chosen_path_and_few_rows_the_int8_kernel(m, monkeypa
         assert (y.double() - exact).abs().max() <= 1e-5 * magnitude(x, layer).max()
     else:
         assert len(op_calls) == 1
+
+
+def test_the_row_kernels_are_a_candidate_only_where_they_run(monkeypatch):
+    """Measured with the C++ kernels: three paths; without them (QSPEC_CPU_KERNELS=0) two,
+    another machine key, and a forced "rows" runs torch's int8 kernel instead."""
+    with_kernels = prefill_choice.machine_key()
+    if cpu_ext.available():
+        assert set(prefill_choice.measure((32, 128, 64), repeats=1)) == set(prefill_choice.PATHS)
+    monkeypatch.setenv("QSPEC_CPU_KERNELS", "0")
+    assert set(prefill_choice.measure((32, 128, 64), repeats=1)) == {"int8pack", "fp32"}
+    assert prefill_choice.machine_key() != with_kernels or not cpu_ext.available()
+    monkeypatch.setenv(prefill_choice.ENV, "rows")
+    assert prefill_choice.prefill_path() == "int8pack"

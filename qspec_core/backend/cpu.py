@@ -39,6 +39,7 @@ from qspec_core.cache.protocol import FullStep, HierStep
 from qspec_core.precision import Precision
 from qspec_core.quant.int4 import Int4Linear
 from qspec_core.quant.int8 import Int8Linear
+from qspec_core.quant.prefill_choice import prefill_path
 
 MAX_ROWS = rows_kernels.MAX_ROWS
 
@@ -144,6 +145,13 @@ class CpuBackend:
                 scale = buffers["weight_scale"].float().contiguous()
                 run = rows_kernels.w8a8_linear if w8a8 else rows_kernels.int8_linear
                 return run(x, buffers["weight_int8"], scale, buffers["bias"])
+            # a prefill: the same kernels a slice of rows at a time where this machine
+            # measured them fastest (then the prompt's rows are bit for bit a decode's)
+            if prefill_path() == "rows" and usable(x[..., :1, :], buffers["weight_int8"]):
+                scale = buffers["weight_scale"].float().contiguous()
+                run = rows_kernels.w8a8_linear if w8a8 else rows_kernels.int8_linear
+                w, bias = buffers["weight_int8"], buffers["bias"]
+                return rows_kernels.in_slices(run, x, w, scale, bias)
             if w8a8:  # (prefill: the same rounding, then the twin's own kernel)
                 return twin.forward(quantize_activations(x).to(x.dtype))
         elif isinstance(twin, Int4Linear):

@@ -32,6 +32,7 @@ from qspec_core.engine.speculative import SpecStats, speculative_decode
 from qspec_core.errors import QspecError
 from qspec_core.model.transformer import has_draft, has_int8
 from qspec_core.precision import DRAFT, DRAFT_KV4, DRAFT_W4, FP, INT8_WEIGHTS, TARGET, Precision
+from qspec_core.quant.prefill_choice import prefill_path
 from qspec_core.registry.runtime import Runtime
 from qspec_core.timing import StageTimer
 
@@ -425,6 +426,8 @@ def machine_info(runtime: Runtime, dtype: str) -> dict:
         "python": platform.python_version(),
         "dtype": dtype,
         "cpu_bf16_native": _cpu_bf16(),
+        # the INT8-weight prefill product this machine measured fastest (quant/prefill_choice)
+        "int8_prefill": prefill_path() if device.type == "cpu" else None,
     }
 
 

@@ -1,19 +1,24 @@
 """Which CPU path runs an INT8-weight layer's many-row products (a prefill), by measurement.
 
-Two paths compute x W^T for W = q * scale (per output channel), x [M, K] with M in the
+Three paths compute x W^T for W = q * scale (per output channel), x [M, K] with M in the
 hundreds:
+- "rows": qspec's own step kernels (`kernels/cpu/linear.py`: `w8a8_linear` for the W8A8
+  target, `int8_linear` for W8A16), `SLICE_ROWS` rows a call. They are batch-invariant, so the
+  prompt's linears come out bit for bit as decode steps compute them. Only where the C++
+  kernels run;
 - "int8pack": torch's int8 weight kernel `torch._weight_int8pack_mm`, fast only with bf16
   activations: x is rounded to bf16 and the sum to bf16 (`quant/int8.py` bounds the error);
-- "fp32": W dequantized to fp32, then torch's fp32 GEMM: fp32 rounding only, so the W8A8
-  target's prefill is then within fp32 noise of what its decode computes.
-Which one is faster depends on the CPU, not on a flag it lists: on an Intel Xeon with
-AVX512-BF16 the bf16 path prefilled at 0.62-0.69x the fp32 path; on a Zen 5 EPYC it was the
-faster one (shared/facts.md). So the first many-row product on a machine times both on a
-prefill-sized product and keeps the faster, and the choice is written to the qspec cache
-(`int8-prefill.json`, keyed by CPU, torch version and threads) so later runs on that machine
-compute the same numbers: greedy output stays reproducible from run to run (README).
+- "fp32": W dequantized to fp32, then torch's fp32 GEMM: fp32 rounding only.
+Which is faster depends on the CPU, not on a flag it lists: on an Intel Xeon with AVX512-BF16
+the bf16 path prefilled at 0.62-0.69x the fp32 path; on a Zen 5 EPYC it was the faster one
+(shared/facts.md); on one Zen 4 thread the row kernels ran 1.5-2.5x the bf16 one. So the
+first many-row product on a machine times each on a prefill-sized W8A8 product and keeps the
+fastest, written to the qspec cache (`int8-prefill.json`, keyed by CPU, torch version,
+threads and whether the C++ kernels run) so later runs on that machine compute the same
+numbers: greedy output stays reproducible from run to run (README).
 
-`QSPEC_INT8_PREFILL=int8pack|fp32` overrides the measurement (tests, or a user who measured).
+`QSPEC_INT8_PREFILL=rows|int8pack|fp32` overrides the measurement (tests, or a user who
+measured); "rows" without the C++ kernels runs int8pack.
 Fewer rows than `PREFILL_ROWS` (decode, verify without the C++ kernels) always take int8pack:
 dequantizing W for one row would read 9 bytes a weight instead of one.
 """
@@ -31,10 +36,13 @@ from pathlib import Path
 
 import torch
 
+from kernels.cpu import build as cpu_ext
+from kernels.cpu import linear as cpu_linear
+from kernels.formats import quantize_activations
 from qspec_core.errors import QspecError
 from qspec_core.paths import qspec_home
 
-PATHS = ("int8pack", "fp32")
+PATHS = ("rows", "int8pack", "fp32")
 ENV = "QSPEC_INT8_PREFILL"
 PREFILL_ROWS = 64  # from here on a product is a prefill's (decode and verify stay under it)
 PROBE = (256, 1024, 1024)  # M, K, N: a prefill chunk's rows through a mid-sized linear
@@ -57,40 +65,55 @@ def _cpu() -> str:
     return platform.processor() or platform.machine()
 
 
+def _rows_run() -> bool:
+    return cpu_ext.available()  # (False with QSPEC_CPU_KERNELS=0 or a failed build)
+
+
 def machine_key() -> str:
-    """What the choice depends on: the CPU (model and flags), torch, and torch's threads."""
+    """What the choice depends on: the CPU (model and flags), torch, torch's threads, and
+    whether qspec's C++ kernels run (the "rows" path needs them)."""
     text = f"{_cpu()}|torch {torch.__version__}|threads {torch.get_num_threads()}"
+    text += f"|rows {_rows_run()}"
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def _products(m: int, k: int, n: int):
+    """Each path's W8A8 product of [m, k] activations (rounded per 64 inputs, as the W8A8
+    target's are) by int8 [n, k] weights, as the prefill runs it."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(m, k, generator=gen)
     q = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)
     scale = torch.rand(n, generator=gen) / 127
     ones = torch.ones(n, dtype=torch.bfloat16)
-    return {
-        "int8pack": lambda: torch._weight_int8pack_mm(x.to(torch.bfloat16), q, ones) * scale,
-        "fp32": lambda: x @ (q.float() * scale[:, None]).t(),
+    paths = {
+        "int8pack": lambda: (
+            torch._weight_int8pack_mm(quantize_activations(x).to(torch.bfloat16), q, ones) * scale
+        ),
+        "fp32": lambda: quantize_activations(x) @ (q.float() * scale[:, None]).t(),
     }
+    if _rows_run():
+        paths["rows"] = lambda: cpu_linear.in_slices(cpu_linear.w8a8_linear, x, q, scale, None)
+    return paths
 
 
 def measure(shape: tuple[int, int, int] = PROBE, repeats: int = 5) -> dict[str, float]:
-    """Seconds per product of each path at `shape` (best of `repeats` after a warm-up); a path
-    this torch cannot run here is left out."""
-    out = {}
+    """Seconds per product of each path at `shape`: the best of `repeats`, taken in turns
+    (A B C A B C ...) so a busy moment slows every path alike; a path this torch cannot run
+    here is left out."""
+    runs = {}
     for name, run in _products(*shape).items():
         try:
-            run()
+            run()  # (warm-up: oneDNN picks its kernel, pages are touched)
         except RuntimeError:
             continue
-        best = float("inf")
-        for _ in range(repeats):
+        runs[name] = run
+    best = dict.fromkeys(runs, float("inf"))
+    for _ in range(repeats):
+        for name, run in runs.items():
             start = time.perf_counter()
             run()
-            best = min(best, time.perf_counter() - start)
-        out[name] = best
-    return out
+            best[name] = min(best[name], time.perf_counter() - start)
+    return best
 
 
 def _read(path: Path, key: str) -> str | None:
@@ -147,4 +170,5 @@ def override() -> str | None:
 
 def prefill_path() -> str:
     """The path many-row INT8-weight products take on this machine (`PATHS`)."""
-    return override() or _measured_choice(machine_key())
+    path = override() or _measured_choice(machine_key())
+    return "int8pack" if path == "rows" and not _rows_run() else path
