@@ -393,7 +393,7 @@ def test_prefill_path_is_measured_once_and_kept_per_machine(fresh_choice, monkey
     assert kept[prefill_choice.machine_key()]["path"] == "fp32"
     prefill_choice._measured_choice.cache_clear()  # a later process: reads, never re-measures
     assert prefill_choice.prefill_path() == "fp32" and len(calls) == 1
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 977)  # another key: measured anew
+    monkeypatch.setattr(torch, "__version__", "9.9.9")  # another key: measured anew
     assert prefill_choice.prefill_path() == "int8pack" and len(calls) == 2
 
 
