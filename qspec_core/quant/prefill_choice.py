@@ -13,7 +13,7 @@ Which is faster depends on the CPU, not on a flag it lists: on an Intel Xeon wit
 the bf16 path prefilled at 0.62-0.69x the fp32 path; on a Zen 5 EPYC it was the faster one
 (shared/facts.md); on one Zen 4 thread the row kernels ran 1.5-2.5x the bf16 one. So the
 first many-row product on a machine times each on a prefill-sized W8A8 product and keeps the
-fastest, written to the qspec cache (`int8-prefill.json`, keyed by CPU, torch version,
+fastest, written to the qspec cache (`int8-prefill.json`, keyed by CPU, torch version
 and whether the C++ kernels run) so later runs on that machine compute the same
 numbers: greedy output stays reproducible from run to run (README).
 
