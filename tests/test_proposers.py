@@ -1,5 +1,6 @@
 """Draft sources as `Proposer`s (`engine/proposers.py`): a third one plugs into the round, and
-the stats keep one entry per source in the same JSON as before."""
+the stats keep one entry per source in the same JSON as before; one decode plan per mode
+(`engine/plan.py`)."""
 
 import json
 
@@ -7,12 +8,16 @@ import pytest
 import torch
 from test_speculative import _g, _model, _run
 
+from qspec_core.bench.runner import BenchConfig
+from qspec_core.cache.full import FullPrecisionCache
 from qspec_core.cache.hierarchical import HierarchicalKVCache
 from qspec_core.engine.generate import prefill_hierarchical
 from qspec_core.engine.lookup import DocumentLookup
+from qspec_core.engine.plan import DecodePlan
 from qspec_core.engine.proposers import RoundContext
 from qspec_core.engine.sampling import SamplingParams
 from qspec_core.engine.speculative import SpecStats, speculative_decode
+from qspec_core.precision import DRAFT, DRAFT_KV4, DRAFT_W4, FP, TARGET
 
 
 class Oracle:
@@ -140,3 +145,18 @@ def test_stats_json_is_unchanged_and_round_trips():
     assert restored.sources()["oracle"]["rounds"] == 1 and restored.rounds == 5
     assert restored.sources()["draft"] == d["sources"]["draft"]
     assert SpecStats().to_dict(4)["sources"].keys() == {"draft", "lookup", "none"}
+
+
+def test_one_decode_plan_for_the_bench_and_sessions():
+    """Each bench mode's plan (`BenchConfig.plan`): its paths, gamma and lookup."""
+    config = BenchConfig([2048], gamma="auto", target_weights="int8", lookup=True)
+    assert config.plan("ar") == DecodePlan(FP.with_weights("int8"))
+    assert not config.plan("target-ar").speculative
+    assert config.plan("quantspec") == DecodePlan(TARGET.with_weights("int8"), DRAFT, "auto", True)
+    assert config.plan("quantspec-g4") == DecodePlan(TARGET.with_weights("int8"), DRAFT, 4, False)
+    # a draft on full weights takes the target's weight set
+    assert config.plan("draft-kv4").draft == DRAFT_KV4.with_weights("int8")
+    assert config.plan("draft-w4").draft == DRAFT_W4
+    model = _model()
+    assert isinstance(config.plan("ar").new_cache(model, 64), FullPrecisionCache)
+    assert isinstance(config.plan("quantspec").new_cache(model, 64), HierarchicalKVCache)
