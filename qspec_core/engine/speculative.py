@@ -4,10 +4,12 @@ verify with full-precision weights over the INT8 view, one hierarchical cache fo
 One round, with the pending token t (sampled, not yet fed) at position c = committed length:
   1. (the cache rotates F1 into the planes by itself when a write's tokens all see it as
      history; every token's KV view depends only on its position, see `cache/hierarchical.py`)
-  2. draft: feed t, g_1, ..., g_{gamma-1} one by one on the draft path, sampling g_i ~ q_i
-     (or, when the context's last tokens occurred earlier in it, take the gamma tokens that
-     followed them there: `lookup.py`, a point-mass q, no draft forward at all; with gamma
-     "auto", `planner.py` picks the source and gamma, 0 included, by measured cost);
+  2. draft: one proposer (`proposers.py`) drafts g_1..g_gamma with their q: the 4-bit path
+     feeds t, g_1, ..., g_{gamma-1} one by one, sampling g_i ~ q_i; the document lookup
+     takes the gamma tokens that followed the context's last tokens earlier in it
+     (`lookup.py`, a point-mass q, no draft forward at all). A fixed gamma takes the first
+     proposer that offers tokens; with gamma "auto", `planner.py` picks the proposer and
+     gamma, 0 included, by measured cost. Every proposer then observes the emitted tokens;
   3. verify: feed [t, g_1..g_gamma] at once on the target path -> p_1..p_{gamma+1}; this
      writes target KV over every draft position;
   4. accept (`verify.py`): n accepted drafts + one recovered or bonus token;
