@@ -40,7 +40,8 @@ class ForcedPlanner(RoundPlanner):
         super().__init__(limit)
         self.rng = random.Random(seed)
 
-    def plan(self, proposed: int) -> tuple[str, int]:
+    def plan(self, offers: dict[str, int]) -> tuple[str, int]:
+        proposed = offers.get("lookup", 0)
         if proposed and self.rng.random() < 0.4:
             return "lookup", self.rng.randint(1, min(proposed, self.limit))
         return "draft", self.rng.randint(0, self.limit)

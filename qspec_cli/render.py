@@ -79,7 +79,7 @@ def stats_table(stats: ReplyStats, title: str) -> Table:
             f"per target step · {spec.rounds} rounds: {spec.accepted} accepted, "
             f"{spec.recovered} recovered, {spec.bonus} bonus"
         )
-        if spec.lookup_rounds or spec.plain_rounds:
+        if any(src.rounds for name, src in spec.by_source.items() if name != "draft"):
             table.caption += "\n" + source_line(spec.sources())
         table.caption_justify = "left"
     return table

@@ -122,14 +122,14 @@ def test_greedy_with_lookup_equals_target_ar(gamma):
     got, cache, stats = _run_lookup(model, prompt, 70, gamma=gamma, lookup_min=2)
     assert got == expected
     assert cache.quantized_len >= 48 and cache.seq_len == cache.committed
-    assert stats.drafted == stats.draft_steps + stats.lookup_drafted
+    assert stats.drafted == stats.draft_steps + stats.by_source["lookup"].drafted
     restored = SpecStats.from_dict(stats.to_dict(gamma))
     assert restored.to_dict(gamma) == stats.to_dict(gamma)
     if gamma == "auto":
         return  # (what the planner picks here depends on this machine's timings)
     src = stats.sources()
     assert src["lookup"]["rounds"] > 0 and src["draft"]["rounds"] > 0  # mixed rounds
-    assert 0 < stats.lookup_accepted < stats.lookup_drafted  # proposals accepted and rejected
+    assert 0 < src["lookup"]["accepted"] < src["lookup"]["drafted"]  # accepted and rejected
 
 
 class RandomPlanner:
@@ -140,7 +140,8 @@ class RandomPlanner:
     def __init__(self, seed):
         self.gen = _g(seed)
 
-    def plan(self, proposed):
+    def plan(self, offers):
+        proposed = offers.get("lookup", 0)
         pick = int(torch.randint(0, 8, (1,), generator=self.gen))
         if pick >= 4 and proposed:
             return "lookup", min(proposed, pick - 3)
@@ -162,7 +163,7 @@ def test_greedy_equals_target_ar_over_every_kind_of_round():
     assert got == expected and cache.seq_len == cache.committed
     src = stats.sources()
     assert min(src[kind]["rounds"] for kind in ("draft", "lookup", "none")) > 3
-    assert 0 < stats.lookup_accepted < stats.lookup_drafted
+    assert 0 < src["lookup"]["accepted"] < src["lookup"]["drafted"]
 
 
 def test_sampled_mixed_rounds_follow_the_target_path_distribution():
@@ -217,5 +218,5 @@ def test_lookup_rounds_leave_exactly_the_committed_kv(pattern):
     phrase = torch.randint(0, 101, (9,), generator=_g(9)).tolist()
     prompt = (phrase * 4)[: 2 * G - 3]
     out, cache, stats = _run_lookup(model, prompt, 40, lookup_min=2, verifier=_forced(pattern))
-    assert stats.lookup_rounds > 0
+    assert stats.by_source["lookup"].rounds > 0
     assert_replays(model, prompt, out, cache)

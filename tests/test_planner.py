@@ -20,6 +20,25 @@ def feed(planner, rounds, draft_s, verify_s, accept):
             planner.record(source, k, n, k * draft_s, verify_s(k + 1))
 
 
+def offers(proposed: int) -> dict[str, int]:
+    """What a round offers the planner: the 4-bit path any length, the lookup `proposed`."""
+    return {"lookup": proposed, "draft": 15}
+
+
+def test_an_unknown_source_is_planned_like_the_lookup():
+    """A third proposer (`proposers.py`) is free but for the verify, with the lookup's prior
+    until its own acceptance is measured: a good one wins the round, a bad one loses it."""
+    planner = RoundPlanner(limit=15)
+    feed(planner, 10, 0.1, lambda m: 1.0, {"draft": 0.5, "lookup": 0.5})
+    for _ in range(10):
+        planner.record("oracle", 4, 4, 0.0, 1.0)
+    assert planner.plan({"draft": 15, "oracle": 6}) == ("oracle", 6)
+    for _ in range(30):
+        planner.record("oracle", 4, 0, 0.0, 1.0)
+    planner.rounds_since_draft = 0  # (not yet time to explore the 4-bit path again)
+    assert planner.plan({"draft": 15, "oracle": 6})[0] == "draft"
+
+
 def test_expected_tokens():
     assert expected_tokens(0.5, 0) == 1
     assert expected_tokens(0.5, 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
@@ -28,34 +47,34 @@ def test_expected_tokens():
 
 def test_starts_by_timing_a_draft_round_and_explores_again_later():
     planner = RoundPlanner(limit=15)
-    assert planner.plan(proposed=6) == ("draft", START_GAMMA)
+    assert planner.plan(offers(6)) == ("draft", START_GAMMA)
     # a CPU where drafting loses: after timing it, plain steps and lookups only ...
     feed(planner, 3, 0.9, lambda m: 1 + 0.15 * (m - 1), {"draft": 0.7, "lookup": 0.0})
     choices = []
     for _ in range(EXPLORE_EVERY):
-        choices.append(planner.plan(proposed=0))
+        choices.append(planner.plan(offers(0)))
         planner.record("draft", 0, 0, 0.0, 1.0)
     assert set(choices) == {("draft", 0)}
     # ... until a 4-bit round is tried again, since its acceptance may have moved
-    assert planner.plan(proposed=0) == ("draft", START_GAMMA)
+    assert planner.plan(offers(0)) == ("draft", START_GAMMA)
 
 
 def test_a_slow_draft_loses_to_plain_steps():
     """The 2-core dev CPU at 2k: a draft step 0.88 of a target step, a 5-row verify 1.7."""
     planner = RoundPlanner(limit=15)
     feed(planner, 10, 0.88, lambda m: 1 + 0.175 * (m - 1), {"draft": 0.7, "lookup": 0.0})
-    assert planner.plan(proposed=0) == ("draft", 0)
-    assert planner.plan(proposed=4) == ("draft", 0)  # lookups that were never accepted
+    assert planner.plan(offers(0)) == ("draft", 0)
+    assert planner.plan(offers(4)) == ("draft", 0)  # lookups that were never accepted
     # a lookup that accepts one of four (one of the two tested) beats a plain step
     feed(planner, 10, 0.88, lambda m: 1 + 0.175 * (m - 1), {"draft": 0.7, "lookup": 0.25})
-    assert planner.plan(proposed=4)[0] == "lookup"
+    assert planner.plan(offers(4))[0] == "lookup"
 
 
 def test_a_cheap_draft_drafts_long():
     """A GPU-like machine: a draft step 0.1 of a verify whatever its rows, 90% accepted."""
     planner = RoundPlanner(limit=15)
     feed(planner, 5, 0.1, lambda m: 1.0, {"draft": 0.9, "lookup": 0.0})
-    source, k = planner.plan(proposed=0)
+    source, k = planner.plan(offers(0))
     assert source == "draft" and k >= 6
 
 
@@ -64,9 +83,9 @@ def test_a_good_lookup_wins_over_drafting():
     drafts at the same acceptance, since they skip the draft steps."""
     planner = RoundPlanner(limit=15)
     feed(planner, 5, 0.3, lambda m: 1 + 0.05 * (m - 1), {"draft": 0.75, "lookup": 0.75})
-    source, k = planner.plan(proposed=6)
+    source, k = planner.plan(offers(6))
     assert source == "lookup" and k == 6
-    assert planner.plan(proposed=0)[0] == "draft"
+    assert planner.plan(offers(0))[0] == "draft"
 
 
 def test_verify_cost_is_a_line_through_the_row_counts_timed():
@@ -84,7 +103,7 @@ def test_a_slow_first_round_is_forgotten():
     100 s a step here. It must not keep the planner from drafting once steps are cheap."""
     planner = RoundPlanner(limit=15)
     planner.record("draft", 4, 4, 400.0, 1.0)
-    assert planner.plan(proposed=0) == ("draft", START_GAMMA)  # a second timing first
+    assert planner.plan(offers(0)) == ("draft", START_GAMMA)  # a second timing first
     feed(planner, 2, 0.1, lambda m: 1.0, {"draft": 0.9, "lookup": 0.0})
-    source, k = planner.plan(proposed=0)
+    source, k = planner.plan(offers(0))
     assert source == "draft" and k >= 6

@@ -23,12 +23,11 @@ import torch
 from qspec_core.bench.bandwidth import path_weight_bytes, read_bandwidth, step_traffic
 from qspec_core.bench.compute import gemm_peaks, prefill_compute, prefill_flops
 from qspec_core.bench.corpus import bench_prompt
-from qspec_core.cache.full import FullPrecisionCache
 from qspec_core.cache.hierarchical import HierarchicalKVCache
-from qspec_core.engine.generate import decode, prefill, prefill_hierarchical
-from qspec_core.engine.lookup import DocumentLookup
+from qspec_core.engine.generate import prefill, prefill_hierarchical
+from qspec_core.engine.plan import DecodePlan
 from qspec_core.engine.sampling import SamplingParams
-from qspec_core.engine.speculative import SpecStats, speculative_decode
+from qspec_core.engine.speculative import SpecStats
 from qspec_core.errors import QspecError
 from qspec_core.model.transformer import has_draft, has_int8
 from qspec_core.precision import DRAFT, DRAFT_KV4, DRAFT_W4, FP, INT8_WEIGHTS, TARGET, Precision
@@ -153,6 +152,18 @@ class BenchConfig:
         """The mode's decoding/verifying path on its target weights."""
         return MODES[mode].target.with_weights(self.weights(mode))
 
+    def plan(self, mode_name: str) -> DecodePlan:
+        """How `mode_name` decodes under these settings."""
+        mode, target = MODES[mode_name], self.target(mode_name)
+        if not mode.speculative:
+            return DecodePlan(target)
+        # a draft on full weights (the draft-kv4 ablation) takes the target's weight set
+        draft = (
+            mode.draft if mode.draft.weights == "int4" else mode.draft.with_weights(target.weights)
+        )
+        lookup = self.lookup if mode.lookup is None else mode.lookup
+        return DecodePlan(target, draft, self.gamma_of(mode_name), lookup)
+
 
 def needs_converted_model(config: BenchConfig) -> bool:
     """Whether a mode runs the 4-bit draft weights or INT8 weights: only a converted folder
@@ -257,32 +268,18 @@ def start_decode(model, mode_name: str, prompt: list[int], gen: int, config, see
     """Prefill `prompt` into a fresh cache of the mode's kind (timed as stage "prefill") and
     start decoding: returns (cache, the lazy generator of `gen` token ids, the round stats of a
     speculative mode or None). Nothing is decoded until the generator is iterated."""
-    mode = MODES[mode_name]
-    target = config.target(mode_name)
-    size = len(prompt) + gen
-    if target.kv == "fp":
-        cache = FullPrecisionCache(model.config, size, dtype=model.dtype, device=model.device)
-        with timer.stage("prefill"):
-            logits = prefill(model, cache, prompt, 0, target)
-    else:
-        cache = HierarchicalKVCache(
-            model.config, size, config.group_size, dtype=model.dtype, device=model.device
-        )
-        with timer.stage("prefill"):
+    plan = config.plan(mode_name)
+    target = plan.target
+    cache = plan.new_cache(model, len(prompt) + gen, config.group_size)
+    with timer.stage("prefill"):
+        if isinstance(cache, HierarchicalKVCache):
             logits = prefill_hierarchical(model, cache, prompt, weights=target.weights)
+        else:
+            logits = prefill(model, cache, prompt, 0, target)
     generator = torch.Generator(device=model.device).manual_seed(seed)
-    common = (model, cache, logits, len(prompt), gen, config.params, generator, ())
-    if not mode.speculative:
-        return cache, decode(*common, path=target, timer=timer), None
-    stats = SpecStats()
-    # a draft on full weights (the draft-kv4 ablation) takes the target's weight set
-    draft = mode.draft if mode.draft.weights == "int4" else mode.draft.with_weights(target.weights)
-    use_lookup = config.lookup if mode.lookup is None else mode.lookup
-    index = DocumentLookup(prompt) if use_lookup else None
-    tokens = speculative_decode(
-        *common, config.gamma_of(mode_name), timer, stats, draft_path=draft, target_path=target,
-        lookup=index,
-    )  # fmt: skip
+    tokens, stats = plan.start(
+        model, cache, logits, prompt, gen, config.params, generator, (), timer
+    )
     return cache, tokens, stats
 
 

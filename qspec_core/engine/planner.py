@@ -71,8 +71,9 @@ class _Decayed:
 
 @dataclass
 class RoundPlanner:
-    """`plan(proposed)` -> (source, k): "draft" (k >= 0 steps on the 4-bit path; 0 is a plain
-    target step) or "lookup" (the first k of the `proposed` tokens). Then `record` the round."""
+    """`plan(offers)` -> (source, k): "draft" (k >= 0 steps on the 4-bit path; 0 is a plain
+    target step) or another proposer (the first k of the tokens it offers, free but for the
+    verify: the document lookup). Then `record` the round."""
 
     limit: int  # most drafts a round may have (the cache's slack)
     draft_step: _Recent = field(default_factory=_Recent)  # seconds per draft step
@@ -83,7 +84,7 @@ class RoundPlanner:
 
     def acceptance(self, source: str) -> float:
         acc, tested = self.accepted.get(source), self.tested.get(source)
-        prior = PRIOR_ACCEPTANCE[source]
+        prior = PRIOR_ACCEPTANCE.get(source, PRIOR_ACCEPTANCE["lookup"])
         a = (acc.total if acc else 0.0) + prior * PRIOR_TOKENS
         t = (tested.total if tested else 0.0) + PRIOR_TOKENS
         return min(a / t, 0.999)
@@ -110,17 +111,19 @@ class RoundPlanner:
         slope = max(0.0, sum((m - mx) * (v - my) for m, v in seen) / sxx)
         return lambda rows: max(my + slope * (rows - mx), 1e-9)
 
-    def plan(self, proposed: int) -> tuple[str, int]:
+    def plan(self, offers: dict[str, int]) -> tuple[str, int]:
+        """offers: proposer name -> how many tokens it could draft now (`proposers.py`)."""
         d, v = self.draft_step.value, self.verify_line()
         if len(self.draft_step) < 2 or v is None or self.rounds_since_draft >= EXPLORE_EVERY:
             return "draft", min(START_GAMMA, self.limit)  # time a draft step and a verify
         best, best_rate = ("draft", 0), 0.0
-        for source, step, most in (
-            ("draft", d, self.limit),
-            ("lookup", 0.0, min(proposed, self.limit)),
-        ):
+        # the 4-bit path first: on a tie the earlier option stays
+        for source in sorted(offers, key=lambda name: name != "draft"):
+            # the 4-bit path pays a draft step per token, any other source only the verify
+            stepped = source == "draft"
+            step, most = (d, self.limit) if stepped else (0.0, min(offers[source], self.limit))
             a = self.acceptance(source)
-            for k in range(1 if source == "lookup" else 0, most + 1):
+            for k in range(0 if stepped else 1, most + 1):
                 rate = expected_tokens(a, k) / (k * step + v(k + 1))
                 if rate > best_rate:
                     best, best_rate = (source, k), rate

@@ -15,13 +15,13 @@ import torch
 
 from qspec_core.cache.full import FullPrecisionCache
 from qspec_core.cache.hierarchical import CacheCheckpoint, HierarchicalKVCache
-from qspec_core.engine.generate import decode, prefill, prefill_hierarchical
-from qspec_core.engine.lookup import DocumentLookup
+from qspec_core.engine.generate import prefill, prefill_hierarchical
+from qspec_core.engine.plan import DecodePlan
 from qspec_core.engine.sampling import SamplingParams
-from qspec_core.engine.speculative import SpecStats, speculative_decode
+from qspec_core.engine.speculative import SpecStats
 from qspec_core.errors import QspecError
 from qspec_core.model.transformer import has_draft
-from qspec_core.precision import Precision
+from qspec_core.precision import DRAFT, Precision
 from qspec_core.registry.runtime import Runtime
 from qspec_core.timing import StageTimer
 
@@ -186,6 +186,13 @@ class ChatSession:
         return tok.decode(doc_ids[:budget])
 
     @property
+    def plan(self) -> DecodePlan:
+        """How this session's mode decodes (`engine/plan.py`)."""
+        if self.mode == "quantspec":
+            return DecodePlan(self.runtime.target, DRAFT, self.gamma, self.lookup)
+        return DecodePlan(self.path)
+
+    @property
     def path(self) -> Precision:
         """The path that answers (decodes or verifies), on the runtime's target weights."""
         return self.runtime.baseline if self.mode == "ar" else self.runtime.target
@@ -194,18 +201,10 @@ class ChatSession:
         size = min(self.limit, max(need, self.capacity or 0))
         model = self.runtime.model
         if self._cache is None:
-            if self.mode == "ar":
-                self._cache = FullPrecisionCache(
-                    model.config, size, dtype=model.dtype, device=model.device
-                )
-            else:  # preallocated planes cannot grow cheaply: take the whole context
-                self._cache = HierarchicalKVCache(
-                    model.config,
-                    self.capacity or self.limit,
-                    self.group_size,
-                    dtype=model.dtype,
-                    device=model.device,
-                )
+            # a full-precision cache grows; preallocated planes cannot grow cheaply: a
+            # hierarchical cache takes the whole context
+            size = size if self.mode == "ar" else self.capacity or self.limit
+            self._cache = self.plan.new_cache(model, size, self.group_size)
         elif self._cache.max_seq_len < need:
             if self.mode == "ar":
                 self._cache.grow(size)
@@ -293,30 +292,10 @@ class ChatSession:
             progress = on_prefill(len(ids) - reuse) if on_prefill else None
             with timer.stage("prefill"):
                 logits = self._prefill(cache, ids, reuse, progress)
-            common = (
-                model,
-                cache,
-                logits,
-                len(ids),
-                self.max_new_tokens,
-                self.params,
-                self.generator,
-                self.runtime.stop_ids,
-            )
-            if self.mode == "quantspec":
-                with timer.stage("lookup"):  # (indexing a 32k-token prompt: about 0.1 s)
-                    index = DocumentLookup(ids) if self.lookup else None
-                tokens = speculative_decode(
-                    *common,
-                    self.gamma,
-                    timer,
-                    stats.spec,
-                    target_path=self.path,
-                    lookup=index,
-                    planner=self.planner,
-                )
-            else:
-                tokens = decode(*common, path=self.path, timer=timer)
+            tokens, _ = self.plan.start(
+                model, cache, logits, ids, self.max_new_tokens, self.params, self.generator,
+                self.runtime.stop_ids, timer, self.planner, stats.spec,
+            )  # fmt: skip
             try:
                 for token in tokens:
                     generated.append(token)

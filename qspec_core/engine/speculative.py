@@ -4,10 +4,12 @@ verify with full-precision weights over the INT8 view, one hierarchical cache fo
 One round, with the pending token t (sampled, not yet fed) at position c = committed length:
   1. (the cache rotates F1 into the planes by itself when a write's tokens all see it as
      history; every token's KV view depends only on its position, see `cache/hierarchical.py`)
-  2. draft: feed t, g_1, ..., g_{gamma-1} one by one on the draft path, sampling g_i ~ q_i
-     (or, when the context's last tokens occurred earlier in it, take the gamma tokens that
-     followed them there: `lookup.py`, a point-mass q, no draft forward at all; with gamma
-     "auto", `planner.py` picks the source and gamma, 0 included, by measured cost);
+  2. draft: one proposer (`proposers.py`) drafts g_1..g_gamma with their q: the 4-bit path
+     feeds t, g_1, ..., g_{gamma-1} one by one, sampling g_i ~ q_i; the document lookup
+     takes the gamma tokens that followed the context's last tokens earlier in it
+     (`lookup.py`, a point-mass q, no draft forward at all). A fixed gamma takes the first
+     proposer that offers tokens; with gamma "auto", `planner.py` picks the proposer and
+     gamma, 0 included, by measured cost. Every proposer then observes the emitted tokens;
   3. verify: feed [t, g_1..g_gamma] at once on the target path -> p_1..p_{gamma+1}; this
      writes target KV over every draft position;
   4. accept (`verify.py`): n accepted drafts + one recovered or bonus token;
@@ -19,7 +21,7 @@ Greedy output is token-for-token that of autoregressive decoding on the target p
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -28,6 +30,14 @@ from qspec_core.cache.full import FullPrecisionCache
 from qspec_core.cache.hierarchical import HierarchicalKVCache
 from qspec_core.engine.lookup import DocumentLookup
 from qspec_core.engine.planner import RoundPlanner
+from qspec_core.engine.proposers import (
+    DocumentDraft,
+    Proposer,
+    RoundContext,
+    SelfDraft,
+    forward,
+    move_rotation_time,
+)
 from qspec_core.engine.sampling import SamplingParams, probabilities, sample
 from qspec_core.engine.verify import verify_greedy, verify_sampling
 from qspec_core.model.transformer import Transformer
@@ -37,12 +47,26 @@ from qspec_core.timing import StageTimer
 GAMMA_MAX = 16
 
 
-# SpecStats' counters (what `add` sums)
-COUNTS = (
-    ("rounds", "drafted", "accepted", "recovered", "bonus")
-    + tuple(f"lookup_{name}" for name in ("rounds", "drafted", "accepted"))
-    + ("plain_rounds",)
-)
+# SpecStats' totals (what `add` sums besides the histogram and the sources)
+COUNTS = ("rounds", "drafted", "accepted", "recovered", "bonus")
+# the sources every stats dict lists, used or not: the 4-bit path, the document, and none
+# (`--gamma auto` chose a plain target step); another proposer's name adds its own entry
+SOURCES = ("draft", "lookup", "none")
+PLAIN = "none"  # the source of a round that drafted nothing
+
+
+@dataclass
+class SourceStats:
+    """One draft source's rounds, drafted tokens and accepted ones."""
+
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+
+    def to_dict(self) -> dict:
+        rate = round(self.accepted / self.drafted, 4) if self.drafted else 0.0
+        return {"rounds": self.rounds, "drafted": self.drafted, "accepted": self.accepted,
+                "acceptance_rate": rate}  # fmt: skip
 
 
 @dataclass
@@ -53,11 +77,10 @@ class SpecStats:
     recovered: int = 0
     bonus: int = 0
     accepted_hist: list[int] = field(default_factory=lambda: [0] * (GAMMA_MAX + 1))
-    # of the above, the rounds whose drafts came from the document (`lookup.py`)
-    lookup_rounds: int = 0
-    lookup_drafted: int = 0
-    lookup_accepted: int = 0
-    plain_rounds: int = 0  # rounds that drafted nothing (`--gamma auto`): plain target steps
+    # the same rounds by draft source (a proposer's `name`, or PLAIN)
+    by_source: dict[str, SourceStats] = field(
+        default_factory=lambda: {name: SourceStats() for name in SOURCES}
+    )
 
     @property
     def acceptance_rate(self) -> float:
@@ -68,15 +91,24 @@ class SpecStats:
         """Tokens emitted per verify forward (accepted + recovered + bonus) / rounds."""
         return (self.accepted + self.recovered + self.bonus) / self.rounds if self.rounds else 0.0
 
+    def source(self, name: str) -> SourceStats:
+        return self.by_source.setdefault(name, SourceStats())
+
     def add(self, other: SpecStats) -> None:
         for name in COUNTS:
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.accepted_hist = [
             a + b for a, b in zip(self.accepted_hist, other.accepted_hist, strict=True)
         ]
+        for name, theirs in other.by_source.items():
+            mine = self.source(name)
+            mine.rounds += theirs.rounds
+            mine.drafted += theirs.drafted
+            mine.accepted += theirs.accepted
 
     def count(self, source: str, g: int, n: int) -> None:
-        """One round: g drafts from `source` ("draft" or "lookup"), n of them accepted."""
+        """One round: g drafts from `source` (a proposer's name), n of them accepted; a round
+        of no drafts counts as PLAIN whatever its source."""
         self.rounds += 1
         self.drafted += g
         self.accepted += n
@@ -85,44 +117,32 @@ class SpecStats:
             self.recovered += 1
         else:
             self.bonus += 1
-        if source == "lookup":
-            self.lookup_rounds += 1
-            self.lookup_drafted += g
-            self.lookup_accepted += n
-        elif not g:
-            self.plain_rounds += 1
+        mine = self.source(source if g else PLAIN)
+        mine.rounds += 1
+        mine.drafted += g
+        mine.accepted += n
 
     @classmethod
     def from_dict(cls, d: dict) -> SpecStats:
         """The inverse of `to_dict`."""
-        sources = d["sources"]
         hist = d["accepted_hist"] + [0] * (GAMMA_MAX + 1 - len(d["accepted_hist"]))
-        return cls(
-            *(d[name] for name in COUNTS[:5]),
-            hist,
-            *(sources["lookup"][name] for name in ("rounds", "drafted", "accepted")),
-            sources["none"]["rounds"],
-        )
+        by_source = {
+            name: SourceStats(s["rounds"], s["drafted"], s["accepted"])
+            for name, s in d["sources"].items()
+        }
+        return cls(*(d[name] for name in COUNTS), hist, by_source)
 
     def sources(self) -> dict:
         """Rounds, drafts and acceptance per draft source: the 4-bit path ("draft"), the
-        document ("lookup") and none ("none": `--gamma auto` chose a plain target step)."""
-        out = {}
-        for name, rounds, drafted, accepted in (
-            ("draft", self.rounds - self.lookup_rounds - self.plain_rounds, self.draft_steps,
-             self.accepted - self.lookup_accepted),
-            ("lookup", self.lookup_rounds, self.lookup_drafted, self.lookup_accepted),
-            ("none", self.plain_rounds, 0, 0),
-        ):  # fmt: skip
-            rate = round(accepted / drafted, 4) if drafted else 0.0
-            out[name] = {"rounds": rounds, "drafted": drafted, "accepted": accepted,
-                         "acceptance_rate": rate}  # fmt: skip
-        return out
+        document ("lookup"), none ("none": `--gamma auto` chose a plain target step), then
+        any other proposer's."""
+        names = SOURCES + tuple(name for name in self.by_source if name not in SOURCES)
+        return {name: self.source(name).to_dict() for name in names}
 
     @property
     def draft_steps(self) -> int:
-        """Forward passes on the draft path: drafts that did not come from the document."""
-        return self.drafted - self.lookup_drafted
+        """Forward passes on the draft path: the 4-bit self-draft's tokens."""
+        return self.source("draft").drafted
 
     def to_dict(self, gamma) -> dict:
         return {
@@ -144,12 +164,10 @@ class SpecStats:
         return nonzero[-1] + 1 if nonzero else 0
 
 
-def _move_rotation_time(cache, timer: StageTimer, stage: str, before: float) -> None:
-    """Rotation happens inside the writes of `stage`: book it under its own stage."""
-    spent = getattr(cache, "rotate_seconds", 0.0) - before
-    if spent > 0:
-        timer.seconds[stage] = timer.seconds.get(stage, 0.0) - spent
-        timer.seconds["rotate"] = timer.seconds.get("rotate", 0.0) + spent
+def plan_fixed(offers: dict[str, int], gamma: int) -> tuple[str, int]:
+    """A fixed gamma: the first proposer that offers tokens, up to gamma of them."""
+    name, most = next((name, most) for name, most in offers.items() if most)
+    return name, min(most, gamma)
 
 
 @torch.inference_mode()
@@ -170,6 +188,7 @@ def speculative_decode(
     target_path: Precision = TARGET,
     lookup: DocumentLookup | None = None,
     planner: RoundPlanner | None = None,
+    proposers: Sequence[Proposer] = (),
 ) -> Iterator[int]:
     """Yield up to `max_new_tokens` ids following the target path's distribution.
 
@@ -184,6 +203,8 @@ def speculative_decode(
     self-speculation); an INT8 verifier is TARGET.with_weights("int8").
     `lookup`: an index over the prompt's ids (`DocumentLookup(prompt)`); each round first asks
     it for drafts, and the emitted tokens are appended to it. None: every draft is the model's.
+    `proposers`: more draft sources (`proposers.py`), asked before those two; with a fixed
+    gamma the first one that offers tokens drafts the round.
     On any exit (limit, stop token, Ctrl-C, close) the cache is truncated to the committed
     length: exactly the KV of the tokens fed so far, none of a half-finished round.
     """
@@ -195,79 +216,47 @@ def speculative_decode(
         raise ValueError(f"gamma must be in 1..{limit}")
     if gamma == "auto" and planner is None:
         planner = RoundPlanner(limit)
-    device = model.device
-
-    def feed(tokens: list[int], pos: int, path: Precision) -> torch.Tensor:
-        ids = torch.tensor([tokens], device=device)
-        return model(ids, torch.arange(pos, pos + len(tokens), device=device), cache, path)[0]
+    # in the order a fixed gamma tries them: the document's drafts cost no forward pass
+    sources = list(proposers)
+    if lookup is not None:
+        sources.append(DocumentDraft(lookup, timer))
+    sources.append(SelfDraft(model, cache, draft_path, params, generator, timer))
+    by_name = {p.name: p for p in sources}
 
     def rotation() -> float:
         return getattr(cache, "rotate_seconds", 0.0)
 
     with timer.stage("accept"):
         pending = int(sample(first_logits[None], params, generator)[0])
-    lookup_tail = [pending]  # emitted tokens the lookup index has not seen yet
+    emitted_now = [pending]  # what the proposers have not observed yet
     emitted = 1
     committed = start_pos
-    vocab = first_logits.shape[-1]
     try:
         yield pending
         if pending in stop_ids:
             return
         while emitted < max_new_tokens:
+            for proposer in sources:
+                proposer.observe(emitted_now)
             room = max_new_tokens - emitted  # (never draft past the limit)
-            proposal: list[int] = []
-            if lookup is not None:
-                with timer.stage("lookup"):
-                    lookup.extend(lookup_tail)
-                    proposal = lookup.propose(min(limit if planner else int(gamma), room))
-            if planner is not None:
-                source, g = planner.plan(len(proposal))
-                g = min(g, room)
-            else:
-                source, g = ("lookup", len(proposal)) if proposal else ("draft", min(gamma, room))
-            drafts: list[int] = []
-            draft_probs = []
+            most = min(limit if planner else int(gamma), room)
+            offers = {p.name: p.offer(most) for p in sources}
+            source, g = planner.plan(offers) if planner else plan_fixed(offers, int(gamma))
+            g = min(g, offers[source])  # (a planner may ask the 4-bit path past room)
             rotated, started = rotation(), time.perf_counter()
-            if source == "lookup":
-                drafts = proposal[:g]
-                if not params.greedy:  # q: a point mass on each proposed token
-                    point = torch.zeros(g, vocab, device=device)
-                    point[torch.arange(g), torch.tensor(drafts)] = 1.0
-                    draft_probs = list(point)
-            elif g:
-                with timer.stage("draft"):
-                    token = pending
-                    for i in range(g):
-                        logits = feed([token], committed + i, draft_path)[-1]
-                        if params.greedy:
-                            token = int(logits.argmax())
-                        else:
-                            q = probabilities(logits, params)
-                            token = int(torch.multinomial(q, 1, generator=generator))
-                            draft_probs.append(q)
-                        drafts.append(token)
-                _move_rotation_time(cache, timer, "draft", rotated)
+            drafts, draft_probs = [], None
+            if g:
+                drafts, draft_probs = by_name[source].propose(RoundContext(pending, committed), g)
+                if draft_probs is None and not params.greedy:  # a point mass on each token
+                    draft_probs = torch.zeros(g, first_logits.shape[-1], device=model.device)
+                    draft_probs[torch.arange(g), torch.tensor(drafts)] = 1.0
             draft_s = time.perf_counter() - started - (rotation() - rotated)
             rotated, started = rotation(), time.perf_counter()
             with timer.stage("verify"):
-                target_logits = feed([pending] + drafts, committed, target_path)  # [g + 1, V]
-            _move_rotation_time(cache, timer, "verify", rotated)
+                target_logits = forward(model, cache, [pending] + drafts, committed, target_path)
+            move_rotation_time(cache, timer, "verify", rotated)
             with timer.stage("accept"):
-                draft_t = torch.tensor(drafts, device=device, dtype=torch.long)
-                if verifier is not None:
-                    n, nxt = verifier(draft_t, target_logits)
-                elif params.greedy:
-                    n, nxt = verify_greedy(draft_t, target_logits)
-                elif not drafts:  # a plain target step
-                    n, nxt = 0, int(sample(target_logits[-1:], params, generator)[0])
-                else:
-                    n, nxt = verify_sampling(
-                        draft_t,
-                        torch.stack(draft_probs),
-                        probabilities(target_logits, params),
-                        generator,
-                    )
+                n, nxt = _accept(drafts, draft_probs, target_logits, params, generator, verifier)
             # (the accept stage ends the verify on a GPU: its first read of the logits waits)
             verify_s = time.perf_counter() - started - (rotation() - rotated)
             with timer.stage("rollback"):
@@ -278,8 +267,8 @@ def speculative_decode(
             stats.count(source, g, n)
             if planner is not None:
                 planner.record(source, g, n, draft_s, verify_s)
-            lookup_tail = drafts[:n] + [nxt]
-            for j, token in enumerate(drafts[:n] + [nxt]):
+            emitted_now = drafts[:n] + [nxt]
+            for j, token in enumerate(emitted_now):
                 yield token
                 emitted += 1
                 if token in stop_ids or emitted >= max_new_tokens:
@@ -291,3 +280,16 @@ def speculative_decode(
     finally:
         cache.truncate(committed)  # drop a half-finished round's KV (a no-op otherwise)
         cache.commit(committed)
+
+
+def _accept(drafts, draft_probs, target_logits, params, generator, verifier) -> tuple[int, int]:
+    """(n accepted, the recovered or bonus token) of drafts [g] against target_logits [g + 1,
+    V]; draft_probs [g, V] (q) is needed only when sampling."""
+    draft_t = torch.tensor(drafts, device=target_logits.device, dtype=torch.long)
+    if verifier is not None:
+        return verifier(draft_t, target_logits)
+    if params.greedy:
+        return verify_greedy(draft_t, target_logits)
+    if not drafts:  # a plain target step
+        return 0, int(sample(target_logits[-1:], params, generator)[0])
+    return verify_sampling(draft_t, draft_probs, probabilities(target_logits, params), generator)

@@ -1,0 +1,74 @@
+"""How a mode decodes after its prefill, shared by chat sessions and the bench: the cache it
+needs, and the token stream (autoregressive, or speculative with its draft sources)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from qspec_core.cache.full import FullPrecisionCache
+from qspec_core.cache.hierarchical import HierarchicalKVCache
+from qspec_core.engine.generate import decode
+from qspec_core.engine.lookup import DocumentLookup
+from qspec_core.engine.planner import RoundPlanner
+from qspec_core.engine.sampling import SamplingParams
+from qspec_core.engine.speculative import SpecStats, speculative_decode
+from qspec_core.precision import Precision
+from qspec_core.timing import StageTimer
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """Autoregressive on `target` (draft None), or speculative: drafts on the `draft` path
+    (and from the prompt, with `lookup`), `gamma` a round or "auto", verified on `target`."""
+
+    target: Precision
+    draft: Precision | None = None
+    gamma: int | str = "auto"
+    lookup: bool = True
+
+    @property
+    def speculative(self) -> bool:
+        return self.draft is not None
+
+    def new_cache(self, model, size: int, group_size: int | None = None):
+        """A cache for the target's KV view: full precision ("fp"), else hierarchical."""
+        if self.target.kv == "fp":
+            return FullPrecisionCache(model.config, size, dtype=model.dtype, device=model.device)
+        return HierarchicalKVCache(
+            model.config, size, group_size, dtype=model.dtype, device=model.device
+        )
+
+    def start(
+        self,
+        model,
+        cache,
+        first_logits: torch.Tensor,
+        prompt: list[int],
+        max_new_tokens: int,
+        params: SamplingParams,
+        generator: torch.Generator | None,
+        stop_ids: tuple[int, ...] = (),
+        timer: StageTimer | None = None,
+        planner: RoundPlanner | None = None,
+        stats: SpecStats | None = None,
+    ) -> tuple[Iterator[int], SpecStats | None]:
+        """The lazy stream of new ids after `prompt` (whose KV `cache` holds, committed, and
+        whose last logits are `first_logits`), and the round stats a speculative plan fills
+        (`stats`, or new ones). Nothing is decoded until the stream is iterated."""
+        timer = timer or StageTimer()
+        common = (model, cache, first_logits, len(prompt), max_new_tokens, params, generator)
+        if not self.speculative:
+            return decode(*common, stop_ids, path=self.target, timer=timer), None
+        index = None
+        if self.lookup:
+            with timer.stage("lookup"):  # (indexing a 32k-token prompt: about 0.1 s)
+                index = DocumentLookup(prompt)
+        stats = stats if stats is not None else SpecStats()
+        tokens = speculative_decode(
+            *common, stop_ids, self.gamma, timer, stats, draft_path=self.draft,
+            target_path=self.target, lookup=index, planner=planner,
+        )  # fmt: skip
+        return tokens, stats

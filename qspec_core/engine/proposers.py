@@ -1,0 +1,139 @@
+"""Where a speculative round's drafts come from: a `Proposer` per source.
+
+A round (`speculative.py`) asks each proposer how many tokens it could draft now (`offer`),
+lets the planner (or a fixed gamma) pick one proposer and a length, takes that many tokens
+from it (`propose`), verifies them, and tells every proposer what was emitted (`observe`).
+Two sources ship: the 4-bit self-draft (`SelfDraft`: k forward passes on the draft path) and
+the document lookup (`DocumentDraft`: the tokens that followed the context's tail earlier in
+it, `lookup.py`). A third one only has to follow the protocol; its round counts appear in
+`SpecStats` under its `name`.
+
+`propose` returns the tokens and their draft distributions q [k, V], or None for a point mass
+on each token (a deterministic proposal, or a greedy draft): the verifier needs q only when
+sampling, and builds the one-hot itself then. Whatever a proposer returns, the round stays an
+exact speculative round as long as the tokens were drawn from q (`verify.py`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from qspec_core.engine.lookup import DocumentLookup
+from qspec_core.engine.sampling import SamplingParams, probabilities
+from qspec_core.precision import Precision
+from qspec_core.timing import StageTimer
+
+
+@dataclass(frozen=True)
+class RoundContext:
+    """What a proposer sees of the round: the pending token (sampled, not yet in the cache)
+    and its position (the committed length): drafts go at position + 1, + 2, ..."""
+
+    pending: int
+    position: int
+
+
+class Proposer(Protocol):
+    """A draft source. `name` keys its stats and the planner's estimates."""
+
+    name: str
+
+    def offer(self, k: int) -> int:
+        """How many of the next k tokens it could propose now (0: none)."""
+        ...
+
+    def propose(self, context: RoundContext, k: int) -> tuple[list[int], torch.Tensor | None]:
+        """k draft tokens (k <= the last offer) and their q [k, V], or None: a point mass."""
+        ...
+
+    def observe(self, accepted: list[int]) -> None:
+        """The tokens emitted since the last call (accepted drafts + the recovered/bonus one;
+        first, the token sampled from the prefill's logits)."""
+        ...
+
+
+def forward(model, cache, tokens: list[int], position: int, path: Precision) -> torch.Tensor:
+    """Feed `tokens` at `position`, ... on `path`: their logits [len(tokens), V]."""
+    ids = torch.tensor([tokens], device=model.device)
+    positions = torch.arange(position, position + len(tokens), device=model.device)
+    return model(ids, positions, cache, path)[0]
+
+
+def move_rotation_time(cache, timer: StageTimer, stage: str, before: float) -> None:
+    """Rotation happens inside the writes of `stage`: book it under its own stage."""
+    spent = getattr(cache, "rotate_seconds", 0.0) - before
+    if spent > 0:
+        timer.seconds[stage] = timer.seconds.get(stage, 0.0) - spent
+        timer.seconds["rotate"] = timer.seconds.get("rotate", 0.0) + spent
+
+
+class SelfDraft:
+    """QuantSpec's draft: the same model on the draft path (4-bit weights over the INT4 KV
+    view by default), one forward pass per token, sampling g_i ~ q_i. Its KV goes into the
+    shared cache; the verify overwrites it and the rollback drops the rejected tail."""
+
+    name = "draft"
+
+    def __init__(
+        self,
+        model,
+        cache,
+        path: Precision,
+        params: SamplingParams,
+        generator: torch.Generator | None,
+        timer: StageTimer,
+    ):
+        self.model, self.cache, self.path = model, cache, path
+        self.params, self.generator, self.timer = params, generator, timer
+
+    def offer(self, k: int) -> int:
+        return k  # (any length: a forward pass per token)
+
+    def propose(self, context: RoundContext, k: int) -> tuple[list[int], torch.Tensor | None]:
+        tokens: list[int] = []
+        probs = []
+        rotated = getattr(self.cache, "rotate_seconds", 0.0)
+        with self.timer.stage(self.name):
+            token = context.pending
+            for i in range(k):
+                logits = forward(self.model, self.cache, [token], context.position + i, self.path)
+                if self.params.greedy:
+                    token = int(logits[-1].argmax())
+                else:
+                    q = probabilities(logits[-1], self.params)
+                    token = int(torch.multinomial(q, 1, generator=self.generator))
+                    probs.append(q)
+                tokens.append(token)
+        move_rotation_time(self.cache, self.timer, self.name, rotated)
+        return tokens, torch.stack(probs) if probs else None
+
+    def observe(self, accepted: list[int]) -> None:
+        pass  # (the cache already holds what it needs)
+
+
+class DocumentDraft:
+    """Drafts copied from the context (`DocumentLookup`): no forward pass, a point mass q."""
+
+    name = "lookup"
+
+    def __init__(self, index: DocumentLookup, timer: StageTimer):
+        self.index, self.timer = index, timer
+        self.unseen: list[int] = []  # emitted tokens not indexed yet (indexed at the next offer)
+        self.proposal: list[int] = []
+
+    def offer(self, k: int) -> int:
+        with self.timer.stage(self.name):
+            self.index.extend(self.unseen)
+            self.unseen = []
+            self.proposal = self.index.propose(k)
+        return len(self.proposal)
+
+    def propose(self, context: RoundContext, k: int) -> tuple[list[int], torch.Tensor | None]:
+        # (a proposal of k tokens is the first k of a longer one: `DocumentLookup.propose`)
+        return self.proposal[:k], None
+
+    def observe(self, accepted: list[int]) -> None:
+        self.unseen += accepted
