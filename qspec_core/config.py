@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from qspec_core.errors import QspecError, UnsupportedModelError
+from qspec_core.families import Family, LayerSpec, family_for, supported_names
+from qspec_core.families import supported_model_types as _supported_model_types
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = _supported_model_types()  # one file each in qspec_core/families/
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
 
@@ -29,9 +31,7 @@ class ModelConfig:
     rope_theta: float = 10000.0
     # HF `rope_parameters` minus `rope_theta`: {"rope_type": ..., "factor": ..., ...}
     rope_scaling: dict = field(default_factory=lambda: {"rope_type": "default"})
-    attention_bias: bool = False  # q/k/v/o biases (Llama's `attention_bias`)
-    qkv_bias: bool = False  # q/k/v biases only (Qwen2)
-    mlp_bias: bool = False
+    layer: LayerSpec = field(default_factory=LayerSpec)  # the family's, with its biases
     tie_word_embeddings: bool = False
     sliding_window: int | None = None  # None: full attention at every length
     bos_token_id: int | None = None
@@ -68,10 +68,11 @@ class ModelConfig:
         if not isinstance(hf, dict):
             raise ConfigError(f"expected a JSON object, not {_json_kind(hf)}")
         model_type = hf.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
+        family = family_for(model_type)
+        if family is None:
             raise UnsupportedModelError(
                 f"model_type {model_type!r} is not supported; qspec runs "
-                f"{', '.join(SUPPORTED_MODEL_TYPES)} (Llama 2/3, Mistral, Qwen2/2.5, SmolLM2)"
+                f"{', '.join(SUPPORTED_MODEL_TYPES)} ({supported_names()})"
             )
         act = hf.get("hidden_act", "silu")
         if act != "silu":
@@ -98,7 +99,7 @@ class ModelConfig:
         rope = _rope_parameters(hf)
         if rope.get("partial_rotary_factor", 1.0) != 1.0:
             raise UnsupportedModelError("partial rotary embeddings are not supported")
-        sliding_window = _sliding_window(model_type, hf)
+        sliding_window = _sliding_window(family, hf)
         return cls(
             model_type=model_type,
             vocab_size=_int(hf, "vocab_size"),
@@ -112,9 +113,7 @@ class ModelConfig:
             rms_norm_eps=_positive_number(hf, "rms_norm_eps", 1e-6),
             rope_theta=float(rope.pop("rope_theta")),
             rope_scaling=rope,
-            attention_bias=_bool(hf, "attention_bias") and model_type != "qwen2",
-            qkv_bias=model_type == "qwen2",
-            mlp_bias=_bool(hf, "mlp_bias"),
+            layer=_layer(family, hf),
             tie_word_embeddings=_bool(hf, "tie_word_embeddings"),
             sliding_window=sliding_window,
             bos_token_id=_token_id(hf, "bos_token_id"),
@@ -269,11 +268,21 @@ def _rope_parameters(hf: dict) -> dict:
     return rope
 
 
-def _sliding_window(model_type: str, hf: dict) -> int | None:
-    if model_type == "llama":
+def _layer(family: Family, hf: dict) -> LayerSpec:
+    """The family's layer with the biases its config switches on."""
+    layer = family.layer
+    if family.reads_attention_bias and _bool(hf, "attention_bias"):
+        layer = replace(layer, qkv_bias=True, o_bias=True)
+    if family.reads_mlp_bias and _bool(hf, "mlp_bias"):
+        layer = replace(layer, mlp_bias=True)
+    return layer
+
+
+def _sliding_window(family: Family, hf: dict) -> int | None:
+    if family.sliding_window == "none":
         return None
-    if model_type == "qwen2":
-        # Qwen2 applies the window only to layers >= max_window_layers, and only when enabled.
+    if family.sliding_window == "qwen":
+        # Qwen applies the window only to layers >= max_window_layers, and only when enabled.
         if not _bool(hf, "use_sliding_window"):
             return None
         n_layers = _int(hf, "num_hidden_layers")

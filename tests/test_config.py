@@ -50,7 +50,7 @@ def test_sliding_window_caps_the_context():
     qwen_off = ModelConfig.from_hf_config(
         {**BASE, "model_type": "qwen2", "sliding_window": 1024, "use_sliding_window": False}
     )
-    assert qwen_off.context_limit == 4096 and qwen_off.qkv_bias
+    assert qwen_off.context_limit == 4096 and qwen_off.layer.qkv_bias
     qwen_on = ModelConfig.from_hf_config(
         {
             **BASE,

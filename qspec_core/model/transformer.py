@@ -1,4 +1,6 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2/2.5, SmolLM2) in plain PyTorch.
+"""The decoder of every supported family in plain PyTorch, its layers built from the family's
+`LayerSpec` (`config.layer`, `qspec_core/families/`): Llama's pre-norm layer, with the
+biases, q/k norms and norm placement a family declares.
 
 Module and parameter names follow Hugging Face, so a checkpoint loads by stripping the
 `model.` prefix. The call is explicit: `model(tokens, input_pos, cache, path)`, where `path`
@@ -91,21 +93,33 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
+        spec = config.layer
         self.layer_idx = layer_idx
         self.n_heads = config.num_attention_heads
         self.n_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
-        qkv_bias = config.attention_bias or config.qkv_bias
         q_dim, kv_dim = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-        self.q_proj = Linear(config.hidden_size, q_dim, bias=qkv_bias)
-        self.k_proj = Linear(config.hidden_size, kv_dim, bias=qkv_bias)
-        self.v_proj = Linear(config.hidden_size, kv_dim, bias=qkv_bias)
-        self.o_proj = Linear(q_dim, config.hidden_size, bias=config.attention_bias)
+        self.q_proj = Linear(config.hidden_size, q_dim, bias=spec.qkv_bias)
+        self.k_proj = Linear(config.hidden_size, kv_dim, bias=spec.qkv_bias)
+        self.v_proj = Linear(config.hidden_size, kv_dim, bias=spec.qkv_bias)
+        self.o_proj = Linear(q_dim, config.hidden_size, bias=spec.o_bias)
+        # q/k norms before RoPE: over each head (Qwen3) or the whole projection (OLMo 2)
+        self.qk_norm = spec.qk_norm
+        if spec.qk_norm is not None:
+            per_head = spec.qk_norm == "head"
+            eps = config.rms_norm_eps
+            self.q_norm = RMSNorm(self.head_dim if per_head else q_dim, eps)
+            self.k_norm = RMSNorm(self.head_dim if per_head else kv_dim, eps)
 
     def forward(self, x, cos, sin, input_pos, cache: KVCache, path: Precision) -> torch.Tensor:
         B, T, _ = x.shape
-        q = self.q_proj(x, path).view(B, T, self.n_heads, self.head_dim)
-        k = self.k_proj(x, path).view(B, T, self.n_kv_heads, self.head_dim)
+        q, k = self.q_proj(x, path), self.k_proj(x, path)  # [B, T, H * D], [B, T, n_kv * D]
+        if self.qk_norm == "all":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(B, T, self.n_heads, self.head_dim)
+        k = k.view(B, T, self.n_kv_heads, self.head_dim)
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
         v = self.v_proj(x, path).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q = apply_rotary(q.transpose(1, 2), cos, sin)  # [B, H, T, D]
         k = apply_rotary(k.transpose(1, 2), cos, sin)  # [B, n_kv, T, D]
@@ -116,7 +130,7 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
-        h, i, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        h, i, bias = config.hidden_size, config.intermediate_size, config.layer.mlp_bias
         self.gate_proj = Linear(h, i, bias=bias)
         self.up_proj = Linear(h, i, bias=bias)
         self.down_proj = Linear(i, h, bias=bias)
@@ -126,17 +140,30 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    """Attention then MLP, each in a residual branch; the norms where `config.layer` puts them
+    (HF names: pre-norm input_layernorm, post_attention_layernorm; post-norm
+    post_attention_layernorm, post_feedforward_layernorm)."""
+
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
         self.self_attn = Attention(config, layer_idx)
         self.mlp = MLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.pre_norm = config.layer.norm_placement == "pre"
+        h, eps = config.hidden_size, config.rms_norm_eps
+        if self.pre_norm:
+            self.input_layernorm = RMSNorm(h, eps)
+            self.post_attention_layernorm = RMSNorm(h, eps)
+        else:
+            self.post_attention_layernorm = RMSNorm(h, eps)
+            self.post_feedforward_layernorm = RMSNorm(h, eps)
 
     def forward(self, x, cos, sin, input_pos, cache, path):
-        h = self.self_attn(self.input_layernorm(x), cos, sin, input_pos, cache, path)
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x), path)
+        if self.pre_norm:
+            x = x + self.self_attn(self.input_layernorm(x), cos, sin, input_pos, cache, path)
+            return x + self.mlp(self.post_attention_layernorm(x), path)
+        h = self.self_attn(x, cos, sin, input_pos, cache, path)
+        x = x + self.post_attention_layernorm(h)
+        return x + self.post_feedforward_layernorm(self.mlp(x, path))
 
 
 class Transformer(nn.Module):
@@ -189,7 +216,7 @@ class Transformer(nn.Module):
         backend = self.backend
         if backend == AUTO:
             backend = select_backend(tokens.device)
-        if backend is not None and backend.serves(tokens):
+        if backend is not None and backend.serves(self, tokens):
             return backend.forward(self, tokens, input_pos, cache, path, last_only)
         x = self.embed_tokens(tokens)
         cos, sin = self.rotary_emb(input_pos, x.dtype)

@@ -1,0 +1,66 @@
+"""`LayerSpec` (what one decoder layer computes) and `Family` (a family's config mapping)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+NORM_PLACEMENTS = ("pre", "post")
+QK_NORMS = (None, "head", "all")
+SLIDING_WINDOWS = ("none", "all", "qwen")
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """The parts of a decoder layer that differ between families (Llama's are the defaults).
+
+    Every field is honoured by `model/transformer.py`; `native_ok()` says which of them the
+    CPU backend's C++ kernels also compute.
+    """
+
+    # "pre": x + attn(norm(x)), then x + mlp(norm(x)) (Llama's input_layernorm and
+    # post_attention_layernorm); "post": x + norm(attn(x)), then x + norm(mlp(x)) (OLMo 2's
+    # post_attention_layernorm and post_feedforward_layernorm; no input norm)
+    norm_placement: str = "pre"
+    # RMSNorm of q and k before RoPE: None; "head": over each head's head_dim channels
+    # (Qwen3); "all": over the whole q or k projection (OLMo 2). Named q_norm / k_norm.
+    qk_norm: str | None = None
+    qkv_bias: bool = False  # q_proj, k_proj, v_proj biases
+    o_bias: bool = False  # o_proj bias
+    mlp_bias: bool = False  # gate_proj, up_proj, down_proj biases
+    activation: str = "silu"  # of the gated MLP: down(act(gate(x)) * up(x))
+
+    def __post_init__(self):
+        if self.norm_placement not in NORM_PLACEMENTS:
+            raise ValueError(f"norm_placement must be one of {NORM_PLACEMENTS}")
+        if self.qk_norm not in QK_NORMS:
+            raise ValueError(f"qk_norm must be one of {QK_NORMS}")
+        if self.activation != "silu":
+            raise ValueError("activation: only 'silu' is implemented")
+
+    def native_ok(self) -> bool:
+        """Whether the CPU backend's C++ layer (`backend/cpu.py`, `cpu_stack.py`) computes this
+        layer: Llama's pre-norm layer with SiLU, biases or not. Otherwise the model runs its
+        plain PyTorch forward."""
+        return self.norm_placement == "pre" and self.qk_norm is None and self.activation == "silu"
+
+
+@dataclass(frozen=True)
+class Family:
+    """One model family: its HF `model_type`s and how their config keys map onto the layer.
+
+    The layer is `layer` with the biases the config switches on: HF `attention_bias` (q, k,
+    v and o) where `reads_attention_bias`, HF `mlp_bias` where `reads_mlp_bias`.
+    """
+
+    model_types: tuple[str, ...]
+    label: str  # the family's models, for messages: "Llama 2/3.x, SmolLM2"
+    layer: LayerSpec = field(default_factory=LayerSpec)
+    reads_attention_bias: bool = True
+    reads_mlp_bias: bool = True
+    # how `sliding_window` applies: "none" (ignored: full attention), "all" (every layer,
+    # Mistral), "qwen" (only with use_sliding_window, on layers >= max_window_layers)
+    sliding_window: str = "none"
+
+    def __post_init__(self):
+        if self.sliding_window not in SLIDING_WINDOWS:
+            raise ValueError(f"sliding_window must be one of {SLIDING_WINDOWS}")
