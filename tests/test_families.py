@@ -29,8 +29,10 @@ CASES = {
     "llama": {},
     "mistral": {},
     "qwen2": {},
+    "qwen3": {"head_dim": 16},
+    "qwen3+bias": {"head_dim": 16, "attention_bias": True},
 }
-NATIVE = {"llama": True, "mistral": True, "qwen2": True}
+NATIVE = {"llama": True, "mistral": True, "qwen2": True, "qwen3": False}
 N_NEW = 24
 
 
