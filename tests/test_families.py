@@ -31,8 +31,10 @@ CASES = {
     "qwen2": {},
     "qwen3": {"head_dim": 16},
     "qwen3+bias": {"head_dim": 16, "attention_bias": True},
+    "olmo2": {},
+    "olmo2+bias": {"attention_bias": True},
 }
-NATIVE = {"llama": True, "mistral": True, "qwen2": True, "qwen3": False}
+NATIVE = {"llama": True, "mistral": True, "qwen2": True, "qwen3": False, "olmo2": False}
 N_NEW = 24
 
 
