@@ -97,7 +97,9 @@ class ModelConfig:
             )
         max_positions = _int(hf, "max_position_embeddings", 2048)
         rope = _rope_parameters(hf)
-        if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        # (transformers 5 keeps it in rope_parameters, 4 at the top level: Phi-4-mini's 0.75)
+        partial = rope.get("partial_rotary_factor") or hf.get("partial_rotary_factor") or 1.0
+        if partial != 1.0:
             raise UnsupportedModelError("partial rotary embeddings are not supported")
         sliding_window = _sliding_window(family, hf)
         return cls(

@@ -37,6 +37,8 @@ def test_transformers4_rope_format():
             },
             "partial rotary",
         ),
+        ({"model_type": "phi3", "partial_rotary_factor": 0.75}, "partial rotary"),  # 4-mini
+        ({"model_type": "phi3", "rope_scaling": {"type": "longrope"}}, "longrope"),  # 3.5
     ],
 )
 def test_refuses_what_it_cannot_run(hf, match):

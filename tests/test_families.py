@@ -33,8 +33,17 @@ CASES = {
     "qwen3+bias": {"head_dim": 16, "attention_bias": True},
     "olmo2": {},
     "olmo2+bias": {"attention_bias": True},
+    "phi3": {"pad_token_id": 0},
+    "phi3+window": {"pad_token_id": 0, "sliding_window": 48},  # (past the 36 tokens run)
 }
-NATIVE = {"llama": True, "mistral": True, "qwen2": True, "qwen3": False, "olmo2": False}
+NATIVE = {
+    "llama": True,
+    "mistral": True,
+    "qwen2": True,
+    "qwen3": False,
+    "olmo2": False,
+    "phi3": True,
+}
 N_NEW = 24
 
 
@@ -119,3 +128,20 @@ def test_unsupported_family_names_the_supported_ones():
     for model_type, family in FAMILIES.items():
         assert model_type in message and family.label in message
     assert supported_names().startswith("Llama 2/3.x")
+
+
+def test_fused_checkpoint_tensors_are_split_or_refused():
+    """Phi-3's qkv_proj / gate_up_proj load as q/k/v and gate/up; rows that do not add up to
+    the parts the config implies are a user error naming the tensor."""
+    from qspec_core.errors import QspecError
+    from qspec_core.model.checkpoint import build_model
+
+    hf = _hf("phi3")
+    state = {k.removeprefix("model."): v for k, v in hf.state_dict().items()}
+    config = ModelConfig.from_hf_config(hf.config.to_dict())
+    model = build_model(config, state, dtype=torch.float32)
+    qkv = state["layers.1.self_attn.qkv_proj.weight"]
+    assert model.layers[1].self_attn.k_proj.weight.equal(qkv[64:96])  # q: 4 x 16, k: 2 x 16
+    state["layers.1.self_attn.qkv_proj.weight"] = qkv[:-1]
+    with pytest.raises(QspecError, match=r"qkv_proj.weight has 127 rows.*implies 128"):
+        build_model(config, state, dtype=torch.float32)

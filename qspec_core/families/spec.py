@@ -60,6 +60,9 @@ class Family:
     # how `sliding_window` applies: "none" (ignored: full attention), "all" (every layer,
     # Mistral), "qwen" (only with use_sliding_window, on layers >= max_window_layers)
     sliding_window: str = "none"
+    # checkpoint modules that hold several of the model's linears stacked by output rows, split
+    # at load in the parts' sizes: ("self_attn.qkv_proj", ("self_attn.q_proj", ...)) (Phi-3)
+    fused: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
     def __post_init__(self):
         if self.sliding_window not in SLIDING_WINDOWS:
