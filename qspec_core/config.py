@@ -9,6 +9,7 @@ from pathlib import Path
 from qspec_core.errors import QspecError, UnsupportedModelError
 from qspec_core.families import Family, LayerSpec, family_for, supported_names
 from qspec_core.families import supported_model_types as _supported_model_types
+from qspec_core.families.spec import ACTIVATIONS
 
 SUPPORTED_MODEL_TYPES = _supported_model_types()  # one file each in qspec_core/families/
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
@@ -34,6 +35,10 @@ class ModelConfig:
     layer: LayerSpec = field(default_factory=LayerSpec)  # the family's, with its biases
     tie_word_embeddings: bool = False
     sliding_window: int | None = None  # None: full attention at every length
+    # read where the family's layer says so (LayerSpec.query_pre_attn_scalar, .local_rope)
+    query_pre_attn_scalar: float | None = None
+    layer_types: tuple[str, ...] = ()  # "sliding_attention" | "full_attention", per layer
+    rope_local_base_freq: float | None = None
     bos_token_id: int | None = None
     eos_token_id: tuple[int, ...] = ()
 
@@ -74,9 +79,15 @@ class ModelConfig:
                 f"model_type {model_type!r} is not supported; qspec runs "
                 f"{', '.join(SUPPORTED_MODEL_TYPES)} ({supported_names()})"
             )
-        act = hf.get("hidden_act", "silu")
-        if act != "silu":
-            raise UnsupportedModelError(f"hidden_act {act!r} is not supported (only 'silu')")
+        act = hf.get("hidden_activation") or hf.get("hidden_act") or "silu"  # (Gemma's name)
+        if act not in ACTIVATIONS:
+            raise UnsupportedModelError(
+                f"hidden_act {act!r} is not supported (only {', '.join(ACTIVATIONS)})"
+            )
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if hf.get(key) is not None:
+                raise UnsupportedModelError(f"{key} is not supported")
+        layer = replace(_layer(family, hf), activation=act)
         n_heads = _int(hf, "num_attention_heads")
         hidden_size = _int(hf, "hidden_size")
         head_dim = _int(hf, "head_dim", None)
@@ -96,7 +107,9 @@ class ModelConfig:
                 f"{n_kv_heads}"
             )
         max_positions = _int(hf, "max_position_embeddings", 2048)
-        rope = _rope_parameters(hf)
+        rope, local_theta = _rope_parameters(hf), None
+        if layer.local_rope:
+            rope, local_theta = _local_rope(hf)
         # (transformers 5 keeps it in rope_parameters, 4 at the top level: Phi-4-mini's 0.75)
         partial = rope.get("partial_rotary_factor") or hf.get("partial_rotary_factor") or 1.0
         if partial != 1.0:
@@ -115,11 +128,18 @@ class ModelConfig:
             rms_norm_eps=_positive_number(hf, "rms_norm_eps", 1e-6),
             rope_theta=float(rope.pop("rope_theta")),
             rope_scaling=rope,
-            layer=_layer(family, hf),
+            layer=layer,
             tie_word_embeddings=_bool(hf, "tie_word_embeddings"),
             sliding_window=sliding_window,
             bos_token_id=_token_id(hf, "bos_token_id"),
             eos_token_id=token_ids(hf.get("eos_token_id"), "eos_token_id"),
+            query_pre_attn_scalar=(
+                _positive_number(hf, "query_pre_attn_scalar", float(head_dim))
+                if layer.query_pre_attn_scalar
+                else None
+            ),
+            layer_types=_layer_types(hf) if layer.local_rope else (),
+            rope_local_base_freq=local_theta,
         )
 
     @classmethod
@@ -278,6 +298,35 @@ def _layer(family: Family, hf: dict) -> LayerSpec:
     if family.reads_mlp_bias and _bool(hf, "mlp_bias"):
         layer = replace(layer, mlp_bias=True)
     return layer
+
+
+def _local_rope(hf: dict) -> tuple[dict, float]:
+    """Gemma 3's two RoPEs: the full-attention layers' (parsed as any model's) and the sliding
+    layers' plain one, from transformers 5's rope_parameters per layer type, or 4's
+    rope_theta / rope_scaling and rope_local_base_freq."""
+    raw = hf.get("rope_parameters")
+    if isinstance(raw, dict) and "full_attention" in raw:
+        local = raw.get("sliding_attention") or {}
+        if not isinstance(local, dict) or local.get("rope_type", "default") != "default":
+            raise UnsupportedModelError("a scaled RoPE on the sliding layers is not supported")
+        rope = _rope_parameters({**hf, "rope_parameters": raw["full_attention"]})
+        return rope, _positive_number(local, "rope_theta", 10000.0)
+    return _rope_parameters(hf), _positive_number(hf, "rope_local_base_freq", 10000.0)
+
+
+def _layer_types(hf: dict) -> tuple[str, ...]:
+    n_layers = _int(hf, "num_hidden_layers")
+    types = hf.get("layer_types")
+    if types is None:  # transformers 4: every sliding_window_pattern-th layer is global
+        pattern = _int(hf, "sliding_window_pattern", 6)
+        types = [
+            "full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+            for i in range(n_layers)
+        ]
+    kinds = ("sliding_attention", "full_attention")
+    if not isinstance(types, list) or len(types) != n_layers or not set(types) <= set(kinds):
+        raise ConfigError(f"layer_types must list {n_layers} of {kinds}, not {types!r}")
+    return tuple(types)
 
 
 def _sliding_window(family: Family, hf: dict) -> int | None:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-NORM_PLACEMENTS = ("pre", "post")
+NORM_PLACEMENTS = ("pre", "post", "sandwich")
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # HF hidden_act / hidden_activation names
 QK_NORMS = (None, "head", "all")
 SLIDING_WINDOWS = ("none", "all", "qwen")
 
@@ -19,29 +20,37 @@ class LayerSpec:
 
     # "pre": x + attn(norm(x)), then x + mlp(norm(x)) (Llama's input_layernorm and
     # post_attention_layernorm); "post": x + norm(attn(x)), then x + norm(mlp(x)) (OLMo 2's
-    # post_attention_layernorm and post_feedforward_layernorm; no input norm)
+    # post_attention_layernorm and post_feedforward_layernorm; no input norm); "sandwich":
+    # both (Gemma 3: input_, post_attention_, pre_feedforward_, post_feedforward_layernorm)
     norm_placement: str = "pre"
+    norm_offset: bool = False  # RMSNorm scales by 1 + weight, in fp32 (Gemma)
     # RMSNorm of q and k before RoPE: None; "head": over each head's head_dim channels
     # (Qwen3); "all": over the whole q or k projection (OLMo 2). Named q_norm / k_norm.
     qk_norm: str | None = None
     qkv_bias: bool = False  # q_proj, k_proj, v_proj biases
     o_bias: bool = False  # o_proj bias
     mlp_bias: bool = False  # gate_proj, up_proj, down_proj biases
-    activation: str = "silu"  # of the gated MLP: down(act(gate(x)) * up(x))
+    activation: str = "silu"  # of the gated MLP: down(act(gate(x)) * up(x)); ACTIVATIONS
+    embed_scale: bool = False  # embeddings times sqrt(hidden_size) (Gemma)
+    # queries scaled by query_pre_attn_scalar ** -0.5 instead of head_dim ** -0.5 (Gemma)
+    query_pre_attn_scalar: bool = False
+    # layers of layer_types "sliding_attention" rotate with their own plain RoPE of base
+    # rope_local_base_freq (Gemma 3); the others with the model's
+    local_rope: bool = False
 
     def __post_init__(self):
         if self.norm_placement not in NORM_PLACEMENTS:
             raise ValueError(f"norm_placement must be one of {NORM_PLACEMENTS}")
         if self.qk_norm not in QK_NORMS:
             raise ValueError(f"qk_norm must be one of {QK_NORMS}")
-        if self.activation != "silu":
-            raise ValueError("activation: only 'silu' is implemented")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {ACTIVATIONS}")
 
     def native_ok(self) -> bool:
         """Whether the CPU backend's C++ layer (`backend/cpu.py`, `cpu_stack.py`) computes this
-        layer: Llama's pre-norm layer with SiLU, biases or not. Otherwise the model runs its
+        layer: Llama's layer (the defaults), biases or not. Otherwise the model runs its
         plain PyTorch forward."""
-        return self.norm_placement == "pre" and self.qk_norm is None and self.activation == "silu"
+        return self == LayerSpec(qkv_bias=self.qkv_bias, o_bias=self.o_bias, mlp_bias=self.mlp_bias)
 
 
 @dataclass(frozen=True)

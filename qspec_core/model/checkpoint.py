@@ -11,7 +11,8 @@ from safetensors import SafetensorError, safe_open
 from qspec_core.config import ConfigError, ModelConfig
 from qspec_core.errors import QspecError
 from qspec_core.families import family_for
-from qspec_core.model.transformer import Transformer
+from qspec_core.model.rope import RotaryEmbedding
+from qspec_core.model.transformer import Transformer, local_rope_config
 
 # Buffers some checkpoints carry that the model recomputes.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -88,6 +89,8 @@ def build_model(
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.rotary_emb = model.rotary_emb.__class__(config).to(device)  # real buffers, not meta
+    if config.layer.local_rope:
+        model.local_rotary_emb = RotaryEmbedding(local_rope_config(config)).to(device)
     return model.eval().requires_grad_(False)
 
 

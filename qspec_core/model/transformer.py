@@ -15,6 +15,10 @@ PyTorch below runs, and the tests hold the two together.
 
 from __future__ import annotations
 
+import math
+from dataclasses import replace
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -77,17 +81,29 @@ class Linear(nn.Linear):
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, offset: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.offset = offset  # scale by 1 + weight, in fp32 (Gemma)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalize in fp32, cast back, then scale: the order HF uses, so bf16 results agree.
+        # Normalize in fp32, cast back, then scale: the order HF uses, so bf16 results agree
+        # (Gemma scales in fp32, then casts).
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:
+            return (x * (1.0 + self.weight.float())).to(dtype)
         return self.weight * x.to(dtype)
+
+
+def _norm(config: ModelConfig, dim: int) -> RMSNorm:
+    return RMSNorm(dim, config.rms_norm_eps, config.layer.norm_offset)
+
+
+# (partial, not a lambda: a model stays picklable)
+ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh")}
 
 
 class Attention(nn.Module):
@@ -107,9 +123,13 @@ class Attention(nn.Module):
         self.qk_norm = spec.qk_norm
         if spec.qk_norm is not None:
             per_head = spec.qk_norm == "head"
-            eps = config.rms_norm_eps
-            self.q_norm = RMSNorm(self.head_dim if per_head else q_dim, eps)
-            self.k_norm = RMSNorm(self.head_dim if per_head else kv_dim, eps)
+            self.q_norm = _norm(config, self.head_dim if per_head else q_dim)
+            self.k_norm = _norm(config, self.head_dim if per_head else kv_dim)
+        # the cache's attention scales by head_dim ** -0.5; Gemma's by query_pre_attn_scalar's
+        self.q_scale = None
+        scalar = config.query_pre_attn_scalar
+        if scalar is not None and scalar != self.head_dim:
+            self.q_scale = math.sqrt(self.head_dim / scalar)
 
     def forward(self, x, cos, sin, input_pos, cache: KVCache, path: Precision) -> torch.Tensor:
         B, T, _ = x.shape
@@ -123,6 +143,8 @@ class Attention(nn.Module):
         v = self.v_proj(x, path).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q = apply_rotary(q.transpose(1, 2), cos, sin)  # [B, H, T, D]
         k = apply_rotary(k.transpose(1, 2), cos, sin)  # [B, n_kv, T, D]
+        if self.q_scale is not None:
+            q = q * self.q_scale
         out = cache.attend(self.layer_idx, q, k, v, input_pos, path)  # [B, H, T, D]
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1), path)
 
@@ -135,35 +157,47 @@ class MLP(nn.Module):
         self.up_proj = Linear(h, i, bias=bias)
         self.down_proj = Linear(i, h, bias=bias)
 
+        self.act = ACTIVATIONS[config.layer.activation]
+
     def forward(self, x: torch.Tensor, path: Precision = FP) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x, path)) * self.up_proj(x, path), path)
+        return self.down_proj(self.act(self.gate_proj(x, path)) * self.up_proj(x, path), path)
 
 
 class DecoderLayer(nn.Module):
     """Attention then MLP, each in a residual branch; the norms where `config.layer` puts them
     (HF names: pre-norm input_layernorm, post_attention_layernorm; post-norm
-    post_attention_layernorm, post_feedforward_layernorm)."""
+    post_attention_layernorm, post_feedforward_layernorm; sandwich all four)."""
 
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
         self.self_attn = Attention(config, layer_idx)
         self.mlp = MLP(config)
-        self.pre_norm = config.layer.norm_placement == "pre"
-        h, eps = config.hidden_size, config.rms_norm_eps
-        if self.pre_norm:
-            self.input_layernorm = RMSNorm(h, eps)
-            self.post_attention_layernorm = RMSNorm(h, eps)
-        else:
-            self.post_attention_layernorm = RMSNorm(h, eps)
-            self.post_feedforward_layernorm = RMSNorm(h, eps)
+        self.placement = placement = config.layer.norm_placement
+        # whether this layer rotates with the model's local RoPE (Gemma 3's sliding layers)
+        self.local = config.layer.local_rope and (
+            config.layer_types[layer_idx] == "sliding_attention"
+        )
+        h = config.hidden_size
+        if placement in ("pre", "sandwich"):
+            self.input_layernorm = _norm(config, h)
+        self.post_attention_layernorm = _norm(config, h)  # (pre-norm: the MLP's input norm)
+        if placement == "sandwich":
+            self.pre_feedforward_layernorm = _norm(config, h)
+        if placement in ("post", "sandwich"):
+            self.post_feedforward_layernorm = _norm(config, h)
 
     def forward(self, x, cos, sin, input_pos, cache, path):
-        if self.pre_norm:
+        if self.placement == "pre":
             x = x + self.self_attn(self.input_layernorm(x), cos, sin, input_pos, cache, path)
             return x + self.mlp(self.post_attention_layernorm(x), path)
-        h = self.self_attn(x, cos, sin, input_pos, cache, path)
+        if self.placement == "post":
+            h = self.self_attn(x, cos, sin, input_pos, cache, path)
+            x = x + self.post_attention_layernorm(h)
+            return x + self.post_feedforward_layernorm(self.mlp(x, path))
+        h = self.self_attn(self.input_layernorm(x), cos, sin, input_pos, cache, path)
         x = x + self.post_attention_layernorm(h)
-        return x + self.post_feedforward_layernorm(self.mlp(x, path))
+        h = self.mlp(self.pre_feedforward_layernorm(x), path)
+        return x + self.post_feedforward_layernorm(h)
 
 
 class Transformer(nn.Module):
@@ -174,9 +208,11 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(
             DecoderLayer(config, i) for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = _norm(config, config.hidden_size)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary_emb = RotaryEmbedding(config)
+        if config.layer.local_rope:
+            self.local_rotary_emb = RotaryEmbedding(local_rope_config(config))
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
@@ -219,12 +255,27 @@ class Transformer(nn.Module):
         if backend is not None and backend.serves(self, tokens):
             return backend.forward(self, tokens, input_pos, cache, path, last_only)
         x = self.embed_tokens(tokens)
+        if self.config.layer.embed_scale:  # (the scale cast to x's dtype first, as HF does)
+            x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
         cos, sin = self.rotary_emb(input_pos, x.dtype)
+        local = None
+        if self.config.layer.local_rope:
+            local = self.local_rotary_emb(input_pos, x.dtype)
         for layer in self.layers:
-            x = layer(x, cos, sin, input_pos, cache, path)
+            if layer.local:
+                x = layer(x, *local, input_pos, cache, path)
+            else:
+                x = layer(x, cos, sin, input_pos, cache, path)
         if last_only:
             x = x[:, -1:]
         return self.lm_head(self.norm(x), path)
+
+
+def local_rope_config(config: ModelConfig) -> ModelConfig:
+    """The config of Gemma 3's sliding layers' RoPE: plain, of base rope_local_base_freq."""
+    return replace(
+        config, rope_theta=config.rope_local_base_freq, rope_scaling={"rope_type": "default"}
+    )
 
 
 @torch.inference_mode()
