@@ -218,3 +218,29 @@ def test_gemma3_reads_transformers4_configs_and_refuses_softcapping():
     for key in ("attn_logit_softcapping", "final_logit_softcapping"):  # (Gemma 2's)
         with pytest.raises(UnsupportedModelError, match=key):
             ModelConfig.from_hf_config({**hf, key: 30.0})
+
+
+@pytest.mark.parametrize(
+    "kind,hf_norm",
+    [
+        ("rms", "llama.modeling_llama.LlamaRMSNorm"),
+        ("rms_fp32", "olmo2.modeling_olmo2.Olmo2RMSNorm"),
+        ("rms_plus_one", "gemma3.modeling_gemma3.Gemma3RMSNorm"),
+    ],
+)
+def test_each_norm_kind_gives_transformers_bits_in_bf16(kind, hf_norm):
+    """The order of the scale and the cast differs by family, and shows in bf16."""
+    import importlib
+
+    from qspec_core.model.transformer import RMSNorm
+
+    module, name = hf_norm.rsplit(".", 1)
+    cls = getattr(importlib.import_module(f"transformers.models.{module}"), name)
+    g = torch.Generator().manual_seed(0)
+    weight = (1 + 0.3 * torch.randn(64, generator=g)).bfloat16()
+    x = torch.randn(8, 64, generator=g).bfloat16()
+    theirs, ours = cls(64, eps=1e-6).bfloat16(), RMSNorm(64, 1e-6, kind).bfloat16()
+    with torch.no_grad():
+        theirs.weight.copy_(weight)
+        ours.weight.copy_(weight)
+        assert ours(x).equal(theirs(x))

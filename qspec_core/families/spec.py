@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+NORMS = ("rms", "rms_fp32", "rms_plus_one")
 NORM_PLACEMENTS = ("pre", "post", "sandwich")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # HF hidden_act / hidden_activation names
 QK_NORMS = (None, "head", "all")
@@ -23,7 +24,10 @@ class LayerSpec:
     # post_attention_layernorm and post_feedforward_layernorm; no input norm); "sandwich":
     # both (Gemma 3: input_, post_attention_, pre_feedforward_, post_feedforward_layernorm)
     norm_placement: str = "pre"
-    norm_offset: bool = False  # RMSNorm scales by 1 + weight, in fp32 (Gemma)
+    # RMSNorm (all in fp32 until the cast): "rms" (Llama: normalize, cast, scale by weight),
+    # "rms_fp32" (OLMo 2: scale by weight, cast), "rms_plus_one" (Gemma: scale by 1 + weight,
+    # cast); the same in fp32, not in bf16
+    norm: str = "rms"
     # RMSNorm of q and k before RoPE: None; "head": over each head's head_dim channels
     # (Qwen3); "all": over the whole q or k projection (OLMo 2). Named q_norm / k_norm.
     qk_norm: str | None = None
@@ -39,6 +43,8 @@ class LayerSpec:
     local_rope: bool = False
 
     def __post_init__(self):
+        if self.norm not in NORMS:
+            raise ValueError(f"norm must be one of {NORMS}")
         if self.norm_placement not in NORM_PLACEMENTS:
             raise ValueError(f"norm_placement must be one of {NORM_PLACEMENTS}")
         if self.qk_norm not in QK_NORMS:

@@ -81,28 +81,29 @@ class Linear(nn.Linear):
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, offset: bool = False):
+    def __init__(self, dim: int, eps: float, kind: str = "rms"):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
-        self.offset = offset  # scale by 1 + weight, in fp32 (Gemma)
+        self.kind = kind  # LayerSpec.norm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalize in fp32, cast back, then scale: the order HF uses, so bf16 results agree
-        # (Gemma scales in fp32, then casts).
+        # Normalize in fp32, then cast and scale (Llama), or scale and cast (OLMo 2, Gemma's
+        # 1 + weight): each family's order, so bf16 results agree with HF's.
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.offset:
+        if self.kind == "rms":
+            return self.weight * x.to(dtype)
+        if self.kind == "rms_plus_one":
             return (x * (1.0 + self.weight.float())).to(dtype)
-        return self.weight * x.to(dtype)
+        return (self.weight.float() * x).to(dtype)
 
 
 def _norm(config: ModelConfig, dim: int) -> RMSNorm:
-    return RMSNorm(dim, config.rms_norm_eps, config.layer.norm_offset)
+    return RMSNorm(dim, config.rms_norm_eps, config.layer.norm)
 
 
-# (partial, not a lambda: a model stays picklable)
 ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh")}
 
 
