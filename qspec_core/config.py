@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from qspec_core.errors import QspecError, UnsupportedModelError
+from qspec_core.families import Family, LayerSpec, family_for, supported_names
+from qspec_core.families import supported_model_types as _supported_model_types
+from qspec_core.families.spec import ACTIVATIONS
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = _supported_model_types()  # one file each in qspec_core/families/
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
 
@@ -29,11 +32,13 @@ class ModelConfig:
     rope_theta: float = 10000.0
     # HF `rope_parameters` minus `rope_theta`: {"rope_type": ..., "factor": ..., ...}
     rope_scaling: dict = field(default_factory=lambda: {"rope_type": "default"})
-    attention_bias: bool = False  # q/k/v/o biases (Llama's `attention_bias`)
-    qkv_bias: bool = False  # q/k/v biases only (Qwen2)
-    mlp_bias: bool = False
+    layer: LayerSpec = field(default_factory=LayerSpec)  # the family's, with its biases
     tie_word_embeddings: bool = False
     sliding_window: int | None = None  # None: full attention at every length
+    # read where the family's layer says so (LayerSpec.query_pre_attn_scalar, .local_rope)
+    query_pre_attn_scalar: float | None = None
+    layer_types: tuple[str, ...] = ()  # "sliding_attention" | "full_attention", per layer
+    rope_local_base_freq: float | None = None
     bos_token_id: int | None = None
     eos_token_id: tuple[int, ...] = ()
 
@@ -68,14 +73,21 @@ class ModelConfig:
         if not isinstance(hf, dict):
             raise ConfigError(f"expected a JSON object, not {_json_kind(hf)}")
         model_type = hf.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
+        family = family_for(model_type)
+        if family is None:
             raise UnsupportedModelError(
                 f"model_type {model_type!r} is not supported; qspec runs "
-                f"{', '.join(SUPPORTED_MODEL_TYPES)} (Llama 2/3, Mistral, Qwen2/2.5, SmolLM2)"
+                f"{', '.join(SUPPORTED_MODEL_TYPES)} ({supported_names()})"
             )
-        act = hf.get("hidden_act", "silu")
-        if act != "silu":
-            raise UnsupportedModelError(f"hidden_act {act!r} is not supported (only 'silu')")
+        act = hf.get("hidden_activation") or hf.get("hidden_act") or "silu"  # (Gemma's name)
+        if act not in ACTIVATIONS:
+            raise UnsupportedModelError(
+                f"hidden_act {act!r} is not supported (only {', '.join(ACTIVATIONS)})"
+            )
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if hf.get(key) is not None:
+                raise UnsupportedModelError(f"{key} is not supported")
+        layer = replace(_layer(family, hf), activation=act)
         n_heads = _int(hf, "num_attention_heads")
         hidden_size = _int(hf, "hidden_size")
         head_dim = _int(hf, "head_dim", None)
@@ -95,10 +107,14 @@ class ModelConfig:
                 f"{n_kv_heads}"
             )
         max_positions = _int(hf, "max_position_embeddings", 2048)
-        rope = _rope_parameters(hf)
-        if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        rope, local_theta = _rope_parameters(hf), None
+        if layer.local_rope:
+            rope, local_theta = _local_rope(hf)
+        # (transformers 5 keeps it in rope_parameters, 4 at the top level: Phi-4-mini's 0.75)
+        partial = rope.get("partial_rotary_factor") or hf.get("partial_rotary_factor") or 1.0
+        if partial != 1.0:
             raise UnsupportedModelError("partial rotary embeddings are not supported")
-        sliding_window = _sliding_window(model_type, hf)
+        sliding_window = _sliding_window(family, hf)
         return cls(
             model_type=model_type,
             vocab_size=_int(hf, "vocab_size"),
@@ -112,13 +128,18 @@ class ModelConfig:
             rms_norm_eps=_positive_number(hf, "rms_norm_eps", 1e-6),
             rope_theta=float(rope.pop("rope_theta")),
             rope_scaling=rope,
-            attention_bias=_bool(hf, "attention_bias") and model_type != "qwen2",
-            qkv_bias=model_type == "qwen2",
-            mlp_bias=_bool(hf, "mlp_bias"),
+            layer=layer,
             tie_word_embeddings=_bool(hf, "tie_word_embeddings"),
             sliding_window=sliding_window,
             bos_token_id=_token_id(hf, "bos_token_id"),
             eos_token_id=token_ids(hf.get("eos_token_id"), "eos_token_id"),
+            query_pre_attn_scalar=(
+                _positive_number(hf, "query_pre_attn_scalar", float(head_dim))
+                if layer.query_pre_attn_scalar
+                else None
+            ),
+            layer_types=_layer_types(hf) if layer.local_rope else (),
+            rope_local_base_freq=local_theta,
         )
 
     @classmethod
@@ -269,11 +290,50 @@ def _rope_parameters(hf: dict) -> dict:
     return rope
 
 
-def _sliding_window(model_type: str, hf: dict) -> int | None:
-    if model_type == "llama":
+def _layer(family: Family, hf: dict) -> LayerSpec:
+    """The family's layer with the biases its config switches on."""
+    layer = family.layer
+    if family.reads_attention_bias and _bool(hf, "attention_bias"):
+        layer = replace(layer, qkv_bias=True, o_bias=True)
+    if family.reads_mlp_bias and _bool(hf, "mlp_bias"):
+        layer = replace(layer, mlp_bias=True)
+    return layer
+
+
+def _local_rope(hf: dict) -> tuple[dict, float]:
+    """Gemma 3's two RoPEs: the full-attention layers' (parsed as any model's) and the sliding
+    layers' plain one, from transformers 5's rope_parameters per layer type, or 4's
+    rope_theta / rope_scaling and rope_local_base_freq."""
+    raw = hf.get("rope_parameters")
+    if isinstance(raw, dict) and "full_attention" in raw:
+        local = raw.get("sliding_attention") or {}
+        if not isinstance(local, dict) or local.get("rope_type", "default") != "default":
+            raise UnsupportedModelError("a scaled RoPE on the sliding layers is not supported")
+        rope = _rope_parameters({**hf, "rope_parameters": raw["full_attention"]})
+        return rope, _positive_number(local, "rope_theta", 10000.0)
+    return _rope_parameters(hf), _positive_number(hf, "rope_local_base_freq", 10000.0)
+
+
+def _layer_types(hf: dict) -> tuple[str, ...]:
+    n_layers = _int(hf, "num_hidden_layers")
+    types = hf.get("layer_types")
+    if types is None:  # transformers 4: every sliding_window_pattern-th layer is global
+        pattern = _int(hf, "sliding_window_pattern", 6)
+        types = [
+            "full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+            for i in range(n_layers)
+        ]
+    kinds = ("sliding_attention", "full_attention")
+    if not isinstance(types, list) or len(types) != n_layers or not set(types) <= set(kinds):
+        raise ConfigError(f"layer_types must list {n_layers} of {kinds}, not {types!r}")
+    return tuple(types)
+
+
+def _sliding_window(family: Family, hf: dict) -> int | None:
+    if family.sliding_window == "none":
         return None
-    if model_type == "qwen2":
-        # Qwen2 applies the window only to layers >= max_window_layers, and only when enabled.
+    if family.sliding_window == "qwen":
+        # Qwen applies the window only to layers >= max_window_layers, and only when enabled.
         if not _bool(hf, "use_sliding_window"):
             return None
         n_layers = _int(hf, "num_hidden_layers")

@@ -37,6 +37,8 @@ def test_transformers4_rope_format():
             },
             "partial rotary",
         ),
+        ({"model_type": "phi3", "partial_rotary_factor": 0.75}, "partial rotary"),  # 4-mini
+        ({"model_type": "phi3", "rope_scaling": {"type": "longrope"}}, "longrope"),  # 3.5
     ],
 )
 def test_refuses_what_it_cannot_run(hf, match):
@@ -50,7 +52,7 @@ def test_sliding_window_caps_the_context():
     qwen_off = ModelConfig.from_hf_config(
         {**BASE, "model_type": "qwen2", "sliding_window": 1024, "use_sliding_window": False}
     )
-    assert qwen_off.context_limit == 4096 and qwen_off.qkv_bias
+    assert qwen_off.context_limit == 4096 and qwen_off.layer.qkv_bias
     qwen_on = ModelConfig.from_hf_config(
         {
             **BASE,

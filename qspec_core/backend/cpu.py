@@ -19,7 +19,10 @@ Three things, chosen here and nowhere else:
 `tests/test_cpu_step.py` holds the C++ stack to the Python loop's bits, and
 `tests/test_cpu_decode.py` both to the plain PyTorch model.
 
-Two cases run the plain PyTorch math instead, so the batch invariance above does not hold
+A family whose layer the C++ kernels do not compute (`LayerSpec.native_ok()` false: q/k norms,
+post-norms) is not served: its model runs its own plain PyTorch forward, on PyTorch's GEMM.
+
+Two more cases run the plain PyTorch math instead, so the batch invariance above does not hold
 for them: a forward with autograd on (`serves`: the engine always runs under inference mode),
 and a linear or norm with forward hooks registered (the module call runs them; GPTQ and AWQ
 calibration hooks every linear, over prefill-sized chunks that take PyTorch's GEMM anyway).
@@ -59,8 +62,13 @@ class CpuBackend:
 
     name = "cpu"
 
-    def serves(self, tokens: torch.Tensor) -> bool:
-        return tokens.device.type == "cpu" and not torch.is_grad_enabled()
+    def serves(self, model, tokens: torch.Tensor) -> bool:
+        """Whether this backend runs `model`'s forward on `tokens` (see the module docstring)."""
+        return (
+            tokens.device.type == "cpu"
+            and not torch.is_grad_enabled()
+            and model.config.layer.native_ok()
+        )
 
     def forward(self, model, tokens, input_pos, cache, path: Precision, last_only: bool):
         x = model.embed_tokens(tokens)

@@ -10,7 +10,8 @@ ones), and that no hooks are registered (with the earlier 1,530 checks this took
 a forward on the 2-core dev VM, 1% of a draft step). None when the weights need what the C++
 loop does not run: a 4-bit twin in a form other than plain W4A8 (AWQ scales, act-order), an
 INT8 twin the CPU int8 kernel cannot take, weights not fp32, or hooks (calibration); the
-backend then runs its Python loop.
+backend then runs its Python loop. None too for a layer other than Llama's (`LayerSpec.native_ok`
+false), which the backend does not serve anyway.
 """
 
 from __future__ import annotations
@@ -86,6 +87,8 @@ def _build(model, weights: str) -> _Entry:
     cfg = model.config
     ops = cpu_ext.load()
     entry = _Entry(None)
+    if not cfg.layer.native_ok():  # the C++ layer is Llama's: pre-norm, no q/k norms
+        return entry
     stack = ops.DecoderStack(
         cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps
     )

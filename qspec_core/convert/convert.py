@@ -129,8 +129,11 @@ def import_draft(model: Transformer, checkpoint: Path) -> tuple[dict[str, Int4Li
 
 
 def _norm_pairs(model: Transformer) -> list[tuple[str, list[str]]]:
-    """(norm, linears reading its output) per decoder layer, as AWQ scales them."""
+    """(norm, linears reading its output) per decoder layer, as AWQ scales them; none for a
+    post-norm layer (OLMo 2), whose norms read the linears' outputs instead."""
     pairs = []
+    if model.config.layer.norm_placement != "pre":
+        return pairs
     for i in range(model.config.num_hidden_layers):
         p = f"layers.{i}."
         pairs.append(
@@ -168,6 +171,11 @@ def unfold_awq_scales(model: Transformer, drafts: dict, other: dict, checkpoint:
     against the target's v_proj; v_proj then gets output scale s (its V enters the shared
     cache) and o_proj input scale 1/s.
     """
+    if model.config.layer.norm_placement != "pre":
+        raise QspecError(
+            f"{checkpoint}: AWQ checkpoints of a post-norm model ({model.config.model_type}) "
+            "cannot be imported; use --method gptq or awq to quantize it here"
+        )
     params = dict(model.named_parameters())
     layers = linear_layers(model)
     drafts = dict(drafts)

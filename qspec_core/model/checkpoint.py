@@ -10,7 +10,9 @@ from safetensors import SafetensorError, safe_open
 
 from qspec_core.config import ConfigError, ModelConfig
 from qspec_core.errors import QspecError
-from qspec_core.model.transformer import Transformer
+from qspec_core.families import family_for
+from qspec_core.model.rope import RotaryEmbedding
+from qspec_core.model.transformer import Transformer, local_rope_config
 
 # Buffers some checkpoints carry that the model recomputes.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -62,6 +64,9 @@ def build_model(
     """Instantiate without random init and assign the checkpoint tensors, cast to `dtype`."""
     with torch.device("meta"):
         model = Transformer(config)
+    family = family_for(config.model_type)
+    if family is not None and family.fused:
+        state = split_fused(state, family.fused, model)
     expected = set(model.state_dict().keys())
     if config.tie_word_embeddings:
         expected.discard("lm_head.weight")
@@ -84,7 +89,36 @@ def build_model(
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.rotary_emb = model.rotary_emb.__class__(config).to(device)  # real buffers, not meta
+    if config.layer.local_rope:
+        model.local_rotary_emb = RotaryEmbedding(local_rope_config(config)).to(device)
     return model.eval().requires_grad_(False)
+
+
+def split_fused(state: dict, fused, model: Transformer) -> dict[str, torch.Tensor]:
+    """A checkpoint's fused linears (Phi-3's `qkv_proj`, `gate_up_proj`) as the separate ones
+    the model has: rows split in the parts' sizes, in order. A fused tensor whose parts the
+    model lacks or whose rows do not add up is left for `build_model` to refuse."""
+    shapes = {name: t.shape for name, t in model.state_dict().items()}
+    state = dict(state)
+    for name in list(state):
+        module, _, kind = name.rpartition(".")  # "layers.0.self_attn.qkv_proj", "weight"
+        for whole, parts in fused:
+            if not module.endswith("." + whole):
+                continue
+            prefix = module[: -len(whole)]  # "layers.0."
+            names = [f"{prefix}{part}.{kind}" for part in parts]
+            if not all(n in shapes for n in names):
+                continue
+            sizes = [shapes[n][0] for n in names]
+            if sum(sizes) != state[name].shape[0]:
+                raise QspecError(
+                    f"checkpoint tensor {name} has {state[name].shape[0]} rows, config.json "
+                    f"implies {sum(sizes)} ({' + '.join(map(str, sizes))})"
+                )
+            fused_tensor = state.pop(name)
+            for n, part in zip(names, fused_tensor.split(sizes), strict=True):
+                state[n] = part.clone()  # (its own storage: the fused tensor can be freed)
+    return state
 
 
 def load_model(folder: Path, dtype=torch.bfloat16, device="cpu") -> Transformer:

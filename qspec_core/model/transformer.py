@@ -1,4 +1,6 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2/2.5, SmolLM2) in plain PyTorch.
+"""The decoder of every supported family in plain PyTorch, its layers built from the family's
+`LayerSpec` (`config.layer`, `qspec_core/families/`): Llama's pre-norm layer, with the
+biases, q/k norms and norm placement a family declares.
 
 Module and parameter names follow Hugging Face, so a checkpoint loads by stripping the
 `model.` prefix. The call is explicit: `model(tokens, input_pos, cache, path)`, where `path`
@@ -12,6 +14,10 @@ PyTorch below runs, and the tests hold the two together.
 """
 
 from __future__ import annotations
+
+import math
+from dataclasses import replace
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -75,40 +81,71 @@ class Linear(nn.Linear):
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, kind: str = "rms"):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.kind = kind  # LayerSpec.norm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalize in fp32, cast back, then scale: the order HF uses, so bf16 results agree.
+        # Normalize in fp32, then cast and scale (Llama), or scale and cast (OLMo 2, Gemma's
+        # 1 + weight): each family's order, so bf16 results agree with HF's.
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        if self.kind == "rms":
+            return self.weight * x.to(dtype)
+        if self.kind == "rms_plus_one":
+            return (x * (1.0 + self.weight.float())).to(dtype)
+        return (self.weight.float() * x).to(dtype)
+
+
+def _norm(config: ModelConfig, dim: int) -> RMSNorm:
+    return RMSNorm(dim, config.rms_norm_eps, config.layer.norm)
+
+
+ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh")}
 
 
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
+        spec = config.layer
         self.layer_idx = layer_idx
         self.n_heads = config.num_attention_heads
         self.n_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
-        qkv_bias = config.attention_bias or config.qkv_bias
         q_dim, kv_dim = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-        self.q_proj = Linear(config.hidden_size, q_dim, bias=qkv_bias)
-        self.k_proj = Linear(config.hidden_size, kv_dim, bias=qkv_bias)
-        self.v_proj = Linear(config.hidden_size, kv_dim, bias=qkv_bias)
-        self.o_proj = Linear(q_dim, config.hidden_size, bias=config.attention_bias)
+        self.q_proj = Linear(config.hidden_size, q_dim, bias=spec.qkv_bias)
+        self.k_proj = Linear(config.hidden_size, kv_dim, bias=spec.qkv_bias)
+        self.v_proj = Linear(config.hidden_size, kv_dim, bias=spec.qkv_bias)
+        self.o_proj = Linear(q_dim, config.hidden_size, bias=spec.o_bias)
+        # q/k norms before RoPE: over each head (Qwen3) or the whole projection (OLMo 2)
+        self.qk_norm = spec.qk_norm
+        if spec.qk_norm is not None:
+            per_head = spec.qk_norm == "head"
+            self.q_norm = _norm(config, self.head_dim if per_head else q_dim)
+            self.k_norm = _norm(config, self.head_dim if per_head else kv_dim)
+        # the cache's attention scales by head_dim ** -0.5; Gemma's by query_pre_attn_scalar's
+        self.q_scale = None
+        scalar = config.query_pre_attn_scalar
+        if scalar is not None and scalar != self.head_dim:
+            self.q_scale = math.sqrt(self.head_dim / scalar)
 
     def forward(self, x, cos, sin, input_pos, cache: KVCache, path: Precision) -> torch.Tensor:
         B, T, _ = x.shape
-        q = self.q_proj(x, path).view(B, T, self.n_heads, self.head_dim)
-        k = self.k_proj(x, path).view(B, T, self.n_kv_heads, self.head_dim)
+        q, k = self.q_proj(x, path), self.k_proj(x, path)  # [B, T, H * D], [B, T, n_kv * D]
+        if self.qk_norm == "all":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(B, T, self.n_heads, self.head_dim)
+        k = k.view(B, T, self.n_kv_heads, self.head_dim)
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
         v = self.v_proj(x, path).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q = apply_rotary(q.transpose(1, 2), cos, sin)  # [B, H, T, D]
         k = apply_rotary(k.transpose(1, 2), cos, sin)  # [B, n_kv, T, D]
+        if self.q_scale is not None:
+            q = q * self.q_scale
         out = cache.attend(self.layer_idx, q, k, v, input_pos, path)  # [B, H, T, D]
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1), path)
 
@@ -116,27 +153,52 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
-        h, i, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        h, i, bias = config.hidden_size, config.intermediate_size, config.layer.mlp_bias
         self.gate_proj = Linear(h, i, bias=bias)
         self.up_proj = Linear(h, i, bias=bias)
         self.down_proj = Linear(i, h, bias=bias)
 
+        self.act = ACTIVATIONS[config.layer.activation]
+
     def forward(self, x: torch.Tensor, path: Precision = FP) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x, path)) * self.up_proj(x, path), path)
+        return self.down_proj(self.act(self.gate_proj(x, path)) * self.up_proj(x, path), path)
 
 
 class DecoderLayer(nn.Module):
+    """Attention then MLP, each in a residual branch; the norms where `config.layer` puts them
+    (HF names: pre-norm input_layernorm, post_attention_layernorm; post-norm
+    post_attention_layernorm, post_feedforward_layernorm; sandwich all four)."""
+
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
         self.self_attn = Attention(config, layer_idx)
         self.mlp = MLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.placement = placement = config.layer.norm_placement
+        # whether this layer rotates with the model's local RoPE (Gemma 3's sliding layers)
+        self.local = config.layer.local_rope and (
+            config.layer_types[layer_idx] == "sliding_attention"
+        )
+        h = config.hidden_size
+        if placement in ("pre", "sandwich"):
+            self.input_layernorm = _norm(config, h)
+        self.post_attention_layernorm = _norm(config, h)  # (pre-norm: the MLP's input norm)
+        if placement == "sandwich":
+            self.pre_feedforward_layernorm = _norm(config, h)
+        if placement in ("post", "sandwich"):
+            self.post_feedforward_layernorm = _norm(config, h)
 
     def forward(self, x, cos, sin, input_pos, cache, path):
+        if self.placement == "pre":
+            x = x + self.self_attn(self.input_layernorm(x), cos, sin, input_pos, cache, path)
+            return x + self.mlp(self.post_attention_layernorm(x), path)
+        if self.placement == "post":
+            h = self.self_attn(x, cos, sin, input_pos, cache, path)
+            x = x + self.post_attention_layernorm(h)
+            return x + self.post_feedforward_layernorm(self.mlp(x, path))
         h = self.self_attn(self.input_layernorm(x), cos, sin, input_pos, cache, path)
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x), path)
+        x = x + self.post_attention_layernorm(h)
+        h = self.mlp(self.pre_feedforward_layernorm(x), path)
+        return x + self.post_feedforward_layernorm(h)
 
 
 class Transformer(nn.Module):
@@ -147,9 +209,11 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(
             DecoderLayer(config, i) for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = _norm(config, config.hidden_size)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary_emb = RotaryEmbedding(config)
+        if config.layer.local_rope:
+            self.local_rotary_emb = RotaryEmbedding(local_rope_config(config))
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
@@ -189,15 +253,30 @@ class Transformer(nn.Module):
         backend = self.backend
         if backend == AUTO:
             backend = select_backend(tokens.device)
-        if backend is not None and backend.serves(tokens):
+        if backend is not None and backend.serves(self, tokens):
             return backend.forward(self, tokens, input_pos, cache, path, last_only)
         x = self.embed_tokens(tokens)
+        if self.config.layer.embed_scale:  # (the scale cast to x's dtype first, as HF does)
+            x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
         cos, sin = self.rotary_emb(input_pos, x.dtype)
+        local = None
+        if self.config.layer.local_rope:
+            local = self.local_rotary_emb(input_pos, x.dtype)
         for layer in self.layers:
-            x = layer(x, cos, sin, input_pos, cache, path)
+            if layer.local:
+                x = layer(x, *local, input_pos, cache, path)
+            else:
+                x = layer(x, cos, sin, input_pos, cache, path)
         if last_only:
             x = x[:, -1:]
         return self.lm_head(self.norm(x), path)
+
+
+def local_rope_config(config: ModelConfig) -> ModelConfig:
+    """The config of Gemma 3's sliding layers' RoPE: plain, of base rope_local_base_freq."""
+    return replace(
+        config, rope_theta=config.rope_local_base_freq, rope_scaling={"rope_type": "default"}
+    )
 
 
 @torch.inference_mode()

@@ -1,0 +1,246 @@
+"""Every model family against transformers' own implementation, on tiny random checkpoints
+made here: logits within tolerance, and greedy tokens identical through qspec's generation
+paths (`ar` on the full-precision cache; `target-ar` and `quantspec` on the hierarchical
+cache, with a 4-bit RTN draft), with the C++ kernels built where the machine can. Families
+whose layer the C++ kernels do not compute (`LayerSpec.native_ok()` false) must run their
+plain PyTorch forward, never the native one. Adding a family: its file in
+`qspec_core/families/` and a line in FAMILIES below."""
+
+import pytest
+import torch
+from hf_tiny import ours_from_hf, tiny_hf
+
+from kernels.cpu import build as cpu_ext
+from qspec_core.backend import CPU_BACKEND, cpu_stack
+from qspec_core.cache.full import FullPrecisionCache
+from qspec_core.cache.hierarchical import HierarchicalKVCache
+from qspec_core.config import SUPPORTED_MODEL_TYPES, ModelConfig
+from qspec_core.engine.generate import decode, prefill, prefill_hierarchical
+from qspec_core.engine.sampling import SamplingParams
+from qspec_core.engine.speculative import SpecStats, speculative_decode
+from qspec_core.errors import UnsupportedModelError
+from qspec_core.families import FAMILIES
+from qspec_core.model.transformer import attach_draft, linear_layers
+from qspec_core.precision import TARGET
+from qspec_core.quant.int4 import Int4Linear
+
+# model_type -> the HF config overrides its tiny checkpoint takes (head_dim 16: 64 / 4 heads)
+CASES = {
+    "llama": {},
+    "mistral": {},
+    "qwen2": {},
+    "qwen3": {"head_dim": 16},
+    "qwen3+bias": {"head_dim": 16, "attention_bias": True},
+    "olmo2": {},
+    "olmo2+bias": {"attention_bias": True},
+    "phi3": {"pad_token_id": 0},
+    "phi3+window": {"pad_token_id": 0, "sliding_window": 48},  # (past the 36 tokens run)
+    "gemma3_text": {  # both layer kinds, each RoPE, a query scalar other than head_dim
+        "head_dim": 16,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "query_pre_attn_scalar": 24,
+        "sliding_window": 48,
+        "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+        },
+    },
+}
+NATIVE = {
+    "llama": True,
+    "mistral": True,
+    "qwen2": True,
+    "qwen3": False,
+    "olmo2": False,
+    "phi3": True,
+    "gemma3_text": False,
+}
+N_NEW = 24
+
+
+def _hf(case: str):
+    return tiny_hf(case.split("+")[0], **CASES[case])
+
+
+def _prompt(n=12):
+    return torch.randint(0, 101, (n,), generator=torch.Generator().manual_seed(1)).tolist()
+
+
+def _hf_greedy(hf, prompt, n_new) -> list[int]:
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        for _ in range(n_new):
+            token = hf(ids).logits[0, -1].argmax()
+            ids = torch.cat([ids, token.view(1, 1)], 1)
+    return ids[0, len(prompt) :].tolist()
+
+
+def test_every_family_file_has_a_case():
+    assert set(SUPPORTED_MODEL_TYPES) == set(NATIVE) == {c.split("+")[0] for c in CASES}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_logits_match_transformers(case):
+    hf = _hf(case)
+    ours = ours_from_hf(hf)
+    native = NATIVE[case.split("+")[0]]
+    assert ours.config.layer.native_ok() == native
+    tokens = torch.randint(0, 101, (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = hf(tokens).logits
+        cache = FullPrecisionCache(ours.config, 48, batch_size=2, dtype=torch.float32)
+        got = ours(tokens, torch.arange(40), cache)
+    assert (got - expected).abs().max() <= 1e-4 * expected.abs().max()
+    # a decode step: the native C++ path where the layer allows it, else plain PyTorch
+    step = tokens[:1, :1]
+    if cpu_ext.available():
+        with torch.inference_mode():
+            assert CPU_BACKEND.serves(ours, step) == native
+        assert (cpu_stack.stack_for(ours, "full") is not None) == native
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_greedy_tokens_match_transformers_in_every_mode(case):
+    hf = _hf(case)
+    model = ours_from_hf(hf)
+    prompt = _prompt()
+    expected = _hf_greedy(hf, prompt, N_NEW)
+    params, gen = SamplingParams(), torch.Generator().manual_seed(0)
+
+    size = len(prompt) + N_NEW + 8
+    cache = FullPrecisionCache(model.config, size, dtype=torch.float32)
+    logits = prefill(model, cache, prompt, 0)
+    assert list(decode(model, cache, logits, len(prompt), N_NEW, params, gen)) == expected  # ar
+
+    drafts = {n: Int4Linear.from_linear(m, 32) for n, m in linear_layers(model).items()}
+    attach_draft(model, drafts)
+    runs = {}
+    for mode in ("target-ar", "quantspec"):
+        cache = HierarchicalKVCache(model.config, size, dtype=torch.float32)
+        logits = prefill_hierarchical(model, cache, prompt)
+        if mode == "target-ar":
+            out = decode(model, cache, logits, len(prompt), N_NEW, params, gen, path=TARGET)
+        else:
+            stats = SpecStats()
+            out = speculative_decode(
+                model, cache, logits, len(prompt), N_NEW, params, gen, gamma=4, stats=stats
+            )
+        runs[mode] = list(out)
+    assert runs["quantspec"] == runs["target-ar"]
+    assert stats.rounds > 0
+    assert runs["target-ar"] == expected  # (the INT8 KV keeps these tiny models' argmax)
+
+
+def test_unsupported_family_names_the_supported_ones():
+    with pytest.raises(UnsupportedModelError) as info:
+        ModelConfig.from_hf_config({"model_type": "gemma2"})
+    message = str(info.value)
+    assert "'gemma2' is not supported" in message and "\n" not in message
+    for model_type, family in FAMILIES.items():
+        assert model_type in message and family.label in message
+
+
+def test_fused_checkpoint_tensors_are_split_or_refused():
+    """Phi-3's qkv_proj / gate_up_proj load as q/k/v and gate/up; rows that do not add up to
+    the parts the config implies are a user error naming the tensor."""
+    from qspec_core.errors import QspecError
+    from qspec_core.model.checkpoint import build_model
+
+    hf = _hf("phi3")
+    state = {k.removeprefix("model."): v for k, v in hf.state_dict().items()}
+    config = ModelConfig.from_hf_config(hf.config.to_dict())
+    model = build_model(config, state, dtype=torch.float32)
+    qkv = state["layers.1.self_attn.qkv_proj.weight"]
+    assert model.layers[1].self_attn.k_proj.weight.equal(qkv[64:96])  # q: 4 x 16, k: 2 x 16
+    state["layers.1.self_attn.qkv_proj.weight"] = qkv[:-1]
+    with pytest.raises(QspecError, match=r"qkv_proj.weight has 127 rows.*implies 128"):
+        build_model(config, state, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("case", ["qwen3", "olmo2", "phi3", "gemma3_text"])
+def test_converted_folder_loads_and_speculates(case, tmp_path):
+    """`qspec convert`'s library call on a saved tiny checkpoint of the family: the loaded
+    folder keeps the target's logits, and greedy QuantSpec on its 4-bit draft and INT8
+    verifier weights gives target-ar's tokens."""
+    from qspec_core.convert.convert import convert
+    from qspec_core.convert.folder import load_converted
+    from qspec_core.model.checkpoint import load_model
+
+    hf = _hf(case)
+    hf.save_pretrained(tmp_path / "hf")
+    convert(
+        tmp_path / "hf", tmp_path / "conv", load_model(tmp_path / "hf", torch.float32), "rtn", 32
+    )
+    model = load_converted(tmp_path / "conv", dtype=torch.float32)
+    assert all(m.draft is not None for m in linear_layers(model).values())
+    tokens = torch.tensor([_prompt(20)])
+    with torch.no_grad():
+        cache = FullPrecisionCache(model.config, 20, dtype=torch.float32)
+        torch.testing.assert_close(model(tokens, torch.arange(20), cache), hf(tokens).logits)
+    prompt, params, runs = _prompt(), SamplingParams(), {}
+    for mode in ("target-ar", "quantspec"):
+        gen = torch.Generator().manual_seed(0)
+        cache = HierarchicalKVCache(model.config, len(prompt) + N_NEW + 8, dtype=torch.float32)
+        logits = prefill_hierarchical(model, cache, prompt)
+        if mode == "target-ar":
+            out = decode(model, cache, logits, len(prompt), N_NEW, params, gen, path=TARGET)
+        else:
+            out = speculative_decode(model, cache, logits, len(prompt), N_NEW, params, gen, gamma=4)
+        runs[mode] = list(out)
+    assert runs["quantspec"] == runs["target-ar"]
+
+
+def test_gemma3_reads_transformers4_configs_and_refuses_softcapping():
+    hf = {
+        "model_type": "gemma3_text",
+        "vocab_size": 10,
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "head_dim": 16,
+        "rope_theta": 1e6,
+        "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+        "rope_local_base_freq": 1e4,
+        "sliding_window_pattern": 2,
+        "sliding_window": 512,
+        "query_pre_attn_scalar": 16,
+        "hidden_activation": "gelu_pytorch_tanh",
+    }
+    config = ModelConfig.from_hf_config(hf)
+    assert config.layer_types == ("sliding_attention", "full_attention") * 2
+    assert (config.rope_theta, config.rope_type, config.rope_local_base_freq) == (
+        1e6,
+        "linear",
+        1e4,
+    )
+    assert config.context_limit == 512 and not config.layer.native_ok()
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):  # (Gemma 2's)
+        with pytest.raises(UnsupportedModelError, match=key):
+            ModelConfig.from_hf_config({**hf, key: 30.0})
+
+
+@pytest.mark.parametrize(
+    "kind,hf_norm",
+    [
+        ("rms", "llama.modeling_llama.LlamaRMSNorm"),
+        ("rms_fp32", "olmo2.modeling_olmo2.Olmo2RMSNorm"),
+        ("rms_plus_one", "gemma3.modeling_gemma3.Gemma3RMSNorm"),
+    ],
+)
+def test_each_norm_kind_gives_transformers_bits_in_bf16(kind, hf_norm):
+    """The order of the scale and the cast differs by family, and shows in bf16."""
+    import importlib
+
+    from qspec_core.model.transformer import RMSNorm
+
+    module, name = hf_norm.rsplit(".", 1)
+    cls = getattr(importlib.import_module(f"transformers.models.{module}"), name)
+    g = torch.Generator().manual_seed(0)
+    weight = (1 + 0.3 * torch.randn(64, generator=g)).bfloat16()
+    x = torch.randn(8, 64, generator=g).bfloat16()
+    theirs, ours = cls(64, eps=1e-6).bfloat16(), RMSNorm(64, 1e-6, kind).bfloat16()
+    with torch.no_grad():
+        theirs.weight.copy_(weight)
+        ours.weight.copy_(weight)
+        assert ours(x).equal(theirs(x))
