@@ -148,17 +148,15 @@ class CpuBackend:
         if isinstance(twin, Int8Linear):
             w8a8 = layer.int8_activations(path.weights)
             usable = rows_kernels.w8a8_usable if w8a8 else rows_kernels.int8_usable
-            if usable(x, buffers["weight_int8"]):
+            run = rows_kernels.w8a8_linear if w8a8 else rows_kernels.int8_linear
+            w, bias = buffers["weight_int8"], buffers["bias"]
+            if usable(x, w):
                 # (a model cast with .to(bf16) casts the scale too: the kernels take fp32)
-                scale = buffers["weight_scale"].float().contiguous()
-                run = rows_kernels.w8a8_linear if w8a8 else rows_kernels.int8_linear
-                return run(x, buffers["weight_int8"], scale, buffers["bias"])
+                return run(x, w, buffers["weight_scale"].float().contiguous(), bias)
             # a prefill: the same kernels a slice of rows at a time where this machine
             # measured them fastest (then the prompt's rows are bit for bit a decode's)
-            if prefill_path() == "rows" and usable(x[..., :1, :], buffers["weight_int8"]):
+            if prefill_path() == "rows" and usable(x[..., :1, :], w):
                 scale = buffers["weight_scale"].float().contiguous()
-                run = rows_kernels.w8a8_linear if w8a8 else rows_kernels.int8_linear
-                w, bias = buffers["weight_int8"], buffers["bias"]
                 return rows_kernels.in_slices(run, x, w, scale, bias)
             if w8a8:  # (prefill: the same rounding, then the twin's own kernel)
                 return twin.forward(quantize_activations(x).to(x.dtype))

@@ -73,7 +73,13 @@ def machine_key() -> str:
     """What the choice depends on: the CPU (model and flags), torch, and whether qspec's C++
     kernels run (the "rows" path needs them). Not the thread count: runs at 1 and 2 threads
     must prefill alike for their greedy output to agree (README, reproducibility)."""
-    text = f"{_cpu()}|torch {torch.__version__}|rows {_rows_run()}"
+    return _key(_cpu(), torch.__version__, _rows_run())
+
+
+@lru_cache(maxsize=8)
+def _key(cpu: str, torch_version: str, rows: bool) -> str:
+    # (hashed once: a prefill asks for the path on every many-row INT8 linear)
+    text = f"{cpu}|torch {torch_version}|rows {rows}"
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
