@@ -30,6 +30,7 @@ import torch
 
 from kernels.cpu import attention as cpu_attention
 from kernels.planes import HierLayerView, QueryRows
+from kernels.reference import causal_attention as causal_attention_ref
 from kernels.reference import hier_attention_ref
 from kernels.triton import hier_attention as triton_attention
 
@@ -68,3 +69,24 @@ def hier_attention(
     if chosen == "triton":
         return triton_attention.hier_attention_triton(q, view, rows, kv, chunk_size)
     return hier_attention_ref(q, view, rows, kv, chunk_size, int_queries)
+
+
+def causal_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    input_pos: torch.Tensor,
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`kernels.reference.causal_attention` (queries at `input_pos` over keys 0..S-1), with a
+    prefill's chunk on a CPU through the tiled C++ kernel (`cpu_attention.prefill_attention`:
+    no [T, S] scores in memory, 2-3x SDPA's speed there, docs/PERF.md). Decode and verify
+    steps (at most 17 rows) and other devices take the reference, as before."""
+    T = q.shape[2]
+    if cpu_attention.prefill_usable(q, k, v):
+        start = int(input_pos[0])
+        if start + T <= k.shape[2] and torch.equal(
+            input_pos, torch.arange(start, start + T, device=input_pos.device)
+        ):
+            return cpu_attention.prefill_attention(q, k, v, start)
+    return causal_attention_ref(q, k, v, input_pos, mask)

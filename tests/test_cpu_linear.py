@@ -141,16 +141,20 @@ def test_int4_layer_uses_the_kernel_for_a_draft_step_only():
 
 @pytest.mark.parametrize("weights", ["w8a8", "int8"])
 @pytest.mark.parametrize("rows", [18, 40, 257])
-def test_a_prefill_through_the_row_kernels_is_bit_for_bit_a_decode(weights, rows, monkeypatch):
+@pytest.mark.parametrize("out_features", [80, 83])
+def test_a_prefill_through_the_row_kernels_is_bit_for_bit_a_decode(
+    weights, rows, out_features, monkeypatch
+):
     """With the "rows" prefill path (`quant/prefill_choice.py`), the backend runs a prefill's
-    INT8-weight linears through the step kernels a slice at a time: every row equals, bit for
-    bit, that row alone through the same kernel (a decode step). A slice that lost a row, an
-    offset slice, or a fallback to another kernel breaks the equality."""
+    INT8-weight linears through the step kernels (W8A16 a slice at a time, W8A8 in one call on
+    the GEMM schedule): every row equals, bit for bit, that row alone through the same kernel
+    (a decode step). A slice that lost a row, a block or slab of the GEMM computed in another
+    order or skipped (83: a partial slab), or a fallback to another kernel breaks it."""
     from qspec_core.precision import TARGET
     from qspec_core.quant.int8 import Int8Linear
 
     monkeypatch.setenv("QSPEC_INT8_PREFILL", "rows")
-    outer = Linear(192, 80, bias=True)
+    outer = Linear(192, out_features, bias=True)
     outer.int8 = Int8Linear.from_linear(outer)
     path = TARGET.with_weights(weights)
     x = torch.randn(1, rows, 192, generator=torch.Generator().manual_seed(rows))
@@ -159,7 +163,7 @@ def test_a_prefill_through_the_row_kernels_is_bit_for_bit_a_decode(weights, rows
         alone = torch.cat(
             [CPU_BACKEND.linear(outer, x[:, i : i + 1], path) for i in range(rows)], 1
         )
-    assert got.shape == (1, rows, 80)
+    assert got.shape == (1, rows, out_features)
     assert torch.equal(got, alone)
     monkeypatch.setenv("QSPEC_INT8_PREFILL", "int8pack")  # (the bf16 kernel: not the same bits)
     with torch.no_grad():

@@ -66,3 +66,31 @@ def hier_attention_cpu(
         int(chunk_size or DEFAULT_CHUNK),
     )
     return out.to(q.dtype)
+
+
+# ------------------------------------------------------------ a prefill chunk (flash_prefill)
+PREFILL_MIN_ROWS = 18  # longer than any decode or verify step: those keep their own kernels
+PREFILL_HEAD_DIMS = (64, 80, 96, 128)  # `flash::supported`
+
+
+def prefill_usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether `prefill_attention` takes q [B, H, T, D] over k/v [B, n_kv, S, D]."""
+    return (
+        q.device.type == "cpu"
+        and q.dtype == k.dtype == v.dtype == torch.float32
+        and q.shape[2] >= PREFILL_MIN_ROWS
+        and q.shape[-1] in PREFILL_HEAD_DIMS
+        and q.shape[1] % k.shape[1] == 0
+        and k.stride() == v.stride()
+        and k.stride(-1) == 1
+        and k.stride(-2) == k.shape[-1]
+        and cpu_ext.available()
+    )
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int):
+    """Causal attention of queries at positions start .. start + T - 1 (q [B, H, T, D]) over
+    keys 0 .. start + T - 1 (k/v [B, n_kv, S, D], S >= start + T, GQA by head groups): tiled
+    in C++ (`flash_prefill.h`), no [T, S] scores in memory; fp32 -> [B, H, T, D]. Equals
+    `kernels.reference.causal_attention` (SDPA) to rounding, its twin in the tests."""
+    return cpu_ext.load().prefill_attention_cpu(q, k, v, start)

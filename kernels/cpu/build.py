@@ -72,6 +72,7 @@ SOURCES = tuple(
     HERE / n
     for n in (
         "hier_attention.cpp",
+        "flash_prefill.cpp",
         "linear.cpp",
         "int_dot.cpp",
         "decode.cpp",

@@ -339,4 +339,64 @@ void w8a8_rows(const float* x, int64_t M, int64_t K, const int8_t* w, const floa
   }
 }
 
+
+// ------------------------------------------------------------------ W8A8, many rows (a prefill)
+// The same blocks as w8a8_rows, so every output element is computed by the very instruction
+// sequence a decode step runs for it (its own accumulator lanes, chunks in order, one fixed
+// reduction): a prompt's rows come out bit for bit as decode steps compute them, whatever M.
+// What changes is the schedule: the rows are rounded once (in parallel), and each thread takes
+// a slab of weight rows and runs every W8_GEMM_ROWS-row block of x against it, so the weights
+// are read once per call (not once per 8 rows) and the x block stays in L1 while the slab
+// streams from L2. One parallel region per product, not one per 8 rows.
+constexpr int64_t W8_GEMM_ROWS = 4;  // x rows per block: NR = w8a8_nr<4>() weight rows each
+constexpr int64_t W8_GEMM_SLAB = 8;  // weight rows per unit of work: a multiple of every NR
+
+template <class For>
+Int8Rows quantize_rows8_parallel(const float* x, int64_t M, int64_t K, const For& parallel_for) {
+  const int64_t C = K / CHUNK;
+  Int8Rows r{std::vector<int8_t>(M * K), std::vector<float>(M * C),
+             std::vector<int32_t>(M * C * 16)};
+  parallel_for(0, M * C, 256, [&](int64_t b0, int64_t b1) {
+    for (int64_t mc = b0; mc < b1; ++mc) {
+      int8_t* codes = &r.codes[mc * CHUNK];
+      r.step[mc] = quantize_chunk(x + mc * CHUNK, codes);
+      for (int j = 0; j < 16; ++j) {
+        const int s = codes[4 * j] + codes[4 * j + 1] + codes[4 * j + 2] + codes[4 * j + 3];
+        r.offset[mc * 16 + j] = -128 * s;
+      }
+    }
+  });
+  return r;
+}
+
+// Weight rows [n0, n1) against x rows [m0, m0 + M).
+template <int M>
+inline void w8a8_span(const Int8Rows& xq, const int8_t* w, const float* scale, const float* bias,
+                      float* out, int64_t K, int64_t N, int64_t n0, int64_t n1, int64_t m0) {
+  constexpr int NR = w8a8_nr<M>();
+  int64_t n = n0;
+  for (; n + NR <= n1; n += NR) w8a8_block<M, NR>(xq, w, scale, bias, out, K, N, n, m0);
+  for (; n < n1; ++n) w8a8_block<M, 1>(xq, w, scale, bias, out, K, N, n, m0);
+}
+
+// out [M, N] = x [M, K] (any M >= 1, K % 64 == 0) times w [N, K] int8 with scale [N], plus
+// bias [N] (or null): w8a8_rows's results, bit for bit, scheduled for many rows.
+template <class For>
+void w8a8_gemm(const float* x, int64_t M, int64_t K, const int8_t* w, const float* scale,
+               const float* bias, int64_t N, float* out, const For& parallel_for) {
+  const Int8Rows xq = quantize_rows8_parallel(x, M, K, parallel_for);
+  const int64_t slabs = (N + W8_GEMM_SLAB - 1) / W8_GEMM_SLAB;
+  parallel_for(0, slabs, 1, [&](int64_t s0, int64_t s1) {
+    const int64_t n0 = s0 * W8_GEMM_SLAB, n1 = std::min(N, s1 * W8_GEMM_SLAB);
+    for (int64_t m0 = 0; m0 < M; m0 += W8_GEMM_ROWS) {
+      switch (std::min(W8_GEMM_ROWS, M - m0)) {
+        case 1: w8a8_span<1>(xq, w, scale, bias, out, K, N, n0, n1, m0); break;
+        case 2: w8a8_span<2>(xq, w, scale, bias, out, K, N, n0, n1, m0); break;
+        case 3: w8a8_span<3>(xq, w, scale, bias, out, K, N, n0, n1, m0); break;
+        default: w8a8_span<4>(xq, w, scale, bias, out, K, N, n0, n1, m0); break;
+      }
+    }
+  });
+}
+
 }  // namespace intdot

@@ -14,6 +14,8 @@ at::Tensor hier_attention_cpu(at::Tensor q, at::Tensor k_upper, at::Tensor k_low
                                  int64_t fp_pos0, at::Tensor fp_lo, at::Tensor input_pos,
                                  bool target, bool int_queries, int64_t group_size,
                                  int64_t chunk);
+// flash_prefill.cpp
+at::Tensor prefill_attention_cpu(at::Tensor q, at::Tensor k, at::Tensor v, int64_t start);
 // linear.cpp
 // The most rows a decode or verify step hands the few-row kernels: gamma + 1 for gamma <= 16.
 constexpr int64_t kMaxStepRows = 17;

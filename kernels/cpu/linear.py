@@ -86,9 +86,13 @@ def w8a8_usable(x: torch.Tensor, weight_int8: torch.Tensor) -> bool:
 
 
 def w8a8_linear(x, weight_int8, scale, bias=None) -> torch.Tensor:
-    """x [..., K] (at most MAX_ROWS rows, K % 64 == 0) rounded to int8 per 64 inputs, through
-    int8 weights [N, K] with an fp32 scale per row: integer dot products per 64 inputs, summed
-    with the activations' steps, then scale and bias; in x.dtype. Batch-invariant."""
+    """x [..., K] (K % 64 == 0) rounded to int8 per 64 inputs, through int8 weights [N, K] with
+    an fp32 scale per row: integer dot products per 64 inputs, summed with the activations'
+    steps, then scale and bias; in x.dtype. Batch-invariant. Any number of rows: beyond
+    MAX_ROWS (a prefill) the C++ runs the same blocks on a GEMM schedule (`w8a8_gemm` in
+    int_dot.h: the weights read once per call, the rows rounded in parallel), so a prompt's
+    rows come out bit for bit as decode steps compute them (`w8a8_usable` checks a step's
+    size; callers check a prefill's on one of its rows)."""
     flat = x.reshape(-1, x.shape[-1]).float()
     out = _module().w8a8_rows_cpu(flat, weight_int8, scale, bias)
     return out.to(x.dtype).view(*x.shape[:-1], weight_int8.shape[0])
@@ -98,11 +102,11 @@ SLICE_ROWS = 16  # a prefill's rows per row-kernel call (`in_slices`)
 
 
 def in_slices(run, x: torch.Tensor, weight_int8: torch.Tensor, *args) -> torch.Tensor:
-    """`run(x_slice, weight_int8, *args)` (`int8_linear` or `w8a8_linear`) over x [..., K]
-    `SLICE_ROWS` rows at a time: a prefill through the step kernels. They are batch-invariant,
-    so every row comes out bit for bit as a decode step computes it; each call reads the
-    weights once for its rows (on 1 Zen 4 thread 70-140 GFLOP/s against 36-59 for torch's
-    bf16 int8 kernel at prefill shapes: `quant/prefill_choice.py` measures it per machine)."""
+    """`run(x_slice, weight_int8, *args)` (`int8_linear`) over x [..., K] `SLICE_ROWS` rows
+    at a time: a W8A16 prefill through the step kernels. They are batch-invariant, so every
+    row comes out bit for bit as a decode step computes it; each call reads the weights once
+    for its rows (`quant/prefill_choice.py` measures the paths per machine). W8A8 needs no
+    slices: `w8a8_linear` takes any number of rows."""
     flat = x.reshape(-1, x.shape[-1])
     out = torch.empty(flat.shape[0], weight_int8.shape[0], dtype=x.dtype)
     for start in range(0, flat.shape[0], SLICE_ROWS):

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels.reference import causal_attention, causal_mask
+from kernels.attention import causal_attention
+from kernels.reference import causal_mask
 from qspec_core.cache.protocol import FullStep, KVCache
 from qspec_core.config import ModelConfig
 from qspec_core.precision import FP, Precision

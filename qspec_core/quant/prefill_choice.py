@@ -3,9 +3,9 @@
 Three paths compute x W^T for W = q * scale (per output channel), x [M, K] with M in the
 hundreds:
 - "rows": qspec's own step kernels (`kernels/cpu/linear.py`: `w8a8_linear` for the W8A8
-  target, `int8_linear` for W8A16), `SLICE_ROWS` rows a call. They are batch-invariant, so the
-  prompt's linears come out bit for bit as decode steps compute them. Only where the C++
-  kernels run;
+  target, all rows in one call on a GEMM schedule; `int8_linear` for W8A16, `SLICE_ROWS` rows
+  a call). They are batch-invariant, so the prompt's linears come out bit for bit as decode
+  steps compute them. Only where the C++ kernels run;
 - "int8pack": torch's int8 weight kernel `torch._weight_int8pack_mm`, fast only with bf16
   activations: x is rounded to bf16 and the sum to bf16 (`quant/int8.py` bounds the error);
 - "fp32": W dequantized to fp32, then torch's fp32 GEMM: fp32 rounding only.
@@ -47,6 +47,9 @@ ENV = "QSPEC_INT8_PREFILL"
 PREFILL_ROWS = 64  # from here on a product is a prefill's (decode and verify stay under it)
 PROBE = (256, 1024, 1024)  # M, K, N: a prefill chunk's rows through a mid-sized linear
 FILE = "int8-prefill.json"
+# bumped when the "rows" path's speed changes (2: W8A8 on a GEMM schedule), so every machine
+# measures again rather than keep a choice made against the old kernels
+ROWS_VERSION = "rows-gemm-2"
 
 try:
     import fcntl
@@ -79,7 +82,7 @@ def machine_key() -> str:
 @lru_cache(maxsize=8)
 def _key(cpu: str, torch_version: str, rows: bool) -> str:
     # (hashed once: a prefill asks for the path on every many-row INT8 linear)
-    text = f"{cpu}|torch {torch_version}|rows {rows}"
+    text = f"{cpu}|torch {torch_version}|rows {rows}|{ROWS_VERSION}"
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -98,7 +101,7 @@ def _products(m: int, k: int, n: int):
         "fp32": lambda: quantize_activations(x) @ (q.float() * scale[:, None]).t(),
     }
     if _rows_run():
-        paths["rows"] = lambda: cpu_linear.in_slices(cpu_linear.w8a8_linear, x, q, scale, None)
+        paths["rows"] = lambda: cpu_linear.w8a8_linear(x, q, scale, None)
     return paths
 
 

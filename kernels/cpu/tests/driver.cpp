@@ -14,6 +14,7 @@
 //                        x86 AVX2 (and AVX-VNNI) paths' bits, which the aarch64 NEON paths
 //                        reproduce (int_dot.h, linear.h).
 #include "../attention_int.h"
+#include "../flash_prefill.h"
 #include "../int4_dot.h"
 #include "../int_dot.h"
 #include "../isa.h"
@@ -115,15 +116,18 @@ Case rounding_case(const char* name, uint32_t seed, int64_t n, int kind) {
   return c;
 }
 
-Case w8a8_case(const char* name, uint32_t seed, int64_t M, int64_t K, int64_t N, bool bias) {
+// `gemm`: the many-row schedule (w8a8_gemm), which must give w8a8_rows's bits.
+Case w8a8_case(const char* name, uint32_t seed, int64_t M, int64_t K, int64_t N, bool bias,
+               bool gemm = false) {
   Lcg g{seed};
   std::vector<float> x = floats(g, M * K, -1024, 1024);
   std::vector<int8_t> w(N * K);
   for (auto& v : w) v = int8_t(g.below(256) - 128);
   std::vector<float> scale = floats(g, N, 1, 64), b = floats(g, N, -256, 256);
   Case c{name, std::vector<float>(M * N), 2e-5, 1e-5};
-  intdot::w8a8_rows(x.data(), M, K, w.data(), scale.data(), bias ? b.data() : nullptr, N,
-                    c.out.data(), SerialFor{});
+  const auto run = gemm ? intdot::w8a8_gemm<SerialFor> : intdot::w8a8_rows<SerialFor>;
+  run(x.data(), M, K, w.data(), scale.data(), bias ? b.data() : nullptr, N, c.out.data(),
+      SerialFor{});
   return c;
 }
 
@@ -199,6 +203,21 @@ Case attention_dots_case(const char* name, uint32_t seed, int64_t RT, int64_t n,
   return c;
 }
 
+// The tiled causal prefill attention: q [H, T, D] at positions start.. over k/v rows with a
+// head stride beyond the used length (the cache's layout).
+Case flash_case(const char* name, uint32_t seed, int64_t H, int64_t n_kv, int64_t T,
+                int64_t start, int64_t D) {
+  Lcg g{seed};
+  const int64_t S = start + T, stride = (S + 3) * D;
+  std::vector<float> q = floats(g, H * T * D, -512, 512);
+  std::vector<float> k = floats(g, n_kv * stride, -512, 512);
+  std::vector<float> v = floats(g, n_kv * stride, -512, 512);
+  Case c{name, std::vector<float>(H * T * D), 2e-5, 1e-5};
+  flash::causal(q.data(), H, T, D, k.data(), v.data(), n_kv, stride, start, c.out.data(),
+                SerialFor{});
+  return c;
+}
+
 std::vector<Case> all_cases() {
   std::vector<Case> cases;
   cases.push_back(rounding_case<int8_t>("round_int8", 1, 64, 0));
@@ -215,7 +234,11 @@ std::vector<Case> all_cases() {
     cases.push_back(linear_f32_case(("linear_f32_m" + m).c_str(), 300 + M, M, 100, 9, M % 2));
     cases.push_back(linear_i8_case(("linear_i8_m" + m).c_str(), 400 + M, M, 136, 7));
   }
+  // a prefill's rows (not a multiple of the row block) over N with a partial slab
+  cases.push_back(w8a8_case("w8a8_gemm_m42", 142, 42, 192, 21, true, true));
   cases.push_back(int4_case("int4_g64", 250, 3, 192, 6, 64, true));
+  cases.push_back(flash_case("flash_d64", 800, 6, 2, 45, 70, 64));
+  cases.push_back(flash_case("flash_d80", 801, 2, 1, 33, 0, 80));
   cases.push_back(rms_norm_case("rms_norm", 500, 3, 576));
   cases.push_back(rope_case("rope", 600, 4, 64));
   cases.push_back(attention_dots_case<false>("attn_dots_draft", 700, 3, 7, 64));

@@ -27,6 +27,7 @@ sys.path.insert(0, str(HERE.parents[2]))
 from kernels.cpu.build import compile_flags  # noqa: E402
 from kernels.cpu.linear import int4_linear_ref, w8a8_linear_ref  # noqa: E402
 from kernels.formats import round_symmetric  # noqa: E402
+from kernels.reference import causal_attention  # noqa: E402
 
 # Cases whose outputs the AVX2 and NEON builds share bit for bit (the rest: twins only). Not
 # W4A8 ("int4_"): its vector lanes match, but its zero-point terms are scalar float code that
@@ -72,6 +73,16 @@ def w8a8(seed: int, M: int, K: int, N: int, bias: bool) -> torch.Tensor:
     w = torch.tensor(g.ints(N * K, 256, -128), dtype=torch.int8).view(N, K)
     scale, b = g.floats(N, 1, 64), g.floats(N, -256, 256)
     return w8a8_linear_ref(x, w, scale, b if bias else None)
+
+
+def flash(seed: int, H: int, n_kv: int, T: int, start: int, D: int) -> torch.Tensor:
+    """driver.cpp's `flash_case`: k/v rows with a head stride of (start + T + 3) rows."""
+    g = Lcg(seed)
+    S = start + T
+    q = g.floats(H * T * D, -512, 512).view(1, H, T, D)
+    k = g.floats(n_kv * (S + 3) * D, -512, 512).view(1, n_kv, S + 3, D)[:, :, :S]
+    v = g.floats(n_kv * (S + 3) * D, -512, 512).view(1, n_kv, S + 3, D)[:, :, :S]
+    return causal_attention(q, k, v, torch.arange(start, S)).flatten()
 
 
 def int4(seed: int, M: int, K: int, N: int, G: int, bias: bool) -> torch.Tensor:
@@ -149,7 +160,10 @@ def twins() -> dict[str, torch.Tensor]:
             out[f"int4_m{M}"] = int4(200 + M, M, 256, 11, 128, M % 2 == 0)
         out[f"linear_f32_m{M}"] = linear_f32(300 + M, M, 100, 9, M % 2 == 1)
         out[f"linear_i8_m{M}"] = linear_i8(400 + M, M, 136, 7)
+    out["w8a8_gemm_m42"] = w8a8(142, 42, 192, 21, True)
     out["int4_g64"] = int4(250, 3, 192, 6, 64, True)
+    out["flash_d64"] = flash(800, 6, 2, 45, 70, 64)
+    out["flash_d80"] = flash(801, 2, 1, 33, 0, 80)
     out["rms_norm"] = rms_norm(500, 3, 576)
     out["rope"] = rope(600, 4, 64)
     out["attn_dots_draft"] = attention_dots(700, 3, 7, 64, False)

@@ -1,0 +1,38 @@
+// The torch entry point of the tiled causal attention of a prefill chunk (flash_prefill.h).
+#include <ATen/ATen.h>
+
+#include "kernels.h"  // (the declaration this definition must match)
+#include "flash_prefill.h"
+#include <ATen/Parallel.h>
+
+namespace {
+struct TorchParallelFor {
+  template <class F>
+  void operator()(int64_t begin, int64_t end, int64_t grain, const F& fn) const {
+    at::parallel_for(begin, end, grain, fn);
+  }
+};
+}  // namespace
+
+// q [B, H, T, D] at positions start .. start + T - 1 over k/v [B, n_kv, S, D] (S >= start + T;
+// rows of a head contiguous: the cache's buffers, sliced), fp32 -> [B, H, T, D].
+at::Tensor prefill_attention_cpu(at::Tensor q, at::Tensor k, at::Tensor v, int64_t start) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "q, k, v [B, heads, len, D]");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat &&
+                  v.scalar_type() == at::kFloat, "fp32 q, k, v");
+  const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3), n_kv = k.size(1);
+  TORCH_CHECK(flash::supported(D), "head dim 64, 80, 96 or 128");
+  TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == B && k.size(3) == D && n_kv > 0 &&
+                  H % n_kv == 0, "k, v [B, n_kv, S, D] with n_kv dividing H");
+  TORCH_CHECK(start >= 0 && k.size(2) >= start + T, "keys for every position up to start + T");
+  TORCH_CHECK(k.strides() == v.strides() && k.stride(3) == 1 && k.stride(2) == D,
+              "k and v alike, rows contiguous per head");
+  q = q.contiguous();
+  auto out = at::empty({B, H, T, D}, q.options());
+  for (int64_t b = 0; b < B; ++b)
+    flash::causal(q.data_ptr<float>() + b * H * T * D, H, T, D,
+                  k.data_ptr<float>() + b * k.stride(0), v.data_ptr<float>() + b * v.stride(0),
+                  n_kv, k.stride(1), start, out.data_ptr<float>() + b * H * T * D,
+                  TorchParallelFor{});
+  return out;
+}

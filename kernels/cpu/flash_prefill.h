@@ -1,0 +1,240 @@
+// Causal attention of a prefill chunk over everything before it, tiled (flash attention on a
+// CPU): no [T, S] score matrix, the keys read in blocks of 16 against tiles of query rows,
+// an online softmax per row. The prefill's attention is most of its FLOPs at long contexts
+// (2 T S D per layer and head for scores and values), and torch's SDPA ran it at 40-50
+// GFLOP/s on two Zen 4 cores (docs/PERF.md), a quarter of their fp32 FMA peak.
+//
+//   q [H, T, D] (a batch item's heads), k/v rows [n_kv, S, D] (GQA: head h reads kv head
+//   h / (H / n_kv)), out [H, T, D]; query t sits at position start + t and sees keys
+//   0 .. start + t. fp32 throughout, D a multiple of 16.
+//
+// The arithmetic is plain fp32 in one fixed order per row (scores as 64-term dot products
+// summed over d in order, the softmax folded block by block in key order, exp by a fixed
+// polynomial), so a row's result does not depend on the thread count or on which rows share
+// its tile. It differs from SDPA's by rounding only (the tests hold them to 1e-5).
+//
+// Written on GCC/Clang vector extensions (16 fp32 lanes: one zmm with AVX-512, two ymm with
+// AVX2, four q registers with NEON), so one source serves every instruction set; only the tile
+// sizes follow the register file. Torch-free: flash_prefill.cpp is the entry point.
+#pragma once
+#include "isa.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+// (vf by value in inline helpers: GCC's note that such a vector's ABI differs without AVX-512
+// concerns calls between translation units, which inline helpers never make)
+#pragma GCC diagnostic ignored "-Wpsabi"
+
+namespace flash {
+
+typedef float vf __attribute__((vector_size(64)));  // 16 fp32 lanes
+typedef int32_t vi __attribute__((vector_size(64)));
+
+constexpr int64_t QB = 32;  // query rows per unit of work (a thread's tile rows)
+#if defined(QSPEC_AVX512_VNNI)
+constexpr int NV = 4;  // vectors of 16 keys per key block (KB = 64 keys)
+constexpr int ST = 4;  // rows per score tile: 4 x 4 accumulators + 4 key vectors of 32 zmm
+constexpr int RG = 4;  // rows per value group: 4 x D/16 accumulators (D = 64: 16 zmm)
+#else
+constexpr int NV = 2;  // 16 ymm (AVX2) or 32 q (NEON): a vf is 2 or 4 of them
+constexpr int ST = 2;
+constexpr int RG = 2;
+#endif
+constexpr int64_t KB = 16 * NV;  // keys per block: the softmax folds a block at a time
+
+inline vf splat(float x) { return vf{} + x; }
+inline vf load(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline void store(float* p, const vf& v) { std::memcpy(p, &v, sizeof v); }
+inline float hmax(const vf& v) {
+  float m = v[0];
+  for (int i = 1; i < 16; ++i) m = std::max(m, v[i]);
+  return m;
+}
+inline float hsum(const vf& v) {
+  float s = 0.f;
+  for (int i = 0; i < 16; ++i) s += v[i];
+  return s;
+}
+
+// exp(x) for x <= 0 (-inf and anything below -87 give 0): n = round(x / ln 2), then
+// 2^n times a degree-6 polynomial on the remainder (the Cephes coefficients of exp512 in
+// attention_math.h). Rounding by truncation of x log2(e) - 1/2, exact for x <= 0, since
+// -ffast-math may fold the usual add-and-subtract-a-magic-number trick away.
+inline vf exp_nonpositive(const vf& in) {
+  const vi dead = in < -87.0f;
+  const vf x = dead ? splat(-87.0f) : in;
+  const vi n = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, vi);
+  const vf nf = __builtin_convertvector(n, vf);
+  vf r = x - nf * 0.693359375f;
+  r = r - nf * -2.12194440e-4f;
+  vf y = splat(1.9875691500e-4f);
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * (r * r) + r + 1.0f;
+  const vi bits = (n + 127) << 23;
+  vf scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return dead ? splat(0.f) : y * scale;
+}
+
+// Keys [S, D] -> blocks [ceil(S / KB), D, KB] (key j of a block in lane j; zeros past S), so
+// a row's KB scores are D multiply-adds of a broadcast query element by NV vectors.
+inline void transpose_keys(const float* k, int64_t S, int64_t D, float* kt) {
+  const int64_t blocks = (S + KB - 1) / KB;
+  for (int64_t b = 0; b < blocks; ++b) {
+    float* out = kt + b * D * KB;
+    const int64_t n = std::min(KB, S - b * KB);
+    for (int64_t d = 0; d < D; ++d) {
+      for (int64_t j = 0; j < n; ++j) out[d * KB + j] = k[(b * KB + j) * D + d];
+      for (int64_t j = n; j < KB; ++j) out[d * KB + j] = 0.f;
+    }
+  }
+}
+
+// One unit: query rows [r0, r0 + rows) of a head (rows <= QB) against key blocks up to the
+// last row's position. qs: the rows pre-scaled by 1/sqrt(D) [QB, D] (rows past `rows` zero);
+// kt: its kv head's transposed keys; v: its value rows [S, D]; out rows [rows, D].
+template <int DV>
+void unit(const float* qs, int64_t rows, int64_t pos0, const float* kt, const float* v,
+          float* out) {
+  constexpr int64_t D = 16 * DV;
+  alignas(64) float acc[QB][D];
+  alignas(64) float p[QB + 4][KB];  // (+ 4: a value group of 3 rows may run past QB)
+  float m[QB], l[QB], alpha[QB];
+  for (auto& row : p) std::fill(row, row + KB, 0.f);  // (rows past `rows` stay zeros)
+  for (int64_t i = 0; i < QB; ++i) {
+    std::fill(acc[i], acc[i] + D, 0.f);
+    m[i] = -INFINITY;
+    l[i] = 0.f;
+    alpha[i] = 0.f;
+  }
+  const int64_t end = pos0 + rows;  // keys [0, end) exist; row i sees [0, pos0 + i]
+  const int64_t blocks = (end + KB - 1) / KB;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const float* kb = kt + b * D * KB;
+    const int64_t k0 = b * KB;
+    for (int64_t t0 = 0; t0 < rows; t0 += ST) {
+      vf sc[ST][NV];
+#pragma GCC unroll 8
+      for (int i = 0; i < ST; ++i)
+#pragma GCC unroll 8
+        for (int c = 0; c < NV; ++c) sc[i][c] = vf{};
+      for (int64_t d = 0; d < D; ++d) {
+        vf kd[NV];
+#pragma GCC unroll 8
+        for (int c = 0; c < NV; ++c) kd[c] = load(kb + d * KB + 16 * c);
+#pragma GCC unroll 8
+        for (int i = 0; i < ST; ++i) {
+          const float qd = qs[(t0 + i) * D + d];
+#pragma GCC unroll 8
+          for (int c = 0; c < NV; ++c) sc[i][c] += qd * kd[c];
+        }
+      }
+      for (int i = 0; i < ST && t0 + i < rows; ++i) {
+        const int64_t r = t0 + i, last = pos0 + r;  // this row's newest visible key
+        if (k0 + KB - 1 > last) {
+          for (int c = 0; c < NV; ++c)
+            for (int j = 0; j < 16; ++j)
+              if (k0 + 16 * c + j > last) sc[i][c][j] = -INFINITY;
+        }
+        vf top = sc[i][0];
+        for (int c = 1; c < NV; ++c) top = top > sc[i][c] ? top : sc[i][c];
+        const float mx = std::max(m[r], hmax(top));  // (key 0 is always visible: finite)
+        vf sum = vf{};
+        for (int c = 0; c < NV; ++c) {
+          const vf e = exp_nonpositive(sc[i][c] - mx);
+          store(p[r] + 16 * c, e);
+          sum += e;
+        }
+        alpha[r] = std::exp(m[r] - mx);  // 0 for the first block
+        l[r] = l[r] * alpha[r] + hsum(sum);
+        m[r] = mx;
+      }
+    }
+    // acc = alpha acc + p V over the block's keys, G rows at a time (RG for D = 64; fewer
+    // for wider heads, whose rows take more registers)
+    constexpr int G = RG * 4 / DV > 0 ? RG * 4 / DV : 1;  // (DV = 4 for D = 64)
+    const int64_t nk = std::min(KB, end - k0);
+    for (int64_t r0 = 0; r0 < rows; r0 += G) {
+      vf a[G][DV];
+      for (int i = 0; i < G; ++i)
+        for (int c = 0; c < DV; ++c)
+          a[i][c] = r0 + i < rows ? load(acc[r0 + i] + 16 * c) * alpha[r0 + i] : vf{};
+      for (int64_t j = 0; j < nk; ++j) {
+        const float* vj = v + (k0 + j) * D;
+        vf vv[DV];
+#pragma GCC unroll 8
+        for (int c = 0; c < DV; ++c) vv[c] = load(vj + 16 * c);
+#pragma GCC unroll 8
+        for (int i = 0; i < G; ++i) {
+          const float pij = p[r0 + i][j];  // (rows past `rows`: zeros, never stored)
+#pragma GCC unroll 8
+          for (int c = 0; c < DV; ++c) a[i][c] += pij * vv[c];
+        }
+      }
+      for (int i = 0; i < G && r0 + i < rows; ++i)
+        for (int c = 0; c < DV; ++c) store(acc[r0 + i] + 16 * c, a[i][c]);
+    }
+  }
+  for (int64_t i = 0; i < rows; ++i) {
+    const float inv = 1.f / l[i];
+    for (int64_t d = 0; d < D; ++d) out[i * D + d] = acc[i][d] * inv;
+  }
+}
+
+// Head dims with a compiled unit (D = 16 DV).
+inline bool supported(int64_t D) { return D == 64 || D == 80 || D == 96 || D == 128; }
+
+inline void run_unit(int64_t D, const float* qs, int64_t rows, int64_t pos0, const float* kt,
+                     const float* v, float* out) {
+  switch (D) {
+    case 64: unit<4>(qs, rows, pos0, kt, v, out); break;
+    case 80: unit<5>(qs, rows, pos0, kt, v, out); break;
+    case 96: unit<6>(qs, rows, pos0, kt, v, out); break;
+    default: unit<8>(qs, rows, pos0, kt, v, out); break;
+  }
+}
+
+// One batch item: q [H, T, D] (contiguous) at positions start .. start + T - 1 over the rows
+// of k/v (kv head g's row j at k + g * head_stride + j D, for j < start + T) -> out [H, T, D].
+// parallel_for(begin, end, grain, fn) as in int_dot.h.
+template <class For>
+void causal(const float* q, int64_t H, int64_t T, int64_t D, const float* k, const float* v,
+            int64_t n_kv, int64_t head_stride, int64_t start, float* out,
+            const For& parallel_for) {
+  const int64_t group = H / n_kv, end = start + T, key_blocks = (end + KB - 1) / KB;
+  std::vector<float> kt(n_kv * key_blocks * D * KB);  // each kv head's keys, transposed once
+  parallel_for(0, n_kv, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g)
+      transpose_keys(k + g * head_stride, end, D, kt.data() + g * key_blocks * D * KB);
+  });
+  const float scale = 1.f / std::sqrt(float(D));
+  const int64_t q_blocks = (T + QB - 1) / QB;
+  // units (head, block of QB rows), head-major: each thread's share holds early and late
+  // blocks of a causal chunk alike
+  parallel_for(0, H * q_blocks, 1, [&](int64_t u0, int64_t u1) {
+    std::vector<float> qs(QB * D);
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t h = u / q_blocks, r0 = (u % q_blocks) * QB, g = h / group;
+      const int64_t rows = std::min(QB, T - r0);
+      const float* qp = q + (h * T + r0) * D;
+      std::fill(qs.begin(), qs.end(), 0.f);
+      for (int64_t i = 0; i < rows * D; ++i) qs[i] = qp[i] * scale;
+      run_unit(D, qs.data(), rows, start + r0, kt.data() + g * key_blocks * D * KB,
+               v + g * head_stride, out + (h * T + r0) * D);
+    }
+  });
+}
+
+}  // namespace flash

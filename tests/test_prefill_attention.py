@@ -1,0 +1,84 @@
+"""The tiled causal attention of a prefill chunk (`kernels/cpu/flash_prefill.h`) against its
+twin, the reference's SDPA (`kernels.reference.causal_attention`), and its own promises: rows
+independent of the chunk they come in, GQA head groups, strided cache rows, the dispatch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import attention as dispatch
+from kernels.cpu import attention as cpu_attention
+from kernels.cpu import build
+from kernels.reference import causal_attention
+
+pytestmark = pytest.mark.skipif(not build.available(), reason="the CPU kernels are not built here")
+
+
+def _qkv(B, H, n_kv, T, S, D, seed, room=7):
+    """q [B, H, T, D]; k/v [B, n_kv, S, D] sliced from a longer buffer (the cache's layout:
+    rows contiguous per head, head stride larger than S D)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, T, D, generator=g)
+    k = torch.randn(B, n_kv, S + room, D, generator=g)[:, :, :S]
+    v = torch.randn(B, n_kv, S + room, D, generator=g)[:, :, :S]
+    return q, k, v
+
+
+@pytest.mark.parametrize("D", [64, 80, 96, 128])
+@pytest.mark.parametrize(("H", "n_kv"), [(9, 3), (4, 4), (6, 1)])
+@pytest.mark.parametrize(("start", "T"), [(0, 18), (0, 100), (5, 33), (64, 64), (200, 130)])
+def test_matches_sdpa(D, H, n_kv, start, T):
+    q, k, v = _qkv(2, H, n_kv, T, start + T, D, seed=D + H + start + T)
+    got = cpu_attention.prefill_attention(q, k, v, start)
+    want = causal_attention(q, k, v, torch.arange(start, start + T))
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6)
+
+
+def test_a_row_does_not_depend_on_its_chunk():
+    """Each query row is computed alone (its own dots, softmax fold and value sums in key
+    order): the same position over the same keys gives the same bits whether it comes first,
+    last or in the middle of a chunk, whatever the chunk's length and the thread count."""
+    q, k, v = _qkv(1, 9, 3, 300, 300, 64, seed=3)
+    whole = cpu_attention.prefill_attention(q, k, v, 0)
+    tail = cpu_attention.prefill_attention(q[:, :, 137:], k, v, 137)
+    assert torch.equal(whole[:, :, 137:], tail)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = cpu_attention.prefill_attention(q, k, v, 0)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(whole, alone)
+
+
+def test_keys_past_a_row_are_invisible():
+    """A key after a row's position changes nothing for that row (the mask has teeth: a
+    kernel that let a row see its block's later keys would move)."""
+    q, k, v = _qkv(1, 4, 2, 80, 80, 64, seed=4)
+    before = cpu_attention.prefill_attention(q, k, v, 0)
+    k2, v2 = k.clone(), v.clone()
+    k2[:, :, 50:] = 100.0
+    v2[:, :, 50:] = -100.0
+    after = cpu_attention.prefill_attention(q, k2, v2, 0)
+    assert torch.equal(before[:, :, :50], after[:, :, :50])
+    assert not torch.equal(before[:, :, 50:], after[:, :, 50:])
+
+
+def test_dispatch_takes_the_kernel_for_a_prefill_chunk_only(monkeypatch):
+    calls = []
+    real = cpu_attention.prefill_attention
+    monkeypatch.setattr(
+        cpu_attention, "prefill_attention", lambda *a: calls.append(a[-1]) or real(*a)
+    )
+    q, k, v = _qkv(1, 4, 2, 40, 60, 64, seed=5)
+    out = dispatch.causal_attention(q, k, v, torch.arange(20, 60))
+    assert calls == [20]
+    torch.testing.assert_close(out, causal_attention(q, k, v, torch.arange(20, 60)))
+    # a verify's rows, positions with a gap, bf16: the reference
+    dispatch.causal_attention(q[:, :, :17], k, v, torch.arange(43, 60))
+    gap = torch.cat([torch.arange(0, 20), torch.arange(40, 60)])
+    dispatch.causal_attention(q, k, v, gap)
+    dispatch.causal_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), torch.arange(20, 60))
+    assert calls == [20]
