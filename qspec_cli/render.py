@@ -197,7 +197,8 @@ def bench_tables(report: dict) -> list[Table]:
 
 def _compute_table(ctx: dict, peaks: dict) -> Table:
     """Per mode: the prefill's FLOPs (linears, attention), its rate, and that rate against the
-    best GEMM this run measured."""
+    best GEMM this run measured; then each stage's rate against it (linears: the time outside
+    attention and quantization) and the bulk quantization's seconds."""
     probe = " · ".join(f"{k} {v:,.0f}" for k, v in peaks.items() if v)
     table = Table(
         title=f"context {_size(ctx['context'])} · prefill against the compute limit "
@@ -206,17 +207,33 @@ def _compute_table(ctx: dict, peaks: dict) -> Table:
         show_edge=False,
         pad_edge=False,
     )
-    for col in ("mode", "GFLOP linears", "GFLOP attention", "GFLOP/s", "of best peak"):
+    columns = ("mode", "GFLOP linears", "GFLOP attention", "GFLOP/s", "of best peak",
+               "linears GFLOP/s", "attention GFLOP/s", "quantize s")  # fmt: skip
+    for col in columns:
         table.add_column(col, justify="left" if col == "mode" else "right")
     for name, r in ctx["modes"].items():
         c = r.get("prefill_compute")
         if c:
-            share = c["fraction_of_peak"]
             table.add_row(
                 Text(name), f"{c['gflop_linears']:,.1f}", f"{c['gflop_attention']:,.1f}",
-                f"{c['gflop_s']:,.1f}", f"{share:.0%}" if share else "",
+                f"{c['gflop_s']:,.1f}", _share(c["fraction_of_peak"]),
+                _stage(c, "linears"), _stage(c, "attention"),
+                f"{c['quantize_s']:.2f}" if "quantize_s" in c else "",
             )  # fmt: skip
     return table
+
+
+def _share(fraction: float | None) -> str:
+    return f"{fraction:.0%}" if fraction else ""
+
+
+def _stage(line: dict, name: str) -> str:
+    """A prefill stage's GFLOP/s and its share of the best peak: '84.2 (21%)'."""
+    rate = line.get(f"{name}_gflop_s")
+    if rate is None:
+        return ""
+    share = _share(line.get(f"{name}_fraction_of_peak"))
+    return f"{rate:,.1f} ({share})" if share else f"{rate:,.1f}"
 
 
 def _lookup_cell(spec: dict | None) -> str:

@@ -18,6 +18,10 @@ class StageTimer:
         finally:
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
 
+    def add(self, name: str, seconds: float) -> None:
+        """Count `seconds` measured elsewhere into stage `name`."""
+        self.seconds[name] = self.seconds.get(name, 0.0) + seconds
+
     def merge(self, other: StageTimer) -> None:
         for name, s in other.seconds.items():
             self.seconds[name] = self.seconds.get(name, 0.0) + s

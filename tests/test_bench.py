@@ -115,13 +115,25 @@ def test_tiny_bench_interleaves_and_reports_consistent_numbers(tiny_runtime):
                     rel=0.01,
                     abs=6e-5,  # (the report rounds it to 4 decimals: a slow step's is 0.0015)
                 )
-            # the prefill against the compute limit: its FLOPs over its median time
+            # the prefill against the compute limit: its FLOPs over its median run's time, and
+            # each stage of that run (attention, quantization, the rest: the linears)
             c = r["prefill_compute"]
-            prefill_s = statistics.median(x["prefill_s"] for x in runs)
+            median = sorted(runs, key=lambda x: x["prefill_s"])[(len(runs) - 1) // 2]
+            prefill_s = median["prefill_s"]
             assert c["gflop"] == pytest.approx(c["gflop_linears"] + c["gflop_attention"], 1e-3)
             assert c["gflop_s"] == pytest.approx(c["gflop"] / prefill_s, rel=1e-3)
             best = max(v for v in report["gemm_peak_gflop_s"].values() if v)
             assert c["fraction_of_peak"] == pytest.approx(c["gflop_s"] / best, rel=0.01)
+            stages = median["prefill_stages_s"]
+            hierarchical = MODES[name].target.kv != "fp"
+            assert set(stages) == ({"attention", "quantize"} if hierarchical else {"attention"})
+            assert 0 < stages["attention"] < prefill_s
+            assert c["attention_s"] + c["linears_s"] + c["quantize_s"] == pytest.approx(
+                prefill_s, rel=1e-3, abs=1e-4
+            )
+            assert c["attention_gflop_s"] == pytest.approx(
+                c["gflop_attention"] / c["attention_s"], rel=2e-3
+            )
         steps = {m: r["steps"] for m, r in ctx["modes"].items()}
         assert steps["quantspec"]["draft"]["mb_read"] < steps["quantspec"]["verify"]["mb_read"]
         assert steps["quantspec"]["draft"]["weights"] == "int4"

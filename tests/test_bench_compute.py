@@ -50,6 +50,11 @@ def test_probe_measures_each_element_type_and_the_line_divides_by_the_best():
     assert line["gflop"] == 4.0 and line["gflop_s"] == 2.0
     assert line["fraction_of_peak"] == 0.25
     assert compute.prefill_compute(1.0, flops, {"fp32": None})["fraction_of_peak"] is None
+    # per stage: the attention's FLOPs over its seconds, the linears' over the rest
+    staged = compute.prefill_compute(2.0, flops, {"fp32": 4e9}, {"attention": 0.5, "quantize": 0.5})
+    assert staged["attention_gflop_s"] == 2.0 and staged["attention_fraction_of_peak"] == 0.5
+    assert staged["linears_s"] == 1.0 and staged["linears_gflop_s"] == 3.0
+    assert staged["quantize_s"] == 0.5
 
 
 def test_a_slow_first_product_is_the_measurement(monkeypatch):

@@ -85,18 +85,33 @@ def prefill_flops(config: ModelConfig, tokens: int, start: int = 0) -> dict[str,
     return {"linears": float(linears), "attention": float(attention)}
 
 
-def prefill_compute(seconds: float, flops: dict[str, float], peaks: dict) -> dict:
-    """The prefill's line: GFLOP, GFLOP/s, and that rate as a fraction of the best peak."""
+def prefill_compute(
+    seconds: float, flops: dict[str, float], peaks: dict, stages: dict[str, float] | None = None
+) -> dict:
+    """The prefill's line: GFLOP, GFLOP/s, and that rate as a fraction of the best peak; with
+    `stages` (seconds of "attention" and "quantize" inside the prefill) the same per stage:
+    the attention's FLOPs over its seconds, the linears' over the rest (norms, RoPE and the
+    embedding lookup count in, a few percent), the bulk quantization's seconds."""
     total = sum(flops.values())
     rate = total / seconds if seconds else 0.0
     best = max((p for p in peaks.values() if p), default=None)
-    return {
+    line = {
         "gflop": _sig(total / 1e9),
         "gflop_linears": _sig(flops["linears"] / 1e9),
         "gflop_attention": _sig(flops["attention"] / 1e9),
         "gflop_s": _sig(rate / 1e9),
         "fraction_of_peak": _sig(rate / best) if best else None,
     }
+    if stages:
+        attention, quantize = stages.get("attention", 0.0), stages.get("quantize", 0.0)
+        rest = max(seconds - attention - quantize, 0.0)
+        for name, s in (("linears", rest), ("attention", attention)):
+            stage_rate = flops[name] / s if s > 0 else 0.0
+            line[f"{name}_s"] = _sig(s)
+            line[f"{name}_gflop_s"] = _sig(stage_rate / 1e9)
+            line[f"{name}_fraction_of_peak"] = _sig(stage_rate / best) if best else None
+        line["quantize_s"] = _sig(quantize)
+    return line
 
 
 def _sig(x: float) -> float:

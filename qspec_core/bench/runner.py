@@ -229,6 +229,9 @@ class Run:
     peak_memory_bytes: int | None  # CUDA peak for this run; None on CPU (see machine)
     target_weights: str  # the weights of the target path: its output follows that model
     tokens: list[int] = field(default_factory=list, repr=False)  # the decoded ids (not in JSON)
+    # inside prefill_s: "attention" (every chunk's causal attention), "quantize" (the bulk pass
+    # into the planes); the rest is the linears, norms and RoPE
+    prefill_stages_s: dict[str, float] = field(default_factory=dict)
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -238,6 +241,15 @@ class Run:
     def decode_tokens_per_s(self) -> float:
         """Tokens after the first per second: the steady decoding rate (1 / TPOT)."""
         return (self.new_tokens - 1) / self.decode_s if self.decode_s > 0 else 0.0
+
+
+PREFILL_STAGES = ("attention", "quantize")
+
+
+def _median_run(runs: list[Run]) -> Run:
+    """The run with the median prefill (the lower one of an even count): its stages add up."""
+    ordered = sorted(runs, key=lambda r: r.prefill_s)
+    return ordered[(len(ordered) - 1) // 2]
 
 
 def _kv_bytes_per_token(mode: Mode, cache) -> dict[str, float]:
@@ -273,9 +285,10 @@ def start_decode(model, mode_name: str, prompt: list[int], gen: int, config, see
     cache = plan.new_cache(model, len(prompt) + gen, config.group_size)
     with timer.stage("prefill"):
         if isinstance(cache, HierarchicalKVCache):
-            logits = prefill_hierarchical(model, cache, prompt, weights=target.weights)
+            logits = prefill_hierarchical(model, cache, prompt, weights=target.weights, timer=timer)
         else:
             logits = prefill(model, cache, prompt, 0, target)
+            timer.add("prefill.attention", getattr(cache, "attention_seconds", 0.0))
     generator = torch.Generator(device=model.device).manual_seed(seed)
     tokens, stats = plan.start(
         model, cache, logits, prompt, gen, config.params, generator, (), timer
@@ -304,7 +317,8 @@ def _run_once(runtime, mode_name, prompt, gen, config, seed) -> Run:
     if cuda:
         torch.cuda.synchronize()
     end = time.perf_counter()
-    stages = {k: v for k, v in timer.seconds.items() if k != "prefill"}
+    stages = {k: v for k, v in timer.seconds.items() if not k.startswith("prefill")}
+    inside = {k.removeprefix("prefill."): v for k, v in timer.seconds.items() if "." in k}
     return Run(
         mode=mode_name,
         prompt_tokens=len(prompt),
@@ -319,6 +333,7 @@ def _run_once(runtime, mode_name, prompt, gen, config, seed) -> Run:
         peak_memory_bytes=torch.cuda.max_memory_allocated() if cuda else None,
         target_weights=config.weights(mode_name),
         tokens=out,
+        prefill_stages_s={k: v for k, v in inside.items() if k in PREFILL_STAGES},
     )
 
 
@@ -471,8 +486,10 @@ def run_bench(
         if peaks:
             flops = prefill_flops(runtime.model.config, len(prompts[context]))
             for m in config.modes:
-                seconds = statistics.median(r.prefill_s for r in runs[m])
-                modes[m]["prefill_compute"] = prefill_compute(seconds, flops, peaks)
+                median = _median_run(runs[m])
+                modes[m]["prefill_compute"] = prefill_compute(
+                    median.prefill_s, flops, peaks, median.prefill_stages_s
+                )
         contexts.append(
             {"context": context, "prompt_tokens": len(prompts[context]), "modes": modes}
         )

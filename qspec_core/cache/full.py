@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from kernels.attention import causal_attention
@@ -43,6 +45,7 @@ class FullPrecisionCache(torch.nn.Module):
         self.max_seq_len = max_seq_len
         self.seq_len = 0
         self._mask = (None, None)  # (positions key, mask): built once per forward, not per layer
+        self.attention_seconds = 0.0  # wall time inside `attend`'s attention (a prefill's stage)
 
     def attend(self, layer, q, k, v, input_pos, path: Precision = FP):
         if path.kv != "fp":
@@ -53,7 +56,10 @@ class FullPrecisionCache(torch.nn.Module):
         if layer == self.k.shape[0] - 1:
             self.seq_len = end
         k_all, v_all = self.k[layer, :, :, :end], self.v[layer, :, :, :end]
-        return causal_attention(q, k_all, v_all, input_pos, self._mask[1])
+        t0 = time.perf_counter()
+        out = causal_attention(q, k_all, v_all, input_pos, self._mask[1])
+        self.attention_seconds += time.perf_counter() - t0
+        return out
 
     def _span(self, input_pos: torch.Tensor) -> tuple[int, int]:
         """(first position, last + 1) of a forward's input_pos, checked; builds its mask."""

@@ -53,17 +53,23 @@ def prefill_hierarchical(
     chunk_size: int = PREFILL_CHUNK,
     on_progress: Callable[[int], None] | None = None,
     weights: str = "full",
+    timer: StageTimer | None = None,
 ) -> torch.Tensor:
     """QuantSpec's prefill: full-precision attention over the prompt, then one bulk quantization.
 
     Returns the last position's logits [V] (from the full-precision prefill, as in the paper),
     computed on `weights` (the target's: "full", "int8" or "w8a8", `Runtime.target_weights`). The
-    temporary full-precision KV is as large as a plain cache of the prompt.
+    temporary full-precision KV is as large as a plain cache of the prompt. `timer` gets the
+    stages inside: "prefill.attention" (the causal attention of every chunk and layer) and
+    "prefill.quantize" (the bulk pass into the planes); the rest is the linears, norms, RoPE.
     """
     fp = FullPrecisionCache(model.config, len(tokens), dtype=cache.fp_k.dtype, device=model.device)
     logits = prefill(model, fp, tokens, 0, FP.with_weights(weights), chunk_size, on_progress)
-    cache.reset()
-    cache.load_full_precision(fp.k, fp.v)
+    timer = timer or StageTimer()
+    timer.add("prefill.attention", fp.attention_seconds)
+    with timer.stage("prefill.quantize"):
+        cache.reset()
+        cache.load_full_precision(fp.k, fp.v)
     return logits
 
 
