@@ -35,7 +35,8 @@ def prompt_ids(tokenizer, n_tokens: int) -> list[int]:
 
 
 def run_ours(model, ids, gen):
-    """Same split as run_hf: prefill until the first logits, then `gen` decode steps."""
+    """Same split as run_hf: prefill until the first logits, then `gen` decode steps.
+    `model`: the runtime's runner."""
     cache = FullPrecisionCache(model.config, len(ids) + gen, dtype=model.dtype)
     t0 = time.perf_counter()
     logits = prefill(model, cache, ids, 0)
@@ -92,7 +93,7 @@ def main():
         ids = prompt_ids(rt.tokenizer, size)
         runs = {"qspec-ar": [], "transformers": []}
         for _ in range(args.repeats):
-            runs["qspec-ar"].append(run_ours(rt.model, ids, args.gen))
+            runs["qspec-ar"].append(run_ours(rt.runner, ids, args.gen))
             runs["transformers"].append(run_hf(hf, ids, args.gen))
         for name, samples in runs.items():
             pre = statistics.median(s[0] for s in samples)

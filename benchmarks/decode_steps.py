@@ -24,15 +24,15 @@ import time
 import torch
 
 from kernels.cpu import linear as cpu_linear
-from qspec_core.backend import cpu_stack
 from qspec_core.cache.full import FullPrecisionCache
 from qspec_core.cache.hierarchical import HierarchicalKVCache
 from qspec_core.engine.generate import prefill
 from qspec_core.precision import DRAFT, FP, TARGET
 from qspec_core.registry.runtime import prepare_and_load
 
-# --compare name -> the gates that, answering False (None), switch the C++ path off
-STACK = (cpu_stack, "stack_for")
+# --compare name -> the gates that, answering False (None), switch the C++ path off; "stack"
+# stands for the runner's `stack` (then the model's layer loop runs, with the runner's ops)
+STACK = "stack"
 SWITCHES = {
     "linear": [(cpu_linear, "usable"), STACK],
     "w4a8": [(cpu_linear, "int4_usable"), STACK],
@@ -40,13 +40,14 @@ SWITCHES = {
 }
 
 
-def _without(gates: list, fn):
+def _without(gates: list, fn, runner):
     """fn with gates forced off (the paths below them run instead)."""
+    gates = [(runner, "stack") if gate == STACK else gate for gate in gates]
 
     def run():
         real = [getattr(owner, name) for owner, name in gates]
         for gate in gates:
-            off = None if gate == STACK else False
+            off = None if gate[0] is runner else False
             setattr(*gate, lambda *a, off=off, **k: off)
         try:
             fn()
@@ -69,10 +70,10 @@ def main() -> None:
     ap.add_argument("--json")
     a = ap.parse_args()
     rt = prepare_and_load(a.model, dtype="fp32", need_draft=True, log=lambda *_: None)
-    model, ctx = rt.model, a.context
+    model, runner, ctx = rt.model, rt.runner, a.context
     ids = list(range(1000, 1000 + ctx))  # token ids only set the KV; any ids will do
     fp = FullPrecisionCache(model.config, ctx + a.gamma + 2, dtype=torch.float32)
-    prefill(model, fp, ids, 0, FP)
+    prefill(runner, fp, ids, 0, FP)
     hc = HierarchicalKVCache(model.config, ctx + a.gamma + 2, dtype=torch.float32)
     hc.load_full_precision(fp.k[:, :, :, :ctx], fp.v[:, :, :, :ctx])
     one, pos1 = torch.tensor([[42]]), torch.tensor([ctx])
@@ -80,7 +81,7 @@ def main() -> None:
 
     def step(tokens, pos, cache, path):
         def run():
-            model(tokens, pos, cache, path)
+            runner(tokens, pos, cache, path)
             cache.truncate(ctx)
 
         return run
@@ -94,7 +95,7 @@ def main() -> None:
         if name not in SWITCHES:
             raise SystemExit(f"--compare takes {', '.join(SWITCHES)}, not {name!r}")
         for base in ("ar", "draft", "verify"):
-            steps[f"{base} without {name}"] = _without(SWITCHES[name], steps[base])
+            steps[f"{base} without {name}"] = _without(SWITCHES[name], steps[base], runner)
     for fn in steps.values():  # warm up: lazy layouts, allocator
         fn()
     times = {name: [] for name in steps}

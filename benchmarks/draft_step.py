@@ -20,6 +20,7 @@ from qspec_core.cache.full import FullPrecisionCache
 from qspec_core.convert.folder import load_converted
 from qspec_core.engine.generate import prefill
 from qspec_core.precision import DRAFT_W4, FP
+from qspec_core.runner import build_runner
 
 
 @torch.inference_mode()
@@ -44,8 +45,8 @@ def main():
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     models = {
-        "fp32": load_converted(args.model, torch.float32),
-        "bf16": load_converted(args.model, torch.bfloat16),
+        "fp32": build_runner(load_converted(args.model, torch.float32)),
+        "bf16": build_runner(load_converted(args.model, torch.bfloat16)),
     }
     variants = {
         "target-fp32": ("fp32", FP),

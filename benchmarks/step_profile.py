@@ -54,7 +54,7 @@ if cpu_ext.load() is not None:
 def profile_mode(rt, mode_name: str, prompt: list[int], gen: int, gamma: int, top: int) -> dict:
     config = BenchConfig(contexts=[len(prompt) + gen], gen=gen, gamma=gamma)
     timer = StageTimer()
-    _, tokens, stats = start_decode(rt.model, mode_name, prompt, gen, config, 0, timer)
+    _, tokens, stats = start_decode(rt.runner, mode_name, prompt, gen, config, 0, timer)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         t0 = time.perf_counter()
         n = sum(1 for _ in tokens)

@@ -53,7 +53,11 @@ def quality(
         )
     with common.err.status("measuring") as status:
         result = measure_kv_quality(
-            runtime.model, ids, group_size, on_path=lambda p: status.update(f"path {p}")
+            runtime.model,
+            ids,
+            group_size,
+            on_path=lambda p: status.update(f"path {p}"),
+            runner=runtime.runner,
         )
     if as_json:
         print(json.dumps({"model": runtime.name, **result.to_dict()}))

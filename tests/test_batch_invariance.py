@@ -15,6 +15,7 @@ from qspec_core.engine.generate import prefill
 from qspec_core.model.transformer import attach_int8, linear_layers
 from qspec_core.precision import TARGET
 from qspec_core.quant.int8 import Int8Linear
+from qspec_core.runner import CpuRunner, build_runner
 
 pytestmark = pytest.mark.skipif(not cpu_ext.available(), reason="no C++ compiler here")
 
@@ -135,7 +136,8 @@ def test_verify_logits_equal_one_token_at_a_time(dtype, weights):
     """The target path over M tokens in one forward == the same tokens fed one by one, bit
     for bit, for every dtype and target weights qspec offers; M up to gamma + 1 = 17."""
     torch.manual_seed(0)
-    model = _tiny_model(DTYPES[dtype], weights)
+    model = build_runner(_tiny_model(DTYPES[dtype], weights))  # what qspec runs the model with
+    assert isinstance(model, CpuRunner)
     path = TARGET.with_weights(weights)
     G = model.config.head_dim
 

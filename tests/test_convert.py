@@ -341,7 +341,7 @@ def test_a_recipe_drafts_its_layers_and_the_rest_on_int8(tiny_folder, tmp_path):
     assert meta["modules"] == mlp and len(mlp) == 2 * 3
     assert meta["recipe"]["name"] == "gptq-mlp" and meta["method"] == "gptq"
     loaded = load_converted(out, dtype=torch.float32)
-    loaded.backend = None  # the plain PyTorch forward: what every backend must reproduce
+    # (called itself, the model runs its plain PyTorch forward: what every runner reproduces)
     x = torch.randn(3, 64, generator=_g(6))
     for name, layer in linear_layers(loaded).items():
         if name in mlp:

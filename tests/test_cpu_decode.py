@@ -1,5 +1,5 @@
 """The small C++ decode ops (`kernels/cpu/decode.cpp`) against their eager twins, and a whole
-model on both paths."""
+model on its CPU runner against the model itself (the plain PyTorch reference)."""
 
 import pytest
 import torch
@@ -11,6 +11,7 @@ from qspec_core.cache.hierarchical import HierarchicalKVCache
 from qspec_core.model.rope import apply_rotary
 from qspec_core.model.transformer import RMSNorm
 from qspec_core.precision import FP, TARGET
+from qspec_core.runner import CpuRunner, build_runner
 
 pytestmark = pytest.mark.skipif(not cpu_ext.available(), reason="no C++ compiler here")
 
@@ -19,32 +20,18 @@ def _gen(seed):
     return torch.Generator().manual_seed(seed)
 
 
-@pytest.fixture
-def eager(monkeypatch):
-    """Turns every C++ CPU op off inside the `with`."""
-
-    class Off:
-        def __enter__(self):
-            monkeypatch.setenv(cpu_ext.DISABLE_ENV, "0")
-
-        def __exit__(self, *exc):
-            monkeypatch.delenv(cpu_ext.DISABLE_ENV)
-
-    return Off()
-
-
 @pytest.mark.parametrize("rows", [1, 5, 64])
-def test_rms_norm_and_the_fused_residual(rows, eager):
+def test_rms_norm_and_the_fused_residual(rows):
     g = _gen(rows)
     norm = RMSNorm(576, 1e-5)
     norm.weight.data = torch.randn(576, generator=g)
     x, h = torch.randn(1, rows, 576, generator=g) * 3, torch.randn(1, rows, 576, generator=g)
     with torch.no_grad():
-        with eager:
-            want = norm(x)
-            want_sum = x + h
-            want_after = norm(want_sum)
-        torch.testing.assert_close(norm(x), want, rtol=1e-5, atol=1e-6)
+        want = norm(x)  # (the module's own forward: PyTorch)
+        want_sum = x + h
+        want_after = norm(want_sum)
+        got = cpu_ext.load().rms_norm_cpu(x, norm.weight, norm.eps)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
         x2 = x.clone()
         got = cpu_ext.load().add_rms_norm_cpu(x2, h, norm.weight, norm.eps)
     torch.testing.assert_close(x2, want_sum)  # the residual stream is updated in place
@@ -64,13 +51,15 @@ def test_rope_in_place_equals_rotate_half(T, n, D):
 
 
 @pytest.mark.parametrize("cache_kind", ["full", "hierarchical"])
-def test_model_steps_equal_the_eager_model(cache_kind, eager):
-    """Prefill, then decode and verify-sized steps: logits with the C++ ops (norms, RoPE,
-    few-row linears, attention) equal the eager model's to rounding."""
+def test_model_steps_equal_the_eager_model(cache_kind):
+    """Prefill, then decode and verify-sized steps: logits on the CPU runner (the C++ stack,
+    norms, RoPE, few-row linears) equal the model's own (PyTorch's ops) to rounding."""
     model = ours_from_hf(tiny_hf("llama", tie_word_embeddings=True))
+    runner = build_runner(model)
+    assert isinstance(runner, CpuRunner)
     ids = torch.randint(0, 101, (1, 40), generator=_gen(3))
 
-    def run():
+    def run(model):
         if cache_kind == "full":
             cache = FullPrecisionCache(model.config, 64, dtype=torch.float32)
         else:
@@ -85,6 +74,5 @@ def test_model_steps_equal_the_eager_model(cache_kind, eager):
                     cache.commit(stop)
         return torch.cat(out, 1)
 
-    with eager:
-        want = run()
-    torch.testing.assert_close(run(), want, rtol=1e-4, atol=1e-4)
+    want = run(model)
+    torch.testing.assert_close(run(runner), want, rtol=1e-4, atol=1e-4)

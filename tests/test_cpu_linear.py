@@ -7,10 +7,10 @@ import torch.nn.functional as F
 from kernels.cpu import build as cpu_ext
 from kernels.cpu import linear as cpu_linear
 from kernels.formats import quantize_int8
-from qspec_core.backend.cpu import CPU_BACKEND
 from qspec_core.model.transformer import Linear
 from qspec_core.precision import DRAFT
 from qspec_core.quant.int4 import Int4Linear
+from qspec_core.runner.cpu import CpuOps
 
 pytestmark = pytest.mark.skipif(not cpu_ext.available(), reason="no C++ compiler here")
 
@@ -125,17 +125,18 @@ def test_int4_activation_rounding_is_small_and_has_teeth():
 
 
 def test_int4_layer_uses_the_kernel_for_a_draft_step_only():
-    """The CPU backend (`qspec_core/backend/cpu.py`, which picks every linear's kernel) runs a
-    draft step's row on the W4A8 kernel and a prefill on the twin's own bf16 int4 kernel."""
+    """The CPU runner's ops (`qspec_core/runner/cpu.py`, which pick every linear's kernel) run
+    a draft step's row on the W4A8 kernel and a prefill on the twin's own bf16 int4 kernel."""
+    ops = CpuOps(cpu_ext.load())
     outer = Linear(128, 32, bias=False)
     outer.draft = layer = Int4Linear.from_linear(torch.nn.Linear(128, 32, bias=False), 64)
     step, prefill = torch.randn(1, 1, 128), torch.randn(1, 20, 128)
     with torch.no_grad():
         want = cpu_linear.int4_linear_ref(step, layer.packed, layer.scale, layer.zero, 64)
-        got = CPU_BACKEND.linear(outer, step, DRAFT)
+        got = ops.linear(outer, step, DRAFT)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         exact = torch.nn.functional.linear(prefill, layer.dequantized())
-        got = CPU_BACKEND.linear(outer, prefill, DRAFT)
+        got = ops.linear(outer, prefill, DRAFT)
         torch.testing.assert_close(got, exact, rtol=2e-2, atol=2e-2)  # bf16 kernel
 
 
@@ -145,7 +146,7 @@ def test_int4_layer_uses_the_kernel_for_a_draft_step_only():
 def test_a_prefill_through_the_row_kernels_is_bit_for_bit_a_decode(
     weights, rows, out_features, monkeypatch
 ):
-    """With the "rows" prefill path (`quant/prefill_choice.py`), the backend runs a prefill's
+    """With the "rows" prefill path (`quant/prefill_choice.py`), the runner runs a prefill's
     INT8-weight linears through the step kernels (W8A16 a slice at a time, W8A8 in one call on
     the GEMM schedule): every row equals, bit for bit, that row alone through the same kernel
     (a decode step). A slice that lost a row, a block or slab of the GEMM computed in another
@@ -154,17 +155,16 @@ def test_a_prefill_through_the_row_kernels_is_bit_for_bit_a_decode(
     from qspec_core.quant.int8 import Int8Linear
 
     monkeypatch.setenv("QSPEC_INT8_PREFILL", "rows")
+    ops = CpuOps(cpu_ext.load())  # (it asks for the prefill's path once, and keeps it)
     outer = Linear(192, out_features, bias=True)
     outer.int8 = Int8Linear.from_linear(outer)
     path = TARGET.with_weights(weights)
     x = torch.randn(1, rows, 192, generator=torch.Generator().manual_seed(rows))
     with torch.no_grad():
-        got = CPU_BACKEND.linear(outer, x, path)
-        alone = torch.cat(
-            [CPU_BACKEND.linear(outer, x[:, i : i + 1], path) for i in range(rows)], 1
-        )
+        got = ops.linear(outer, x, path)
+        alone = torch.cat([ops.linear(outer, x[:, i : i + 1], path) for i in range(rows)], 1)
     assert got.shape == (1, rows, out_features)
     assert torch.equal(got, alone)
     monkeypatch.setenv("QSPEC_INT8_PREFILL", "int8pack")  # (the bf16 kernel: not the same bits)
     with torch.no_grad():
-        assert not torch.equal(CPU_BACKEND.linear(outer, x, path), alone)
+        assert not torch.equal(CpuOps(cpu_ext.load()).linear(outer, x, path), alone)

@@ -1,21 +1,25 @@
-"""The whole-stack C++ decode step (`kernels/cpu/step.cpp`, `qspec_core/backend/cpu_stack.py`)
-against the CPU backend's Python layer loop it replaces: the same bits on every path and
-cache, through rotations and late queries, and never a stale weight after the model changes."""
+"""The whole-stack C++ decode step (`kernels/cpu/step.cpp`, `qspec_core/runner/cpu_stack.py`)
+against the model's own layer loop run with the CPU runner's ops, which it replaces: the same
+bits on every path and cache, through rotations and late queries; and the runner's explicit
+lifecycle: changes in place show at once, replaced tensors after `rebuild` (the runtime's `to`
+builds a new runner)."""
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
 from hf_tiny import ours_from_hf, tiny_hf
 
 from kernels.cpu import build as cpu_ext
-from qspec_core.backend import cpu_stack
 from qspec_core.cache.full import FullPrecisionCache
 from qspec_core.cache.hierarchical import HierarchicalKVCache
 from qspec_core.model.transformer import attach_draft, attach_int8, linear_layers
 from qspec_core.precision import DRAFT, DRAFT_KV4, DRAFT_W4, FP, TARGET, W8, W8_TARGET
 from qspec_core.quant.int4 import Int4Linear
 from qspec_core.quant.int8 import Int8Linear
+from qspec_core.registry.runtime import Runtime
+from qspec_core.runner import CpuRunner, build_runner
 
 pytestmark = pytest.mark.skipif(not cpu_ext.available(), reason="no C++ compiler here")
 
@@ -30,30 +34,30 @@ def _model(seed=0, **overrides):
     return model
 
 
-@pytest.fixture
-def python_loop(monkeypatch):
-    """Inside the `with`, decode steps take the Python layer loop."""
+class LoopRunner(CpuRunner):
+    """The CPU runner without its stack: every forward takes the model's layer loop with the
+    runner's ops (what the stack must equal, bit for bit)."""
 
-    class Loop:
-        def __enter__(self):
-            monkeypatch.setattr(cpu_stack, "stack_for", lambda model, weights: None)
-
-        def __exit__(self, *exc):
-            monkeypatch.undo()
-
-    return Loop()
+    def stack(self, weights):
+        return None
 
 
-def _used(model, path) -> bool:
-    return cpu_stack.stack_for(model, path.weights) is not None
+def _runners(model):
+    """(the CPU runner, its loop-only twin) of `model`."""
+    ext = cpu_ext.load()
+    return CpuRunner(model, ext), LoopRunner(model, ext)
 
 
-def _rounds(model, cache, path, ids, steps, commit=True):
+def _used(runner, path) -> bool:
+    return runner.stack(path.weights) is not None
+
+
+def _rounds(runner, cache, path, ids, steps, commit=True):
     """Feeds ids in the given [start, stop) steps; returns the logits of all of them."""
     out = []
     with torch.no_grad():
         for start, stop in steps:
-            out.append(model(ids[:, start:stop], torch.arange(start, stop), cache, path))
+            out.append(runner(ids[:, start:stop], torch.arange(start, stop), cache, path))
             if commit:
                 cache.commit(stop)
     return torch.cat(out, 1)
@@ -87,140 +91,151 @@ STEPS += [(130, 135), (135, 136), (136, 141), (141, 149), (149, 150)]
         ("full", W8.with_weights("w8a8")),
     ],
 )
-def test_stack_gives_the_python_loops_bits(cache_kind, path, python_loop):
+def test_stack_gives_the_layer_loops_bits(cache_kind, path):
     model = _model()
     if path.weights in ("int8", "w8a8"):
         layers = linear_layers(model)
         attach_int8(model, {n: Int8Linear.from_linear(m) for n, m in layers.items()})
+    runner, loop = _runners(model)
     ids = torch.randint(0, 101, (1, 150), generator=torch.Generator().manual_seed(1))
     make = _full if cache_kind == "full" else _hier
-    with python_loop:
-        want = _rounds(model, make(model), path, ids, STEPS)
-    assert _used(model, path)
-    got = _rounds(model, make(model), path, ids, STEPS)
+    want = _rounds(loop, make(model), path, ids, STEPS)
+    assert _used(runner, path)
+    got = _rounds(runner, make(model), path, ids, STEPS)
     assert torch.equal(got, want)
 
 
-def test_a_draft_without_some_4bit_twins_runs_their_int8_twins(python_loop):
+def test_a_draft_without_some_4bit_twins_runs_their_int8_twins():
     """A recipe that keeps attention and lm_head out of the 4-bit draft (`gptq-mlp`): those
-    layers draft on their INT8 twins (W8A8), in the stack exactly as in the Python loop; a
-    twin replaced afterwards is seen."""
+    layers draft on their INT8 twins (W8A8), in the stack exactly as in the layer loop; a
+    twin replaced afterwards is seen once the runner rebuilds."""
     model = _model(seed=8)
     layers = linear_layers(model)
     attach_int8(model, {n: Int8Linear.from_linear(m) for n, m in layers.items()})
     for name, layer in layers.items():
         if ".mlp." not in name:
             layer.draft = None
+    runner, loop = _runners(model)
     ids = torch.randint(0, 101, (1, 150), generator=torch.Generator().manual_seed(9))
-    with python_loop:
-        want = _rounds(model, _hier(model), DRAFT, ids, STEPS)
-    assert _used(model, DRAFT)
-    got = _rounds(model, _hier(model), DRAFT, ids, STEPS)
+    want = _rounds(loop, _hier(model), DRAFT, ids, STEPS)
+    assert _used(runner, DRAFT)
+    got = _rounds(runner, _hier(model), DRAFT, ids, STEPS)
     assert torch.equal(got, want)
     q = model.layers[0].self_attn.q_proj
     q.int8 = Int8Linear.from_linear(torch.nn.Linear(128, q.out_features, bias=False))
-    with python_loop:
-        want2 = _rounds(model, _hier(model), DRAFT, ids, STEPS[:4])
-    got2 = _rounds(model, _hier(model), DRAFT, ids, STEPS[:4])
+    runner.rebuild()
+    want2 = _rounds(loop, _hier(model), DRAFT, ids, STEPS[:4])
+    got2 = _rounds(runner, _hier(model), DRAFT, ids, STEPS[:4])
     assert torch.equal(got2, want2) and not torch.equal(got2, got[:, : got2.shape[1]])
 
 
-def test_speculative_rounds_with_rollbacks_and_late_queries(python_loop):
+def test_speculative_rounds_with_rollbacks_and_late_queries():
     """Draft steps run past the committed length (late queries see F1 quantized on the fly),
     the verify rewrites them, the cache rolls back: the same logits and the same cache."""
     model = _model(seed=2)
     ids = torch.randint(0, 101, (1, 300), generator=torch.Generator().manual_seed(3))
 
-    def rounds():
+    def rounds(runner):
         cache = _hier(model)
-        out = [_rounds(model, cache, TARGET, ids, [(0, 64), (64, 126)])]
+        out = [_rounds(runner, cache, TARGET, ids, [(0, 64), (64, 126)])]
         with torch.no_grad():
             for n in range(126, 270, 3):  # 4 drafts, a verify of 5, keep 3 of them
                 for p in range(n, n + 4):
-                    out.append(model(ids[:, p : p + 1], torch.tensor([p]), cache, DRAFT))
+                    out.append(runner(ids[:, p : p + 1], torch.tensor([p]), cache, DRAFT))
                 pos = torch.arange(n, n + 5)
-                out.append(model(ids[:, n : n + 5], pos, cache, TARGET))
+                out.append(runner(ids[:, n : n + 5], pos, cache, TARGET))
                 cache.truncate(n + 3)
                 cache.commit(n + 3)
         return torch.cat(out, 1), cache.state(), cache.meta()
 
-    with python_loop:
-        want, want_state, want_meta = rounds()
-    got, state, meta = rounds()
+    runner, loop = _runners(model)
+    want, want_state, want_meta = rounds(loop)
+    got, state, meta = rounds(runner)
     assert torch.equal(got, want)
     assert meta == want_meta and meta["n_quant"] >= 192  # rotated on the way
     for name, t in want_state.items():
         assert torch.equal(state[name], t), name
 
 
-def test_a_changed_model_never_runs_stale_weights(python_loop):
+def test_changes_in_place_show_and_replaced_tensors_after_a_rebuild():
+    """The stack holds the model's tensors themselves: an in-place change shows at the next
+    step. A tensor or twin replaced (load_state_dict(assign=True), a new Parameter, a new
+    twin) shows once the runner rebuilds, explicitly: nothing is checked behind the call."""
     model = _model(seed=4)
+    runner, loop = _runners(model)
     ids = torch.randint(0, 101, (1, 70), generator=torch.Generator().manual_seed(5))
     steps = [(0, 64), (64, 65), (65, 70)]
 
     def both(path):
-        with python_loop:
-            want = _rounds(model, _hier(model), path, ids, steps)
-        got = _rounds(model, _hier(model), path, ids, steps)
+        want = _rounds(loop, _hier(model), path, ids, steps)
+        got = _rounds(runner, _hier(model), path, ids, steps)
+        assert _used(runner, path)
         return got, want
 
     got, want = both(TARGET)
     assert torch.equal(got, want)
-    # in place, by load_state_dict, by a new Parameter, a new twin: each must show
     with torch.no_grad():
         model.layers[0].mlp.down_proj.weight.mul_(1.5)
-    got2, want2 = both(TARGET)
+    got2, want2 = both(TARGET)  # (no rebuild)
     assert torch.equal(got2, want2) and not torch.equal(got2, got)
     state = {k: v * 0.9 if "q_proj.weight" in k else v for k, v in model.state_dict().items()}
     model.load_state_dict(state, assign=True)
+    runner.rebuild()
     got3, want3 = both(TARGET)
     assert torch.equal(got3, want3) and not torch.equal(got3, got2)
     layer = model.layers[1].self_attn.o_proj
     layer.weight = torch.nn.Parameter(layer.weight * 0.5, requires_grad=False)
+    runner.rebuild()
     got4, want4 = both(TARGET)
     assert torch.equal(got4, want4) and not torch.equal(got4, got3)
     d1, _ = both(DRAFT)
     up = model.layers[0].mlp.up_proj
     up.draft = Int4Linear.from_linear(torch.nn.Linear(128, 192, bias=False), 64)
+    runner.rebuild()
     d2, want_d2 = both(DRAFT)
     assert torch.equal(d2, want_d2) and not torch.equal(d2, d1)
 
 
-def test_paths_the_stack_does_not_run_fall_back(python_loop):
-    """AWQ-scaled twins, INT8 twins the int8 kernel cannot take and hooks take the Python loop
-    (and still work); each weight set has its own stack."""
+def test_paths_the_stack_does_not_run_take_the_layer_loop():
+    """AWQ-scaled twins and INT8 twins the int8 kernel cannot take run the model's layer loop
+    with the runner's ops (and still work); each weight set has its own stack."""
     model = _model(seed=6)
-    assert _used(model, TARGET) and _used(model, DRAFT)
     attach_int8(model, {n: Int8Linear.from_linear(m) for n, m in linear_layers(model).items()})
-    full = cpu_stack.stack_for(model, "full")
-    assert _used(model, W8_TARGET) and cpu_stack.stack_for(model, "int8") is not full
+    runner, loop = _runners(model)
+    assert _used(runner, TARGET) and _used(runner, DRAFT)
+    full = runner.stack("full")
+    assert _used(runner, W8_TARGET) and runner.stack("int8") is not full
     twin = Int8Linear.from_linear(torch.nn.Linear(128, 128))
     twin.weight_int8 = twin.weight_int8.t().contiguous().t()  # a layout the kernel refuses
     model.layers[0].self_attn.q_proj.int8 = twin
-    assert not _used(model, W8_TARGET)
-    assert _used(model, TARGET) and cpu_stack.stack_for(model, "full") is full
     proj = model.layers[1].self_attn.k_proj
     proj.draft = proj.draft.with_scales(torch.rand(128) + 0.5)
-    assert not _used(model, DRAFT) and _used(model, TARGET)
-    seen = []
-    handle = model.layers[0].mlp.gate_proj.register_forward_hook(lambda m, i, o: seen.append(1))
-    assert not _used(model, TARGET)
-    ids = torch.randint(0, 101, (1, 3))
-    with torch.no_grad():
-        model(ids, torch.arange(3), _full(model), FP)
-    assert seen == [1]
-    handle.remove()
-    assert _used(model, TARGET)
+    runner.rebuild()
+    assert not _used(runner, W8_TARGET) and not _used(runner, DRAFT)
+    assert _used(runner, TARGET) and runner.stack("full") is not full  # (rebuilt)
+    ids = torch.randint(0, 101, (1, 70), generator=torch.Generator().manual_seed(7))
+    steps = [(0, 64), (64, 65), (65, 70)]
+    for path in (W8_TARGET, DRAFT):
+        want = _rounds(loop, _hier(model), path, ids, steps)
+        assert torch.equal(_rounds(runner, _hier(model), path, ids, steps), want)
 
 
-def test_dtype_change_drops_the_stacks():
+def test_the_runtime_builds_a_new_runner_when_it_moves_the_model():
+    """`Runtime.to` casts the model and builds its runner again (the model has no `_apply`
+    hook of its own); the old runner's stacks are dropped, the new one runs the new tensors.
+    The model deep-copies with no C++ object on it."""
     model = _model(seed=7)
-    assert _used(model, FP)
-    copy.deepcopy(model)  # (the C++ stack lives beside the model, not on it)
-    model.to(torch.bfloat16)
-    assert model not in cpu_stack._STACKS
-    model.float()
+    runtime = Runtime(model, build_runner(model), None, Path("."), "tiny")
+    old = runtime.runner
+    assert _used(old, FP)
+    copy.deepcopy(model)  # (the C++ stack lives in the runner, not on the model)
+    runtime.to(dtype=torch.bfloat16)
+    assert runtime.runner is not old and not old._stacks
+    assert model.dtype == torch.bfloat16 and not _used(runtime.runner, FP)  # (fp32 only)
+    runtime.to(dtype=torch.float32)
     ids = torch.randint(0, 101, (1, 4))
     with torch.no_grad():
-        out = model(ids, torch.arange(4), _full(model), FP)
-    assert out.dtype == torch.float32 and _used(model, FP)
+        out = runtime.runner(ids, torch.arange(4), _full(model), FP)
+        want = model(ids, torch.arange(4), _full(model), FP)
+    assert out.dtype == torch.float32 and _used(runtime.runner, FP)
+    torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)

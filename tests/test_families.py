@@ -1,17 +1,16 @@
 """Every model family against transformers' own implementation, on tiny random checkpoints
 made here: logits within tolerance, and greedy tokens identical through qspec's generation
 paths (`ar` on the full-precision cache; `target-ar` and `quantspec` on the hierarchical
-cache, with a 4-bit RTN draft), with the C++ kernels built where the machine can. Families
-whose layer the C++ kernels do not compute (`LayerSpec.native_ok()` false) must run their
-plain PyTorch forward, never the native one. Adding a family: its file in
-`qspec_core/families/` and a line in FAMILIES below."""
+cache, with a 4-bit RTN draft), on the runner `build_runner` gives (the C++ kernels where the
+machine has them). Families whose layer the C++ kernels do not compute (`LayerSpec.native_ok()`
+false) must get the torch runner (their plain PyTorch forward), never the native one. Adding a
+family: its file in `qspec_core/families/` and a line in FAMILIES below."""
 
 import pytest
 import torch
 from hf_tiny import ours_from_hf, tiny_hf
 
 from kernels.cpu import build as cpu_ext
-from qspec_core.backend import CPU_BACKEND, cpu_stack
 from qspec_core.cache.full import FullPrecisionCache
 from qspec_core.cache.hierarchical import HierarchicalKVCache
 from qspec_core.config import SUPPORTED_MODEL_TYPES, ModelConfig
@@ -23,6 +22,7 @@ from qspec_core.families import FAMILIES
 from qspec_core.model.transformer import attach_draft, linear_layers
 from qspec_core.precision import TARGET
 from qspec_core.quant.int4 import Int4Linear
+from qspec_core.runner import CpuRunner, TorchRunner, build_runner
 
 # model_type -> the HF config overrides its tiny checkpoint takes (head_dim 16: 64 / 4 heads)
 CASES = {
@@ -91,12 +91,13 @@ def test_logits_match_transformers(case):
         cache = FullPrecisionCache(ours.config, 48, batch_size=2, dtype=torch.float32)
         got = ours(tokens, torch.arange(40), cache)
     assert (got - expected).abs().max() <= 1e-4 * expected.abs().max()
-    # a decode step: the native C++ path where the layer allows it, else plain PyTorch
-    step = tokens[:1, :1]
+    # the native C++ runner (and its one-call stack) where the layer allows it, else plain PyTorch
+    runner = build_runner(ours)
     if cpu_ext.available():
-        with torch.inference_mode():
-            assert CPU_BACKEND.serves(ours, step) == native
-        assert (cpu_stack.stack_for(ours, "full") is not None) == native
+        assert isinstance(runner, CpuRunner) == native
+        assert not native or runner.stack("full") is not None
+    else:
+        assert isinstance(runner, TorchRunner)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -108,22 +109,24 @@ def test_greedy_tokens_match_transformers_in_every_mode(case):
     params, gen = SamplingParams(), torch.Generator().manual_seed(0)
 
     size = len(prompt) + N_NEW + 8
+    runner = build_runner(model)
     cache = FullPrecisionCache(model.config, size, dtype=torch.float32)
-    logits = prefill(model, cache, prompt, 0)
-    assert list(decode(model, cache, logits, len(prompt), N_NEW, params, gen)) == expected  # ar
+    logits = prefill(runner, cache, prompt, 0)
+    assert list(decode(runner, cache, logits, len(prompt), N_NEW, params, gen)) == expected  # ar
 
     drafts = {n: Int4Linear.from_linear(m, 32) for n, m in linear_layers(model).items()}
     attach_draft(model, drafts)
+    runner = build_runner(model)  # (built after the twins are attached, as the runtime does)
     runs = {}
     for mode in ("target-ar", "quantspec"):
         cache = HierarchicalKVCache(model.config, size, dtype=torch.float32)
-        logits = prefill_hierarchical(model, cache, prompt)
+        logits = prefill_hierarchical(runner, cache, prompt)
         if mode == "target-ar":
-            out = decode(model, cache, logits, len(prompt), N_NEW, params, gen, path=TARGET)
+            out = decode(runner, cache, logits, len(prompt), N_NEW, params, gen, path=TARGET)
         else:
             stats = SpecStats()
             out = speculative_decode(
-                model, cache, logits, len(prompt), N_NEW, params, gen, gamma=4, stats=stats
+                runner, cache, logits, len(prompt), N_NEW, params, gen, gamma=4, stats=stats
             )
         runs[mode] = list(out)
     assert runs["quantspec"] == runs["target-ar"]

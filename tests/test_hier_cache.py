@@ -24,6 +24,7 @@ from qspec_core.cache.full import FullPrecisionCache
 from qspec_core.cache.hierarchical import CommitInvariantError, HierarchicalKVCache
 from qspec_core.engine.generate import prefill, prefill_hierarchical
 from qspec_core.precision import DRAFT_KV4, FP, TARGET, Precision
+from qspec_core.runner import build_runner
 
 # The paths of a model without 4-bit weights: full weights over the INT8 or the INT4 view.
 PATHS = {"target": TARGET, "draft": DRAFT_KV4}
@@ -69,7 +70,9 @@ def test_reference_attention_equals_dense(n_kv, rep, D, n_quant, n_fp, T, kv):
 
 
 def _tiny(**kw):
-    return ours_from_hf(tiny_hf("llama", **kw))  # head_dim 16 -> G = 16
+    """A tiny model's runner (what qspec runs it with: the C++ kernels where built); it has
+    the model's `config` and call."""
+    return build_runner(ours_from_hf(tiny_hf("llama", **kw)))  # head_dim 16 -> G = 16
 
 
 def _cache(model, size=160, **kw):
@@ -318,7 +321,7 @@ class _Float64Reference:
     dequantized exactly: `error_model.hier_attention64`)."""
 
     def __init__(self, model, monkeypatch):
-        self.model = copy.deepcopy(model).double()
+        self.model = copy.deepcopy(model.model).double()  # (the runner's model, plain)
         for module in self.model.modules():
             if type(module).__name__ == "RMSNorm":
                 module.forward = partial(_rms_norm64, module)

@@ -36,7 +36,7 @@ def test_convert_writes_int8_weights_and_their_metadata(tiny_model_dir):
 
 
 def test_int8_target_changes_the_logits(tiny_int8):
-    model = tiny_int8.model
+    model = tiny_int8.runner
     ids = torch.tensor([[5, 17, 300, 42, 7]])
     from qspec_core.cache.full import FullPrecisionCache
 
@@ -123,7 +123,7 @@ def test_int8_weights_perplexity_cost_is_small(default_converted):
     rt = load_runtime(None, dtype="fp32", log=lambda m: None, need_draft=True)
     before = {n: t.data_ptr() for n, t in rt.model.state_dict().items()}
     ids = rt.tokenizer.encode(read_document(DATA / "apache-2.0.txt"))[:768]
-    q = measure_kv_quality(rt.model, ids)
+    q = measure_kv_quality(rt.model, ids, runner=rt.runner)
     assert {"w8", "w8-target"} <= q.perplexity.keys()
     for name in ("w8", "w8-target"):
         assert q.perplexity[name] != q.perplexity["fp"]
@@ -143,7 +143,7 @@ def test_a_snapshot_prefill_runs_on_the_target_weights(tiny_int8):
     states = {}
     for weights in ("int8", "full"):
         own = HierarchicalKVCache(tiny_int8.model.config, cache.max_seq_len, dtype=torch.float32)
-        prefill_hierarchical(tiny_int8.model, own, ids, weights=weights)
+        prefill_hierarchical(tiny_int8.runner, own, ids, weights=weights)  # (as the session)
         states[weights] = own.state()
     got = cache.state()
     assert all(torch.equal(got[k], t) for k, t in states["int8"].items())

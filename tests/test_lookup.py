@@ -15,6 +15,7 @@ from qspec_core.engine.sampling import SamplingParams, probabilities
 from qspec_core.engine.speculative import SpecStats, speculative_decode
 from qspec_core.engine.verify import residual_distribution, verify_sampling
 from qspec_core.precision import TARGET
+from qspec_core.runner import build_runner
 
 
 def brute_force(seq: list[int], k: int, lo: int, hi: int) -> list[int]:
@@ -99,12 +100,13 @@ def test_point_mass_verify_frequencies_follow_the_target():
 
 
 def _run_lookup(model, prompt, n_new, params=SamplingParams(), seed=0, lookup_min=3, **kw):
+    runner = build_runner(model)  # (as `_run`: the C++ kernels where built)
     cache = HierarchicalKVCache(model.config, len(prompt) + n_new + 8, dtype=torch.float32)
-    logits = prefill_hierarchical(model, cache, prompt)
+    logits = prefill_hierarchical(runner, cache, prompt)
     index = DocumentLookup(prompt, min_ngram=lookup_min)
     stats = kw.pop("stats", SpecStats())
     out = speculative_decode(
-        model, cache, logits, len(prompt), n_new, params, _g(seed), lookup=index, stats=stats, **kw
+        runner, cache, logits, len(prompt), n_new, params, _g(seed), lookup=index, stats=stats, **kw
     )
     return list(out), cache, stats
 

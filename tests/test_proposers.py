@@ -18,6 +18,7 @@ from qspec_core.engine.proposers import RoundContext
 from qspec_core.engine.sampling import SamplingParams
 from qspec_core.engine.speculative import SpecStats, speculative_decode
 from qspec_core.precision import DRAFT, DRAFT_KV4, DRAFT_W4, FP, TARGET
+from qspec_core.runner import build_runner
 
 
 class Oracle:
@@ -50,11 +51,12 @@ class Oracle:
 
 
 def _decode(model, prompt, n_new, **kw):
+    runner = build_runner(model)  # (as `_run`: the C++ kernels where built)
     cache = HierarchicalKVCache(model.config, len(prompt) + n_new + 8, dtype=torch.float32)
-    logits = prefill_hierarchical(model, cache, prompt)
+    logits = prefill_hierarchical(runner, cache, prompt)
     stats = SpecStats()
     out = speculative_decode(
-        model, cache, logits, len(prompt), n_new, SamplingParams(), _g(0), stats=stats, **kw
+        runner, cache, logits, len(prompt), n_new, SamplingParams(), _g(0), stats=stats, **kw
     )
     return list(out), cache, stats
 

@@ -32,7 +32,7 @@ def test_greedy_continuation_equals_transformers(real_runtime, hf_model):
         expected = hf_model.generate(
             torch.tensor([ids]), max_new_tokens=n_new, do_sample=False, min_new_tokens=n_new
         )[0, len(ids) :].tolist()
-    model = real_runtime.model
+    model = real_runtime.runner  # (what qspec runs: the C++ kernels where built)
     cache = FullPrecisionCache(model.config, len(ids) + n_new, dtype=model.dtype)
     logits = prefill(model, cache, ids, 0, chunk_size=128)
     got = list(decode(model, cache, logits, len(ids), n_new, SamplingParams(), None))
@@ -44,7 +44,7 @@ def test_prefill_logits_match_transformers(real_runtime, hf_model):
     ids = real_runtime.tokenizer.encode((DATA / "apache-2.0.txt").read_text()[:3000])
     with torch.no_grad():
         expected = hf_model(torch.tensor([ids])).logits[0, -1]
-    model = real_runtime.model
+    model = real_runtime.runner
     cache = FullPrecisionCache(model.config, len(ids), dtype=model.dtype)
     got = prefill(model, cache, ids, 0, chunk_size=100)
     assert (got - expected).abs().max() < 1e-3 * expected.abs().max()
@@ -181,16 +181,16 @@ def test_real_verify_logits_equal_one_token_at_a_time(default_converted, dtype):
         for _ in range(2):
             cache = HierarchicalKVCache(rt.model.config, 512, dtype=rt.model.dtype)
             with torch.no_grad():
-                prefill(rt.model, cache, prompt, 0, path, chunk_size=cache.group_size)
+                prefill(rt.runner, cache, prompt, 0, path, chunk_size=cache.group_size)
             cache.commit(len(prompt))
             caches.append(cache)
         n = len(prompt)
         with torch.no_grad():
             pos = torch.arange(n, n + 17)
-            together = rt.model(torch.tensor([following]), pos, caches[0], path)[0]
+            together = rt.runner(torch.tensor([following]), pos, caches[0], path)[0]
             alone = torch.cat(
                 [
-                    rt.model(torch.tensor([[t]]), torch.tensor([n + i]), caches[1], path)[0]
+                    rt.runner(torch.tensor([[t]]), torch.tensor([n + i]), caches[1], path)[0]
                     for i, t in enumerate(following)
                 ]
             )
@@ -213,7 +213,7 @@ def test_kv_views_quality_on_the_real_model(real_runtime):
     from qspec_core.bench.quality import measure_kv_quality
 
     ids = real_runtime.tokenizer.encode((DATA / "gpl-3.0.txt").read_text())[:640]
-    q = measure_kv_quality(real_runtime.model, ids)
+    q = measure_kv_quality(real_runtime.model, ids, runner=real_runtime.runner)
     assert q.perplexity["target"] < 1.01 * q.perplexity["fp"]
     assert q.kl_vs_fp["target"] < q.kl_vs_fp["draft"] / 10
     assert q.top1_vs_fp["target"] > 0.97 and q.top1_draft_vs_target > 0.85

@@ -16,6 +16,7 @@ from qspec_core.model.checkpoint import build_model
 from qspec_core.model.transformer import attach_draft, linear_layers
 from qspec_core.precision import FP, TARGET
 from qspec_core.quant.int4 import Int4Linear
+from qspec_core.runner import build_runner
 
 
 def _g(seed):
@@ -37,14 +38,15 @@ def _model(vocab=101, seed=0, **kw):
 def _run(
     model, prompt, n_new, mode, gamma=4, params=SamplingParams(), seed=0, verifier=None, stats=None
 ):
+    runner = build_runner(model)  # (the C++ kernels where built: what `qspec` runs)
     cache = HierarchicalKVCache(model.config, len(prompt) + n_new + 8, dtype=torch.float32)
-    logits = prefill_hierarchical(model, cache, prompt)
+    logits = prefill_hierarchical(runner, cache, prompt)
     gen = _g(seed)
     if mode == "target-ar":
-        out = decode(model, cache, logits, len(prompt), n_new, params, gen, path=TARGET)
+        out = decode(runner, cache, logits, len(prompt), n_new, params, gen, path=TARGET)
     else:
         out = speculative_decode(
-            model,
+            runner,
             cache,
             logits,
             len(prompt),
@@ -184,25 +186,29 @@ def test_transactions_leave_exactly_the_committed_kv(pattern):
 def test_cancel_between_draft_and_verify_restores_the_committed_cache():
     model = _model()
     prompt = torch.randint(0, 101, (30,), generator=_g(5)).tolist()
+    runner = build_runner(model)
     cache = HierarchicalKVCache(model.config, 80, dtype=torch.float32)
-    logits = prefill_hierarchical(model, cache, prompt)
-    calls = {"n": 0}
-    original_forward = model.forward
+    logits = prefill_hierarchical(runner, cache, prompt)
 
-    def interrupting_forward(tokens, input_pos, c, path=FP, last_only=False):
-        if path == TARGET and tokens.shape[1] > 1:
-            calls["n"] += 1
-            if calls["n"] == 3:  # the third verify: drafts are written, verify not yet
-                raise KeyboardInterrupt
-        return original_forward(tokens, input_pos, c, path, last_only)
+    class Interrupting:
+        """The runner, until the third verify: drafts are written, the verify not yet."""
 
-    model.forward = interrupting_forward
-    gen = speculative_decode(model, cache, logits, 30, 50, SamplingParams(), None, gamma=4)
+        config, device, dtype = model.config, model.device, model.dtype
+        verifies = 0
+
+        def __call__(self, tokens, input_pos, c, path=FP, last_only=False):
+            if path == TARGET and tokens.shape[1] > 1:
+                self.verifies += 1
+                if self.verifies == 3:
+                    raise KeyboardInterrupt
+            return runner(tokens, input_pos, c, path, last_only)
+
+    interrupting = Interrupting()
+    gen = speculative_decode(interrupting, cache, logits, 30, 50, SamplingParams(), None, gamma=4)
     emitted = []
     with pytest.raises(KeyboardInterrupt):
         for t in gen:
             emitted.append(t)
-    model.forward = original_forward
     assert cache.seq_len == cache.committed and cache.fp_len == [cache.fp_len[0]] * 2
     # continuing from the committed state gives exactly the uninterrupted output
     full, _ = _run(model, prompt, 50, "target-ar")
@@ -210,11 +216,11 @@ def test_cancel_between_draft_and_verify_restores_the_committed_cache():
     n_cached = cache.seq_len
     assert n_cached == 30 + len(emitted) - 1  # the last emitted token is pending
     with torch.no_grad():
-        logits = model(torch.tensor([[emitted[-1]]]), torch.tensor([n_cached]), cache, TARGET)[
+        logits = runner(torch.tensor([[emitted[-1]]]), torch.tensor([n_cached]), cache, TARGET)[
             0, -1
         ]
     cache.commit(n_cached + 1)
     resumed = list(
-        decode(model, cache, logits, n_cached + 1, 5, SamplingParams(), None, path=TARGET)
+        decode(runner, cache, logits, n_cached + 1, 5, SamplingParams(), None, path=TARGET)
     )
     assert resumed == full[len(emitted) : len(emitted) + 5]

@@ -1,6 +1,6 @@
 """W8A16: per-channel INT8 quantization (`kernels/formats.py`), the PyTorch twin, the Triton
 kernel under the interpreter, and the CPU paths of an INT8 linear: qspec's batch-invariant
-kernel for a step's rows (at most `cpu_linear.MAX_ROWS`, chosen by the CPU backend), torch's
+kernel for a step's rows (at most `cpu_linear.MAX_ROWS`, chosen by the CPU runner), torch's
 int8 kernel for more (prefill, `Int8Linear.forward`).
 
 conftest.py sets TRITON_INTERPRET=1 before any import, so `_launch` really runs Triton here.
@@ -18,13 +18,13 @@ from kernels.cpu import linear as cpu_linear
 from kernels.formats import dequantize_int8, quantize_int8
 from kernels.triton import w8a16
 from kernels.triton.w8a16 import _launch, w8a16_matmul, w8a16_ref
-from qspec_core.backend.cpu import CPU_BACKEND
 from qspec_core.errors import QspecError
 from qspec_core.model.transformer import Linear
 from qspec_core.precision import W8
 from qspec_core.quant import int8 as int8_linear
 from qspec_core.quant import prefill_choice
 from qspec_core.quant.int8 import Int8Linear
+from qspec_core.runner.cpu import CpuOps
 
 BF16_U = 2.0**-9  # unit roundoff of bf16 (8 significant bits, round to nearest)
 
@@ -152,11 +152,11 @@ def test_cpu_step_rows_use_the_fp32_kernel(m, dtype, op_calls):
     plus the final rounding to x.dtype."""
     k, n = 576, 96
     layer = make_layer(k, n, bias=True, seed=m)
-    outer = Linear(k, n, bias=True)  # the model's linear; the CPU backend picks the kernel
+    outer = Linear(k, n, bias=True)  # the model's linear; the CPU runner picks the kernel
     outer.int8 = layer
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
     with torch.no_grad():
-        y = CPU_BACKEND.linear(outer, x, W8)
+        y = CpuOps(cpu_ext.load()).linear(outer, x, W8)
     assert y.shape == (m, n) and y.dtype == dtype and op_calls == []
     exact = fp64_reference(x, layer)
     out_u = 2.0**-24 if dtype == torch.float32 else 2.0**-8  # half an ulp of the output
@@ -346,7 +346,7 @@ def test_w8a8_rows_and_prefill_round_the_activations_alike(m, op_calls):
     outer.int8 = layer
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
     with torch.no_grad():
-        y = CPU_BACKEND.linear(outer, x, W8.with_weights("w8a8"))
+        y = CpuOps(cpu_ext.load()).linear(outer, x, W8.with_weights("w8a8"))
         ref = w8a16_ref(quantize_activations(x), layer.weight_int8, layer.weight_scale, layer.bias)
         w8a16 = w8a16_ref(x, layer.weight_int8, layer.weight_scale, layer.bias)
     assert (op_calls == []) == (m <= cpu_linear.MAX_ROWS)  # the step kernel; else PyTorch's

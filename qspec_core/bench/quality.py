@@ -35,9 +35,11 @@ class KVQuality:
 
 
 def measure_kv_quality(
-    model: Transformer, ids: list[int], group_size: int | None = None, on_path=None
+    model: Transformer, ids: list[int], group_size: int | None = None, on_path=None, runner=None
 ) -> KVQuality:
-    """Perplexity, KL and top-1 agreement of the target (INT8) and draft (INT4) KV views."""
+    """Perplexity, KL and top-1 agreement of the target (INT8) and draft (INT4) KV views.
+    `runner` runs the forwards (the runtime's; default: the model itself, its reference)."""
+    runner = runner or model
     config = model.config
     G = group_size or config.head_dim
     targets = torch.tensor(ids[1:], device=model.device)
@@ -57,7 +59,7 @@ def measure_kv_quality(
             cache = FullPrecisionCache(config, len(ids), dtype=model.dtype, device=model.device)
         else:
             cache = HierarchicalKVCache(config, len(ids), G, dtype=model.dtype, device=model.device)
-        logits[name] = forward_logits(model, cache, ids, path, G)[:-1]  # predict ids[1:]
+        logits[name] = forward_logits(runner, cache, ids, path, G)[:-1]  # predict ids[1:]
     logp = {p: torch.log_softmax(x, -1) for p, x in logits.items()}
     ppl = {p: math.exp(float(-lp.gather(-1, targets[:, None]).mean())) for p, lp in logp.items()}
     p_fp = logp["fp"].exp()

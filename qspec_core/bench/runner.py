@@ -276,36 +276,39 @@ def run_once(
     return _run_once(runtime, mode_name, prompt, gen, config, seed)
 
 
-def start_decode(model, mode_name: str, prompt: list[int], gen: int, config, seed, timer):
+def start_decode(runner, mode_name: str, prompt: list[int], gen: int, config, seed, timer):
     """Prefill `prompt` into a fresh cache of the mode's kind (timed as stage "prefill") and
-    start decoding: returns (cache, the lazy generator of `gen` token ids, the round stats of a
-    speculative mode or None). Nothing is decoded until the generator is iterated."""
+    start decoding, every forward through `runner` (`qspec_core.runner.Runner`): returns
+    (cache, the lazy generator of `gen` token ids, the round stats of a speculative mode or
+    None). Nothing is decoded until the generator is iterated."""
     plan = config.plan(mode_name)
     target = plan.target
-    cache = plan.new_cache(model, len(prompt) + gen, config.group_size)
+    cache = plan.new_cache(runner, len(prompt) + gen, config.group_size)
     with timer.stage("prefill"):
         if isinstance(cache, HierarchicalKVCache):
-            logits = prefill_hierarchical(model, cache, prompt, weights=target.weights, timer=timer)
+            logits = prefill_hierarchical(
+                runner, cache, prompt, weights=target.weights, timer=timer
+            )
         else:
-            logits = prefill(model, cache, prompt, 0, target)
+            logits = prefill(runner, cache, prompt, 0, target)
             timer.add("prefill.attention", getattr(cache, "attention_seconds", 0.0))
-    generator = torch.Generator(device=model.device).manual_seed(seed)
+    generator = torch.Generator(device=runner.device).manual_seed(seed)
     tokens, stats = plan.start(
-        model, cache, logits, prompt, gen, config.params, generator, (), timer
+        runner, cache, logits, prompt, gen, config.params, generator, (), timer
     )
     return cache, tokens, stats
 
 
 def _run_once(runtime, mode_name, prompt, gen, config, seed) -> Run:
     mode = MODES[mode_name]
-    model = runtime.model
-    cuda = model.device.type == "cuda"
+    cuda = runtime.model.device.type == "cuda"
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     timer = StageTimer()
     start = time.perf_counter()
-    cache, tokens, stats = start_decode(model, mode_name, prompt, gen, config, seed, timer)
+    runner = runtime.runner
+    cache, tokens, stats = start_decode(runner, mode_name, prompt, gen, config, seed, timer)
     first = None
     out = []
     for token in tokens:

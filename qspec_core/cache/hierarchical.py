@@ -254,7 +254,7 @@ class HierarchicalKVCache(torch.nn.Module):
 
     def step_plan(self, input_pos: torch.Tensor, path: Precision, n_tokens: int):
         """For a decode-sized forward on CPU: does every layer's bookkeeping of `attend` now
-        and returns the `HierStep` the C++ stack reads (the CPU backend runs all layers in one
+        and returns the `HierStep` the C++ stack reads (the CPU runner runs all layers in one
         call); None when this forward must go layer by layer (layers out of step, no fused
         kernel, a forward longer than G, a bad path: `attend` raises)."""
         kv = getattr(path, "kv", None)

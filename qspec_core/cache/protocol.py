@@ -8,8 +8,8 @@ packed planes) and which planes the attention reads.
 
 A cache may also offer `step_plan(input_pos, path, n_tokens)`: for a decode-sized forward
 on CPU it does every layer's bookkeeping at once and returns what the C++ stack reads of it
-(`FullStep`, `HierStep`), so that the CPU backend runs all layers in one C++ call
-(`qspec_core/backend/cpu.py`); or None to go layer by layer through `attend`.
+(`FullStep`, `HierStep`), so that the CPU runner runs all layers in one C++ call
+(`qspec_core/runner/cpu.py`); or None to go layer by layer through `attend`.
 """
 
 from __future__ import annotations

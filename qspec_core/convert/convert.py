@@ -77,7 +77,9 @@ def default_group_size(model: Transformer) -> int:
 
 
 def _forward_logits(model: Transformer, ids: list[int], path: Precision) -> torch.Tensor:
-    """All-position logits [T, V] with full-precision KV (weights per `path`)."""
+    """All-position logits [T, V] with full-precision KV (weights per `path`), from the model
+    itself: conversion runs with no runner, so the calibration hooks (`HessianCollector`,
+    `ActivationCollector`) see every linear's module call on PyTorch's ops."""
     cache = FullPrecisionCache(model.config, len(ids), dtype=model.dtype, device=model.device)
     return forward_logits(model, cache, ids, path, 512)
 

@@ -1,4 +1,7 @@
-"""Autoregressive generation over a preallocated cache: chunked prefill, then token by token."""
+"""Autoregressive generation over a preallocated cache: chunked prefill, then token by token.
+
+Every forward goes through a `Runner` (`qspec_core/runner/`: the runtime's, or the model
+itself for its PyTorch reference)."""
 
 from __future__ import annotations
 
@@ -10,8 +13,8 @@ from qspec_core.cache.full import FullPrecisionCache
 from qspec_core.cache.hierarchical import HierarchicalKVCache
 from qspec_core.cache.protocol import KVCache
 from qspec_core.engine.sampling import SamplingParams, sample
-from qspec_core.model.transformer import Transformer
 from qspec_core.precision import FP, Precision
+from qspec_core.runner import Runner
 from qspec_core.timing import StageTimer
 
 PREFILL_CHUNK = 512
@@ -19,7 +22,7 @@ PREFILL_CHUNK = 512
 
 @torch.inference_mode()
 def prefill(
-    model: Transformer,
+    runner: Runner,
     cache: KVCache,
     tokens: list[int],
     start_pos: int,
@@ -33,12 +36,12 @@ def prefill(
     """
     if not tokens:
         raise ValueError("prefill needs at least one token")
-    ids = torch.tensor(tokens, dtype=torch.long, device=model.device)[None]  # [1, T]
+    ids = torch.tensor(tokens, dtype=torch.long, device=runner.device)[None]  # [1, T]
     logits = None
     for begin in range(0, len(tokens), chunk_size):
         chunk = ids[:, begin : begin + chunk_size]
         pos = torch.arange(start_pos + begin, start_pos + begin + chunk.shape[1], device=ids.device)
-        logits = model(chunk, pos, cache, path, last_only=True)
+        logits = runner(chunk, pos, cache, path, last_only=True)
         cache.commit(cache.seq_len)  # prompt tokens are given, hence confirmed
         if on_progress is not None:
             on_progress(chunk.shape[1])
@@ -47,7 +50,7 @@ def prefill(
 
 @torch.inference_mode()
 def prefill_hierarchical(
-    model: Transformer,
+    runner: Runner,
     cache: HierarchicalKVCache,
     tokens: list[int],
     chunk_size: int = PREFILL_CHUNK,
@@ -63,8 +66,10 @@ def prefill_hierarchical(
     stages inside: "prefill.attention" (the causal attention of every chunk and layer) and
     "prefill.quantize" (the bulk pass into the planes); the rest is the linears, norms, RoPE.
     """
-    fp = FullPrecisionCache(model.config, len(tokens), dtype=cache.fp_k.dtype, device=model.device)
-    logits = prefill(model, fp, tokens, 0, FP.with_weights(weights), chunk_size, on_progress)
+    fp = FullPrecisionCache(
+        runner.config, len(tokens), dtype=cache.fp_k.dtype, device=runner.device
+    )
+    logits = prefill(runner, fp, tokens, 0, FP.with_weights(weights), chunk_size, on_progress)
     timer = timer or StageTimer()
     timer.add("prefill.attention", fp.attention_seconds)
     with timer.stage("prefill.quantize"):
@@ -75,7 +80,7 @@ def prefill_hierarchical(
 
 @torch.inference_mode()
 def decode(
-    model: Transformer,
+    runner: Runner,
     cache: KVCache,
     first_logits: torch.Tensor,
     start_pos: int,
@@ -102,7 +107,7 @@ def decode(
         if token in stop_ids or i == max_new_tokens - 1:
             return
         with timer.stage("decode"):
-            tok = torch.tensor([[token]], device=model.device)
-            logits = model(tok, torch.tensor([pos], device=model.device), cache, path)[0, -1]
+            tok = torch.tensor([[token]], device=runner.device)
+            logits = runner(tok, torch.tensor([pos], device=runner.device), cache, path)[0, -1]
             cache.commit(pos + 1)  # autoregressive: every fed token is final
         pos += 1

@@ -34,7 +34,8 @@ class DecodePlan:
         return self.draft is not None
 
     def new_cache(self, model, size: int, group_size: int | None = None):
-        """A cache for the target's KV view: full precision ("fp"), else hierarchical."""
+        """A cache for the target's KV view: full precision ("fp"), else hierarchical, in
+        `model`'s dtype and on its device (a model or its runner)."""
         if self.target.kv == "fp":
             return FullPrecisionCache(model.config, size, dtype=model.dtype, device=model.device)
         return HierarchicalKVCache(
@@ -43,7 +44,7 @@ class DecodePlan:
 
     def start(
         self,
-        model,
+        runner,
         cache,
         first_logits: torch.Tensor,
         prompt: list[int],
@@ -57,9 +58,10 @@ class DecodePlan:
     ) -> tuple[Iterator[int], SpecStats | None]:
         """The lazy stream of new ids after `prompt` (whose KV `cache` holds, committed, and
         whose last logits are `first_logits`), and the round stats a speculative plan fills
-        (`stats`, or new ones). Nothing is decoded until the stream is iterated."""
+        (`stats`, or new ones), every forward through `runner` (`qspec_core.runner.Runner`).
+        Nothing is decoded until the stream is iterated."""
         timer = timer or StageTimer()
-        common = (model, cache, first_logits, len(prompt), max_new_tokens, params, generator)
+        common = (runner, cache, first_logits, len(prompt), max_new_tokens, params, generator)
         if not self.speculative:
             return decode(*common, stop_ids, path=self.target, timer=timer), None
         index = None

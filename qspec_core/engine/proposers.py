@@ -55,11 +55,12 @@ class Proposer(Protocol):
         ...
 
 
-def forward(model, cache, tokens: list[int], position: int, path: Precision) -> torch.Tensor:
-    """Feed `tokens` at `position`, ... on `path`: their logits [len(tokens), V]."""
-    ids = torch.tensor([tokens], device=model.device)
-    positions = torch.arange(position, position + len(tokens), device=model.device)
-    return model(ids, positions, cache, path)[0]
+def forward(runner, cache, tokens: list[int], position: int, path: Precision) -> torch.Tensor:
+    """Feed `tokens` at `position`, ... on `path` through `runner` (a `qspec_core.runner.Runner`):
+    their logits [len(tokens), V]."""
+    ids = torch.tensor([tokens], device=runner.device)
+    positions = torch.arange(position, position + len(tokens), device=runner.device)
+    return runner(ids, positions, cache, path)[0]
 
 
 def move_rotation_time(cache, timer: StageTimer, stage: str, before: float) -> None:
@@ -79,14 +80,14 @@ class SelfDraft:
 
     def __init__(
         self,
-        model,
+        runner,
         cache,
         path: Precision,
         params: SamplingParams,
         generator: torch.Generator | None,
         timer: StageTimer,
     ):
-        self.model, self.cache, self.path = model, cache, path
+        self.runner, self.cache, self.path = runner, cache, path
         self.params, self.generator, self.timer = params, generator, timer
 
     def offer(self, k: int) -> int:
@@ -99,7 +100,7 @@ class SelfDraft:
         with self.timer.stage(self.name):
             token = context.pending
             for i in range(k):
-                logits = forward(self.model, self.cache, [token], context.position + i, self.path)
+                logits = forward(self.runner, self.cache, [token], context.position + i, self.path)
                 if self.params.greedy:
                     token = int(logits[-1].argmax())
                 else:

@@ -229,20 +229,22 @@ class ChatSession:
         path in chunks of G, committing as it goes; so chatting from a saved prefix and
         from the document give the same cache.
         """
-        model = self.runtime.model
+        runner = self.runtime.runner
         if self.mode == "ar":
-            return prefill(model, cache, ids[reuse:], reuse, self.path, on_progress=progress)
+            return prefill(runner, cache, ids[reuse:], reuse, self.path, on_progress=progress)
         if reuse == 0:
             doc = self.document_prefix_ids()
             head = doc if doc and ids[: len(doc)] == doc and len(doc) < len(ids) else ids[:1]
             weights = self.runtime.target_weights
-            logits = prefill_hierarchical(model, cache, head, on_progress=progress, weights=weights)
+            logits = prefill_hierarchical(
+                runner, cache, head, on_progress=progress, weights=weights
+            )
             reuse = len(head)
             self._doc_point = (len(doc), cache.checkpoint()) if head == doc else None
             if reuse == len(ids):
                 return logits
         return prefill(
-            model,
+            runner,
             cache,
             ids[reuse:],
             reuse,
@@ -287,14 +289,13 @@ class ChatSession:
         generated: list[int] = []
         text = ""
         finished = False
-        model = self.runtime.model
         try:
             progress = on_prefill(len(ids) - reuse) if on_prefill else None
             with timer.stage("prefill"):
                 logits = self._prefill(cache, ids, reuse, progress)
             tokens, _ = self.plan.start(
-                model, cache, logits, ids, self.max_new_tokens, self.params, self.generator,
-                self.runtime.stop_ids, timer, self.planner, stats.spec,
+                self.runtime.runner, cache, logits, ids, self.max_new_tokens, self.params,
+                self.generator, self.runtime.stop_ids, timer, self.planner, stats.spec,
             )  # fmt: skip
             try:
                 for token in tokens:
@@ -334,7 +335,8 @@ class ChatSession:
         cache.reset()
         progress = on_prefill(len(ids)) if on_prefill else None
         weights = self.runtime.target_weights  # (the KV a later verify on these weights reads)
-        prefill_hierarchical(self.runtime.model, cache, ids, on_progress=progress, weights=weights)
+        runner = self.runtime.runner
+        prefill_hierarchical(runner, cache, ids, on_progress=progress, weights=weights)
         self._cached_ids = list(ids)
         return cache, list(ids)
 

@@ -40,8 +40,8 @@ from qspec_core.engine.proposers import (
 )
 from qspec_core.engine.sampling import SamplingParams, probabilities, sample
 from qspec_core.engine.verify import verify_greedy, verify_sampling
-from qspec_core.model.transformer import Transformer
 from qspec_core.precision import DRAFT, TARGET, Precision
+from qspec_core.runner import Runner
 from qspec_core.timing import StageTimer
 
 GAMMA_MAX = 16
@@ -172,7 +172,7 @@ def plan_fixed(offers: dict[str, int], gamma: int) -> tuple[str, int]:
 
 @torch.inference_mode()
 def speculative_decode(
-    model: Transformer,
+    runner: Runner,
     cache: HierarchicalKVCache | FullPrecisionCache,
     first_logits: torch.Tensor,
     start_pos: int,
@@ -220,7 +220,7 @@ def speculative_decode(
     sources = list(proposers)
     if lookup is not None:
         sources.append(DocumentDraft(lookup, timer))
-    sources.append(SelfDraft(model, cache, draft_path, params, generator, timer))
+    sources.append(SelfDraft(runner, cache, draft_path, params, generator, timer))
     by_name = {p.name: p for p in sources}
 
     def rotation() -> float:
@@ -248,12 +248,12 @@ def speculative_decode(
             if g:
                 drafts, draft_probs = by_name[source].propose(RoundContext(pending, committed), g)
                 if draft_probs is None and not params.greedy:  # a point mass on each token
-                    draft_probs = torch.zeros(g, first_logits.shape[-1], device=model.device)
+                    draft_probs = torch.zeros(g, first_logits.shape[-1], device=runner.device)
                     draft_probs[torch.arange(g), torch.tensor(drafts)] = 1.0
             draft_s = time.perf_counter() - started - (rotation() - rotated)
             rotated, started = rotation(), time.perf_counter()
             with timer.stage("verify"):
-                target_logits = forward(model, cache, [pending] + drafts, committed, target_path)
+                target_logits = forward(runner, cache, [pending] + drafts, committed, target_path)
             move_rotation_time(cache, timer, "verify", rotated)
             with timer.stage("accept"):
                 n, nxt = _accept(drafts, draft_probs, target_logits, params, generator, verifier)

@@ -16,7 +16,7 @@ class LayerSpec:
     """The parts of a decoder layer that differ between families (Llama's are the defaults).
 
     Every field is honoured by `model/transformer.py`; `native_ok()` says which of them the
-    CPU backend's C++ kernels also compute.
+    CPU runner's C++ kernels also compute.
     """
 
     # "pre": x + attn(norm(x)), then x + mlp(norm(x)) (Llama's input_layernorm and
@@ -53,9 +53,9 @@ class LayerSpec:
             raise ValueError(f"activation must be one of {ACTIVATIONS}")
 
     def native_ok(self) -> bool:
-        """Whether the CPU backend's C++ layer (`backend/cpu.py`, `cpu_stack.py`) computes this
-        layer: Llama's layer (the defaults), biases or not. Otherwise the model runs its
-        plain PyTorch forward."""
+        """Whether the CPU runner's C++ layer (`runner/cpu.py`, `cpu_stack.py`) computes this
+        layer: Llama's layer (the defaults), biases or not. Otherwise the model runs on the
+        torch runner: its plain PyTorch forward."""
         return self == LayerSpec(qkv_bias=self.qkv_bias, o_bias=self.o_bias, mlp_bias=self.mlp_bias)
 
 

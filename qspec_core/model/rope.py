@@ -112,10 +112,6 @@ class RotaryEmbedding(torch.nn.Module):
         sin = emb.sin() * self.attention_scaling
         return cos.to(dtype), sin.to(dtype)
 
-    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """`apply_rotary`, for code that holds a model rather than importing this file."""
-        return apply_rotary(x, cos, sin)
-
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [B, H, T, D] rotated by cos/sin [T, D] (HF's rotate-half convention)."""

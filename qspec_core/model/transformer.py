@@ -3,14 +3,16 @@
 biases, q/k norms and norm placement a family declares.
 
 Module and parameter names follow Hugging Face, so a checkpoint loads by stripping the
-`model.` prefix. The call is explicit: `model(tokens, input_pos, cache, path)`, where `path`
-(`qspec_core.precision.Precision`) names the weights each linear uses and the KV view the
-cache's attention reads; attention goes through `cache.attend`, which owns K/V storage.
+`model.` prefix. The call is explicit: `model(tokens, input_pos, cache, path, ops=...)`, where
+`path` (`qspec_core.precision.Precision`) names the weights each linear uses and the KV view
+the cache's attention reads; attention goes through `cache.attend`, which owns K/V storage.
 
-This file is the math only. On a CPU the forward is run by a backend object
-(`qspec_core/backend/cpu.py`: C++ decode steps, batch-invariant few-row linears), chosen by
-device at the first forward (`backend`); elsewhere, or with `model.backend = None`, the plain
-PyTorch below runs, and the tests hold the two together.
+This file is the math only: a plain `nn.Module` that runs as is on any device and knows no
+runner. What runs it fast is chosen above it, at load (`qspec_core/runner/`): a runner calls
+this forward with its own `ops` (`model/ops.py`: the kernels of the linears, norms and RoPE;
+default PyTorch's), or, for a decode step, runs every layer in its native stack between
+`embed` and `head`. Called directly, the model is the PyTorch reference (what calibration
+runs, with its hooks), and the tests hold every runner to it.
 """
 
 from __future__ import annotations
@@ -24,13 +26,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.formats import ACT_CHUNK, quantize_activations
-from qspec_core.backend import forget_built, select_backend
 from qspec_core.cache.protocol import KVCache
 from qspec_core.config import ModelConfig
-from qspec_core.model.rope import RotaryEmbedding, apply_rotary
+from qspec_core.model.ops import TORCH_OPS, LayerOps
+from qspec_core.model.rope import RotaryEmbedding
 from qspec_core.precision import FP, INT8_WEIGHTS, Precision
-
-AUTO = "auto"  # `Transformer.backend`: chosen by device at the next forward
 
 
 class Linear(nn.Linear):
@@ -132,22 +132,25 @@ class Attention(nn.Module):
         if scalar is not None and scalar != self.head_dim:
             self.q_scale = math.sqrt(self.head_dim / scalar)
 
-    def forward(self, x, cos, sin, input_pos, cache: KVCache, path: Precision) -> torch.Tensor:
+    def forward(
+        self, x, cos, sin, input_pos, cache: KVCache, path: Precision, ops: LayerOps = TORCH_OPS
+    ) -> torch.Tensor:
         B, T, _ = x.shape
-        q, k = self.q_proj(x, path), self.k_proj(x, path)  # [B, T, H * D], [B, T, n_kv * D]
+        q = ops.linear(self.q_proj, x, path)  # [B, T, H * D]
+        k = ops.linear(self.k_proj, x, path)  # [B, T, n_kv * D]
         if self.qk_norm == "all":
-            q, k = self.q_norm(q), self.k_norm(k)
+            q, k = ops.norm(self.q_norm, q), ops.norm(self.k_norm, k)
         q = q.view(B, T, self.n_heads, self.head_dim)
         k = k.view(B, T, self.n_kv_heads, self.head_dim)
         if self.qk_norm == "head":
-            q, k = self.q_norm(q), self.k_norm(k)
-        v = self.v_proj(x, path).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        q = apply_rotary(q.transpose(1, 2), cos, sin)  # [B, H, T, D]
-        k = apply_rotary(k.transpose(1, 2), cos, sin)  # [B, n_kv, T, D]
+            q, k = ops.norm(self.q_norm, q), ops.norm(self.k_norm, k)
+        v = ops.linear(self.v_proj, x, path).view(B, T, self.n_kv_heads, self.head_dim)
+        q = ops.rope(q, cos, sin)  # [B, H, T, D]
+        k = ops.rope(k, cos, sin)  # [B, n_kv, T, D]
         if self.q_scale is not None:
             q = q * self.q_scale
-        out = cache.attend(self.layer_idx, q, k, v, input_pos, path)  # [B, H, T, D]
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1), path)
+        out = cache.attend(self.layer_idx, q, k, v.transpose(1, 2), input_pos, path)  # [B,H,T,D]
+        return ops.linear(self.o_proj, out.transpose(1, 2).reshape(B, T, -1), path)
 
 
 class MLP(nn.Module):
@@ -160,8 +163,9 @@ class MLP(nn.Module):
 
         self.act = ACTIVATIONS[config.layer.activation]
 
-    def forward(self, x: torch.Tensor, path: Precision = FP) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x, path)) * self.up_proj(x, path), path)
+    def forward(self, x: torch.Tensor, path: Precision = FP, ops: LayerOps = TORCH_OPS):
+        gate = self.act(ops.linear(self.gate_proj, x, path))  # [B, T, I]
+        return ops.linear(self.down_proj, gate * ops.linear(self.up_proj, x, path), path)
 
 
 class DecoderLayer(nn.Module):
@@ -187,18 +191,21 @@ class DecoderLayer(nn.Module):
         if placement in ("post", "sandwich"):
             self.post_feedforward_layernorm = _norm(config, h)
 
-    def forward(self, x, cos, sin, input_pos, cache, path):
+    def forward(self, x, cos, sin, input_pos, cache, path, ops: LayerOps = TORCH_OPS):
+        """x [B, T, hidden] -> [B, T, hidden]; `ops` may update x in place (`ops.add_norm`)."""
+        rest = (cos, sin, input_pos, cache, path, ops)  # the attention's arguments after x
         if self.placement == "pre":
-            x = x + self.self_attn(self.input_layernorm(x), cos, sin, input_pos, cache, path)
-            return x + self.mlp(self.post_attention_layernorm(x), path)
+            h = self.self_attn(ops.norm(self.input_layernorm, x), *rest)
+            x, y = ops.add_norm(x, h, self.post_attention_layernorm)
+            return x + self.mlp(y, path, ops)
         if self.placement == "post":
-            h = self.self_attn(x, cos, sin, input_pos, cache, path)
-            x = x + self.post_attention_layernorm(h)
-            return x + self.post_feedforward_layernorm(self.mlp(x, path))
-        h = self.self_attn(self.input_layernorm(x), cos, sin, input_pos, cache, path)
-        x = x + self.post_attention_layernorm(h)
-        h = self.mlp(self.pre_feedforward_layernorm(x), path)
-        return x + self.post_feedforward_layernorm(h)
+            h = self.self_attn(x, *rest)
+            x = x + ops.norm(self.post_attention_layernorm, h)
+            return x + ops.norm(self.post_feedforward_layernorm, self.mlp(x, path, ops))
+        h = self.self_attn(ops.norm(self.input_layernorm, x), *rest)
+        x = x + ops.norm(self.post_attention_layernorm, h)
+        h = self.mlp(ops.norm(self.pre_feedforward_layernorm, x), path, ops)
+        return x + ops.norm(self.post_feedforward_layernorm, h)
 
 
 class Transformer(nn.Module):
@@ -217,12 +224,7 @@ class Transformer(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
-        self.backend = AUTO  # or a backend object, or None: plain PyTorch (see the docstring)
         self.weight_sets = {"full"}  # Precision.weights this model can run (attach_* add)
-
-    def _apply(self, fn, *args, **kwargs):
-        forget_built(self)  # .to(), .float(): what a backend built points at the old tensors
-        return super()._apply(fn, *args, **kwargs)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -239,37 +241,49 @@ class Transformer(nn.Module):
         cache: KVCache,
         path: Precision = FP,
         last_only: bool = False,
+        ops: LayerOps = TORCH_OPS,
     ) -> torch.Tensor:
         """tokens [B, T] at positions input_pos [T] -> logits [B, T, V] (or [B, 1, V]).
 
         `path` picks the weights (full, int8, int4: each linear's twin) and the KV view the
         cache reads (fp, int8, int4). `last_only` skips the vocabulary projection for all but
-        the last position (prefill).
+        the last position (prefill). `ops` computes the layers' linears, norms and RoPE
+        (`model/ops.py`; a runner passes its kernels' there).
         """
-        if path.weights not in self.weight_sets:
-            raise ValueError(
-                f"the model has no {path.weights} weights (a `qspec convert` folder has them)"
-            )
-        backend = self.backend
-        if backend == AUTO:
-            backend = select_backend(tokens.device)
-        if backend is not None and backend.serves(self, tokens):
-            return backend.forward(self, tokens, input_pos, cache, path, last_only)
-        x = self.embed_tokens(tokens)
-        if self.config.layer.embed_scale:  # (the scale cast to x's dtype first, as HF does)
-            x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
-        cos, sin = self.rotary_emb(input_pos, x.dtype)
+        self.check_path(path)
+        x = self.embed(tokens)  # [B, T, hidden]
+        cos, sin = self.rotary_emb(input_pos, x.dtype)  # [T, D] each
         local = None
         if self.config.layer.local_rope:
             local = self.local_rotary_emb(input_pos, x.dtype)
         for layer in self.layers:
             if layer.local:
-                x = layer(x, *local, input_pos, cache, path)
+                x = layer(x, *local, input_pos, cache, path, ops)
             else:
-                x = layer(x, cos, sin, input_pos, cache, path)
+                x = layer(x, cos, sin, input_pos, cache, path, ops)
+        return self.head(x, path, last_only, ops)
+
+    def check_path(self, path: Precision) -> None:
+        """Raise unless this model holds `path`'s weights."""
+        if path.weights not in self.weight_sets:
+            raise ValueError(
+                f"the model has no {path.weights} weights (a `qspec convert` folder has them)"
+            )
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [B, T] -> the first layer's input [B, T, hidden] (a fresh tensor)."""
+        x = self.embed_tokens(tokens)
+        if self.config.layer.embed_scale:  # (the scale cast to x's dtype first, as HF does)
+            x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
+        return x
+
+    def head(
+        self, x: torch.Tensor, path: Precision, last_only: bool = False, ops: LayerOps = TORCH_OPS
+    ) -> torch.Tensor:
+        """The last layer's output [B, T, hidden] -> logits [B, T, V] ([B, 1, V]: last_only)."""
         if last_only:
             x = x[:, -1:]
-        return self.lm_head(self.norm(x), path)
+        return ops.linear(self.lm_head, ops.norm(self.norm, x), path)
 
 
 def local_rope_config(config: ModelConfig) -> ModelConfig:
@@ -280,10 +294,9 @@ def local_rope_config(config: ModelConfig) -> ModelConfig:
 
 
 @torch.inference_mode()
-def forward_logits(
-    model: Transformer, cache: KVCache, tokens: list[int], path: Precision, chunk_size: int
-) -> torch.Tensor:
-    """Teacher-forced logits [T, V] (fp32) of every position, fed in chunks, committing each."""
+def forward_logits(model, cache: KVCache, tokens: list[int], path: Precision, chunk_size: int):
+    """Teacher-forced logits [T, V] (fp32) of every position, fed in chunks, committing each.
+    `model`: the model itself (the PyTorch reference) or a runner over it (its call)."""
     out = []
     for start in range(0, len(tokens), chunk_size):
         piece = tokens[start : start + chunk_size]

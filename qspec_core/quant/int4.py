@@ -214,7 +214,7 @@ class Int4Linear(nn.Module):
         return layer
 
     def w4a8_args(self):
-        """(packed, scale, zero, group size) for the CPU backend's W4A8 kernel of a draft step,
+        """(packed, scale, zero, group size) for the CPU runner's W4A8 kernel of a draft step,
         or False when this layer's form needs its own forward (AWQ scales, act-order, groups
         that are not multiples of 64). Built once; `_apply` and state loads reset it."""
         args = self.__dict__["_w4a8"]
@@ -235,7 +235,7 @@ class Int4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] -> [..., N]: the Triton kernel on CUDA, PyTorch's int4 kernel on CPU
         (bf16 activations), else the exact reference. (A CPU decode step's W4A8 kernel is the
-        CPU backend's choice: `qspec_core/backend/cpu.py`.)"""
+        CPU runner's choice: `qspec_core/runner/cpu.py`.)"""
         if self.input_scale is not None:
             x = x * self.input_scale.to(x.dtype)
         if self.perm is not None:

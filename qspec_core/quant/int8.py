@@ -19,7 +19,7 @@ Forward paths:
 
 - CUDA: the Triton kernel `kernels.triton.w8a16.w8a16_matmul` (fp32 accumulation, x.dtype out).
 - CPU, a decode or verify step (at most `kernels.cpu.linear.MAX_ROWS` rows), chosen by the
-  CPU backend (`qspec_core/backend/cpu.py`), not here: qspec's C++ kernel
+  CPU runner (`qspec_core/runner/cpu.py`), not here: qspec's C++ kernel
   `kernels.cpu.linear.int8_linear`: fp32 activations, fp32 accumulation of x q in a fixed
   order, then the scale and bias; batch-invariant (a row's result does not depend on how many
   rows share the call), so a verify's target logits are bit for bit those of target-ar. Its

@@ -1,4 +1,4 @@
-"""A loaded model: weights, tokenizer and where they came from."""
+"""A loaded model: weights, the runner that runs them, tokenizer and where they came from."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from qspec_core.registry.prepare import (
     prepare_for,
 )
 from qspec_core.registry.sources import resolve_model
+from qspec_core.runner import Runner, build_runner
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -52,11 +53,25 @@ def default_dtype(device: str = "cpu") -> str:
 
 @dataclass
 class Runtime:
+    """A loaded model and its runner. Forwards go through `runner` (`qspec_core/runner/`);
+    `model` is the math (config, weights, twins), and the PyTorch reference when called
+    itself (calibration)."""
+
     model: Transformer
+    runner: Runner  # built for the model where it is (`build_runner`); `to` builds it again
     tokenizer: Tokenizer
     folder: Path
     name: str
     target_weights: str = "full"  # the weights of every non-draft path: full, int8 or w8a8
+
+    def to(self, device=None, dtype=None) -> Runtime:
+        """Move or cast the model (`nn.Module.to`), then build the runner again for where it
+        now is: what the old one built points at the old tensors, and the device may want
+        another kind of runner."""
+        self.runner.close()
+        self.model.to(device=device, dtype=dtype)
+        self.runner = build_runner(self.model)
+        return self
 
     @property
     def target(self) -> Precision:
@@ -133,7 +148,8 @@ def load_runtime(
             log(f"target weights: full ({name} has no INT8 weights that W8A8 can run)")
             wanted = "full"
         target_weights = wanted
-    return Runtime(model, tokenizer, folder, name, target_weights)
+    # the runner last: after every twin is attached, from the tensors the model holds now
+    return Runtime(model, build_runner(model), tokenizer, folder, name, target_weights)
 
 
 TARGET_WEIGHTS = ("auto", "full", *INT8_WEIGHTS)  # --target-weights

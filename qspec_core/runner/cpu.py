@@ -1,0 +1,193 @@
+"""The CPU runner: a model's forward on qspec's C++ kernels (`kernels/cpu/`).
+
+Built by `build_runner` (`__init__.py`) for a model on a CPU where the kernels are built and
+whose layer they compute (`LayerSpec.native_ok()`: the Llama-style layer). Two loops run the
+layers, and the runner picks one per forward:
+
+- a decode or verify step (at most `MAX_ROWS` = gamma + 1 <= 17 rows) in fp32 runs every
+  decoder layer in one C++ call (`DecoderStack`, built per weight set by `cpu_stack.py`, owned
+  by this runner) when the cache offers a `step_plan` (what the stack reads of it: `FullStep`,
+  `HierStep`); the model's `embed` and `head` run around it;
+- anything else (a prefill chunk, bf16, a cache or a twin the stack does not take) runs the
+  model's own PyTorch layer loop, called with this runner's `CpuOps`: RMSNorm, the residual
+  add and RoPE in C++ when fp32 (`kernels/cpu/decode.cpp`), and every linear through
+  `CpuOps.linear`, the one place the kernel of a linear is chosen.
+
+`CpuOps.linear` runs every linear of a step (at most `MAX_ROWS` rows) on a batch-invariant
+few-row kernel (`kernels/cpu/linear.cpp`, and `int_dot.cpp` for the int8-activation sets
+"w8a8" and the draft's "int4"): a row's result does not depend on how many rows share the call,
+so a token's logits inside a verify are bit for bit those of the same token decoded alone, in
+every dtype and weight set (greedy QuantSpec == target-ar rests on it). Longer inputs (prefill)
+run PyTorch's GEMM or the quantized twin's own forward, or, for the INT8 sets, the row kernels a
+slice at a time where this machine measured them fastest (`quant/prefill_choice.py`).
+
+`tests/test_cpu_step.py` holds the C++ stack to the model's loop with these ops, bit for bit,
+and `tests/test_cpu_decode.py` both to the plain PyTorch model.
+
+A forward with autograd on runs the plain model (the engine always runs under inference mode).
+Calibration (GPTQ, AWQ) never comes here: it runs the model itself, with the runner off, so
+that its forward hooks run on every linear (`convert/convert.py`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.cpu import linear as rows_kernels
+from kernels.formats import quantize_activations
+from qspec_core.cache.protocol import FullStep, HierStep
+from qspec_core.model.ops import LayerOps
+from qspec_core.precision import FP, Precision
+from qspec_core.quant.int4 import Int4Linear
+from qspec_core.quant.int8 import Int8Linear
+from qspec_core.quant.prefill_choice import prefill_path
+from qspec_core.runner.cpu_stack import build_stack
+
+MAX_ROWS = rows_kernels.MAX_ROWS
+
+
+class CpuOps(LayerOps):
+    """A layer's ops on the C++ kernels `ext` (see the module docstring)."""
+
+    def __init__(self, ext):
+        self.ext = ext  # the loaded C++ extension (`kernels.cpu.build.load()`)
+        self._prefill = None  # the INT8 prefill's product (`prefill_path`), asked once
+
+    def norm(self, norm, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and x.is_contiguous() and norm.kind == "rms":
+            return self.ext.rms_norm_cpu(x, norm.weight, norm.eps)
+        return norm(x)
+
+    def add_norm(self, x: torch.Tensor, h: torch.Tensor, norm) -> tuple[torch.Tensor, ...]:
+        if x.dtype == h.dtype == torch.float32 and x.is_contiguous() and norm.kind == "rms":
+            return x, self.ext.add_rms_norm_cpu(x, h, norm.weight, norm.eps)  # x += h in place
+        return super().add_norm(x, h, norm)
+
+    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if x.dtype == cos.dtype == torch.float32:
+            self.ext.rope_cpu(x, cos, sin)  # in place, on the projection's fresh output
+            return x.transpose(1, 2)
+        return super().rope(x, cos, sin)
+
+    def linear(self, layer, x: torch.Tensor, path: Precision) -> torch.Tensor:
+        """`layer(x, path)` (a `model.Linear`) through the batch-invariant row kernels when x
+        has at most MAX_ROWS rows, else PyTorch's GEMM or the twin's own forward."""
+        twin = layer.twin(path.weights)
+        if twin is None:
+            params = layer._parameters  # (dict reads: nn.Module.__getattr__ is slow)
+            weight, bias = params["weight"], params["bias"]
+            if rows_kernels.usable(x, weight):
+                return rows_kernels.linear(x, weight, bias)
+            return torch.nn.functional.linear(x, weight, bias)
+        buffers = twin._buffers
+        if isinstance(twin, Int8Linear):
+            w8a8 = layer.int8_activations(path.weights)
+            usable = rows_kernels.w8a8_usable if w8a8 else rows_kernels.int8_usable
+            run = rows_kernels.w8a8_linear if w8a8 else rows_kernels.int8_linear
+            w, bias = buffers["weight_int8"], buffers["bias"]
+            if usable(x, w):
+                # (a model cast with .to(bf16) casts the scale too: the kernels take fp32)
+                return run(x, w, buffers["weight_scale"].float().contiguous(), bias)
+            # a prefill: the same kernels (W8A8 all rows at once, W8A16 a slice at a time)
+            # where this machine measured them fastest (the prompt's rows are a decode's bits)
+            if self.prefill_path() == "rows" and usable(x[..., :1, :], w):
+                scale = buffers["weight_scale"].float().contiguous()
+                if w8a8:  # (one call: the C++ schedules many rows as a GEMM, same bits)
+                    return run(x, w, scale, bias)
+                return rows_kernels.in_slices(run, x, w, scale, bias)
+            if w8a8:  # (prefill: the same rounding, then the twin's own kernel)
+                return twin.forward(quantize_activations(x).to(x.dtype))
+        elif isinstance(twin, Int4Linear):
+            args = twin.w4a8_args()
+            if args and rows_kernels.int4_usable(x, twin.in_features, twin.group_size):
+                return rows_kernels.int4_linear(x, *args, bias=buffers["bias"])  # W4A8
+        return twin.forward(x)
+
+    def prefill_path(self) -> str:
+        """The many-row INT8 product of this machine, asked on the first one (it may measure:
+        seconds, once per machine) and kept, so that one runner's prefills all compute alike."""
+        if self._prefill is None:
+            self._prefill = prefill_path()
+        return self._prefill
+
+
+class CpuRunner:
+    """Runs `model`'s forward on CPU (see the module docstring); owns the C++ stacks built from
+    the model's tensors, one per weight set, made on first use and dropped by `rebuild`."""
+
+    kind = "cpu"
+
+    def __init__(self, model, ext):
+        if not model.config.layer.native_ok():
+            raise ValueError(
+                f"the CPU runner computes the Llama-style layer only, not {model.config.model_type}"
+                "'s (`LayerSpec.native_ok`): run it on the torch runner"
+            )
+        self.model = model
+        self.ext = ext
+        self.ops = CpuOps(ext)
+        self._stacks: dict[str, object | None] = {}  # weights -> DecoderStack, or None
+
+    @property
+    def config(self):
+        return self.model.config
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.dtype
+
+    def rebuild(self) -> None:
+        """Forget the stacks: the next step builds them again from the model's tensors (call
+        it after replacing a tensor or a twin in place of another)."""
+        self._stacks.clear()
+
+    def close(self) -> None:
+        self._stacks.clear()
+
+    def stack(self, weights: str):
+        """The DecoderStack of one weight set, built on first use; None where the model's
+        weights need what the C++ loop does not run (`cpu_stack.py`)."""
+        if weights not in self._stacks:
+            self._stacks[weights] = build_stack(self.model, weights, self.ext)
+        return self._stacks[weights]
+
+    def __call__(
+        self,
+        tokens: torch.Tensor,
+        input_pos: torch.Tensor,
+        cache,
+        path: Precision = FP,
+        last_only: bool = False,
+    ) -> torch.Tensor:
+        """`model(tokens, input_pos, cache, path, last_only)`, run on the C++ kernels."""
+        model = self.model
+        if torch.is_grad_enabled() or tokens.device.type != "cpu":
+            return model(tokens, input_pos, cache, path, last_only)  # (the plain model)
+        plan = stack = None
+        B, T = tokens.shape
+        if B * T <= MAX_ROWS and model.dtype == torch.float32:
+            model.check_path(path)
+            stack = self.stack(path.weights)
+            step_plan = getattr(cache, "step_plan", None)
+            if stack is not None and step_plan is not None:
+                plan = step_plan(input_pos, path, T)  # the cache's bookkeeping, all layers
+        if plan is None:
+            return model(tokens, input_pos, cache, path, last_only, ops=self.ops)
+        x = model.embed(tokens)  # [B, T, hidden]
+        cos, sin = model.rotary_emb(input_pos, x.dtype)  # [T, D] each
+        if isinstance(plan, HierStep):
+            p = plan
+            x = stack.run_hier(
+                x, cos, sin, p.buffers, p.lo, p.hi, p.n_quant, p.n_quant_q, p.shift,
+                p.input_pos, p.int8, p.int_queries, p.group_size, p.chunk_size,
+            )  # fmt: skip
+        elif isinstance(plan, FullStep):
+            p = plan
+            x = stack.run_full(x, cos, sin, p.k, p.v, p.start, p.end, p.mask, p.is_causal)
+        else:
+            raise TypeError(f"unknown step plan {type(plan).__name__}")
+        return model.head(x, path, last_only, self.ops)

@@ -1,0 +1,83 @@
+"""All decoder layers of a decode or verify step in one C++ call (`kernels/cpu/step.cpp`).
+
+`build_stack(model, weights, ext)` makes the `DecoderStack` that runs every layer on one weight
+set (`Precision.weights`): the fp32 weights, the draft's 4-bit twins through the W4A8 kernel,
+or the INT8 twins, exactly as `CpuOps.linear` (`cpu.py`) picks them (the KV view is the cache's
+part of the call). The stack holds the model's tensors themselves, not copies: an in-place
+change to a weight shows in the next step, and a tensor or twin *replaced* after the build is
+not seen until the runner that owns the stack builds it again (`CpuRunner.rebuild`; the runtime
+does so on `.to()`). None when the weights need what the C++ loop does not run: a 4-bit twin
+in a form other than plain W4A8 (AWQ scales, act-order), an INT8 twin the CPU int8 kernel
+cannot take, weights not fp32; the runner then calls the model's own layer loop with its ops.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.cpu import linear as cpu_linear
+from qspec_core.quant.int4 import Int4Linear
+from qspec_core.quant.int8 import Int8Linear
+
+
+def build_stack(model, weights: str, ext):
+    """The DecoderStack for one weight set, or None (see the module docstring). `ext`: the
+    loaded C++ extension (`kernels.cpu.build.load()`)."""
+    cfg = model.config
+    if not cfg.layer.native_ok():  # the C++ layer is Llama's: pre-norm, no q/k norms
+        return None
+    stack = ext.DecoderStack(
+        cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps
+    )
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        for linear in (
+            attn.q_proj,
+            attn.k_proj,
+            attn.v_proj,
+            attn.o_proj,
+            mlp.gate_proj,
+            mlp.up_proj,
+            mlp.down_proj,
+        ):
+            if not _add_linear(stack, linear, weights):
+                return None
+        norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        if not all(_fp32(n.weight) and n.eps == cfg.rms_norm_eps for n in norms):
+            return None
+        stack.add_layer(norms[0].weight, norms[1].weight)
+    return stack
+
+
+def _add_linear(stack, linear, weights: str) -> bool:
+    """Adds one `model.Linear` as `CpuOps.linear` would run it on `weights`; False when the
+    C++ loop cannot run it."""
+    # the twin `Linear.twin` picks: the draft's 4-bit twin, else its INT8 one; the INT8 sets'
+    # INT8 twin
+    twin = linear.twin(weights)
+    if isinstance(twin, Int4Linear):
+        args = twin.w4a8_args()  # (packed, scale, zero, group size), or False
+        if not args:
+            return False
+        stack.add_int4_linear(*args, twin.bias)
+        return True
+    if isinstance(twin, Int8Linear):
+        tensors = (twin.weight_int8, twin.weight_scale, twin.bias)
+        if not cpu_linear.int8_weight_ok(tensors[0]) or tensors[1].dtype != torch.float32:
+            return False
+        w8a8 = linear.int8_activations(weights)
+        if w8a8 and tensors[0].shape[1] % cpu_linear.CHUNK:
+            return False
+        stack.add_int8_linear(*tensors, w8a8)  # (w8a8: activations rounded to int8)
+        return True
+    if twin is not None:
+        return False  # a twin of another kind: its own forward, in the model's loop
+    weight, bias = linear.weight, linear.bias
+    if not _fp32(weight) or (bias is not None and not _fp32(bias)):
+        return False
+    stack.add_linear(weight, bias)
+    return True
+
+
+def _fp32(t: torch.Tensor) -> bool:
+    return t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
