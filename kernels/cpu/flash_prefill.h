@@ -53,6 +53,16 @@ inline vf load(const float* p) {
   return v;
 }
 inline void store(float* p, const vf& v) { std::memcpy(p, &v, sizeof v); }
+// A vector the compiler must hold in a register: a key or value vector is used by every row
+// of a tile, and folded into each multiply-add as a memory operand it is loaded once per row.
+// (With AVX-512 only, where a vf is one zmm register; elsewhere it spans several.)
+inline vf in_register(const vf& in) {
+  vf v = in;
+#if defined(QSPEC_AVX512_VNNI) && defined(__GNUC__)
+  asm("" : "+v"(v));
+#endif
+  return v;
+}
 inline float hmax(const vf& v) {
   float m = v[0];
   for (int i = 1; i < 16; ++i) m = std::max(m, v[i]);
@@ -133,7 +143,7 @@ void unit(const float* qs, int64_t rows, int64_t pos0, const float* kt, const fl
       for (int64_t d = 0; d < D; ++d) {
         vf kd[NV];
 #pragma GCC unroll 8
-        for (int c = 0; c < NV; ++c) kd[c] = load(kb + d * KB + 16 * c);
+        for (int c = 0; c < NV; ++c) kd[c] = in_register(load(kb + d * KB + 16 * c));
 #pragma GCC unroll 8
         for (int i = 0; i < ST; ++i) {
           const float qd = qs[(t0 + i) * D + d];
@@ -175,7 +185,7 @@ void unit(const float* qs, int64_t rows, int64_t pos0, const float* kt, const fl
         const float* vj = v + (k0 + j) * D;
         vf vv[DV];
 #pragma GCC unroll 8
-        for (int c = 0; c < DV; ++c) vv[c] = load(vj + 16 * c);
+        for (int c = 0; c < DV; ++c) vv[c] = in_register(load(vj + 16 * c));
 #pragma GCC unroll 8
         for (int i = 0; i < G; ++i) {
           const float pij = p[r0 + i][j];  // (rows past `rows`: zeros, never stored)
