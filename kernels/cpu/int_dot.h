@@ -96,20 +96,32 @@ inline float w8a8_finish(float y, const float* scale, const float* bias, int64_t
   return bias ? std::fma(y, scale[n], bias[n]) : y * scale[n];
 }
 
-inline Int8Rows quantize_rows8(const float* x, int64_t M, int64_t K) {
+// x [M, K] rounded chunk by chunk (each chunk on its own: the split between threads changes
+// nothing); parallel_for as in w8a8_rows, or `Serial` for a step's few rows.
+template <class For>
+Int8Rows quantize_rows8(const float* x, int64_t M, int64_t K, const For& parallel_for) {
   const int64_t C = K / CHUNK;
   Int8Rows r{std::vector<int8_t>(M * K), std::vector<float>(M * C),
              std::vector<int32_t>(M * C * 16)};
-  for (int64_t mc = 0; mc < M * C; ++mc) {
-    int8_t* codes = &r.codes[mc * CHUNK];
-    r.step[mc] = quantize_chunk(x + mc * CHUNK, codes);
-    for (int j = 0; j < 16; ++j) {
-      const int s = codes[4 * j] + codes[4 * j + 1] + codes[4 * j + 2] + codes[4 * j + 3];
-      r.offset[mc * 16 + j] = -128 * s;
+  parallel_for(0, M * C, 256, [&](int64_t b0, int64_t b1) {
+    for (int64_t mc = b0; mc < b1; ++mc) {
+      int8_t* codes = &r.codes[mc * CHUNK];
+      r.step[mc] = quantize_chunk(x + mc * CHUNK, codes);
+      for (int j = 0; j < 16; ++j) {
+        const int s = codes[4 * j] + codes[4 * j + 1] + codes[4 * j + 2] + codes[4 * j + 3];
+        r.offset[mc * 16 + j] = -128 * s;
+      }
     }
-  }
+  });
   return r;
 }
+
+struct Serial {  // a parallel_for that runs the whole range in this thread
+  template <class F>
+  void operator()(int64_t begin, int64_t end, int64_t, const F& fn) const {
+    if (begin < end) fn(begin, end);
+  }
+};
 
 #if defined(QSPEC_AVX512_VNNI)
 // NR weight rows from n against x rows m0 .. m0 + M - 1; acc lanes: 16 int32 partial dots of a
@@ -324,7 +336,7 @@ void w8a8_pass(const Int8Rows& xq, const int8_t* w, const float* scale, const fl
 template <class For>
 void w8a8_rows(const float* x, int64_t M, int64_t K, const int8_t* w, const float* scale,
                const float* bias, int64_t N, float* out, const For& parallel_for) {
-  const Int8Rows xq = quantize_rows8(x, M, K);
+  const Int8Rows xq = quantize_rows8(x, M, K, Serial{});  // (a step: too few rows to share)
   for (int64_t m0 = 0; m0 < M; m0 += W8_BLOCK_ROWS) {
     switch (std::min(W8_BLOCK_ROWS, M - m0)) {
       case 1: w8a8_pass<1>(xq, w, scale, bias, out, K, N, m0, parallel_for); break;
@@ -351,24 +363,6 @@ void w8a8_rows(const float* x, int64_t M, int64_t K, const int8_t* w, const floa
 constexpr int64_t W8_GEMM_ROWS = 4;  // x rows per block: NR = w8a8_nr<4>() weight rows each
 constexpr int64_t W8_GEMM_SLAB = 8;  // weight rows per unit of work: a multiple of every NR
 
-template <class For>
-Int8Rows quantize_rows8_parallel(const float* x, int64_t M, int64_t K, const For& parallel_for) {
-  const int64_t C = K / CHUNK;
-  Int8Rows r{std::vector<int8_t>(M * K), std::vector<float>(M * C),
-             std::vector<int32_t>(M * C * 16)};
-  parallel_for(0, M * C, 256, [&](int64_t b0, int64_t b1) {
-    for (int64_t mc = b0; mc < b1; ++mc) {
-      int8_t* codes = &r.codes[mc * CHUNK];
-      r.step[mc] = quantize_chunk(x + mc * CHUNK, codes);
-      for (int j = 0; j < 16; ++j) {
-        const int s = codes[4 * j] + codes[4 * j + 1] + codes[4 * j + 2] + codes[4 * j + 3];
-        r.offset[mc * 16 + j] = -128 * s;
-      }
-    }
-  });
-  return r;
-}
-
 // Weight rows [n0, n1) against x rows [m0, m0 + M).
 template <int M>
 inline void w8a8_span(const Int8Rows& xq, const int8_t* w, const float* scale, const float* bias,
@@ -384,7 +378,7 @@ inline void w8a8_span(const Int8Rows& xq, const int8_t* w, const float* scale, c
 template <class For>
 void w8a8_gemm(const float* x, int64_t M, int64_t K, const int8_t* w, const float* scale,
                const float* bias, int64_t N, float* out, const For& parallel_for) {
-  const Int8Rows xq = quantize_rows8_parallel(x, M, K, parallel_for);
+  const Int8Rows xq = quantize_rows8(x, M, K, parallel_for);
   const int64_t slabs = (N + W8_GEMM_SLAB - 1) / W8_GEMM_SLAB;
   parallel_for(0, slabs, 1, [&](int64_t s0, int64_t s1) {
     const int64_t n0 = s0 * W8_GEMM_SLAB, n1 = std::min(N, s1 * W8_GEMM_SLAB);

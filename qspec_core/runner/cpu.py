@@ -42,6 +42,7 @@ from qspec_core.quant.int4 import Int4Linear
 from qspec_core.quant.int8 import Int8Linear
 from qspec_core.quant.prefill_choice import prefill_path
 from qspec_core.runner.cpu_stack import build_stack
+from qspec_core.runner.reference import OfModel
 
 MAX_ROWS = rows_kernels.MAX_ROWS
 
@@ -111,7 +112,7 @@ class CpuOps(LayerOps):
         return self._prefill
 
 
-class CpuRunner:
+class CpuRunner(OfModel):
     """Runs `model`'s forward on CPU (see the module docstring); owns the C++ stacks built from
     the model's tensors, one per weight set, made on first use and dropped by `rebuild`."""
 
@@ -127,18 +128,6 @@ class CpuRunner:
         self.ext = ext
         self.ops = CpuOps(ext)
         self._stacks: dict[str, object | None] = {}  # weights -> DecoderStack, or None
-
-    @property
-    def config(self):
-        return self.model.config
-
-    @property
-    def device(self) -> torch.device:
-        return self.model.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.model.dtype
 
     def rebuild(self) -> None:
         """Forget the stacks: the next step builds them again from the model's tensors (call

@@ -14,13 +14,10 @@ import torch
 from qspec_core.precision import FP, Precision
 
 
-class TorchRunner:
-    """`model(...)` itself (see the module docstring)."""
+class OfModel:
+    """What every runner reports of the model it runs: its config, device and dtype."""
 
-    kind = "torch"
-
-    def __init__(self, model):
-        self.model = model
+    model: torch.nn.Module
 
     @property
     def config(self):
@@ -33,6 +30,15 @@ class TorchRunner:
     @property
     def dtype(self) -> torch.dtype:
         return self.model.dtype
+
+
+class TorchRunner(OfModel):
+    """`model(...)` itself (see the module docstring)."""
+
+    kind = "torch"
+
+    def __init__(self, model):
+        self.model = model
 
     def rebuild(self) -> None:
         """Nothing to rebuild: the model's forward reads its tensors on every call."""
