@@ -74,6 +74,7 @@ SOURCES = tuple(
     for n in (
         "hier_attention.cpp",
         "flash_prefill.cpp",
+        "dequant.cpp",
         "linear.cpp",
         "int_dot.cpp",
         "decode.cpp",
