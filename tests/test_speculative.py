@@ -70,7 +70,9 @@ def test_greedy_quantspec_equals_target_ar(gamma, prompt_len):
     stats = SpecStats()
     got, cache = _run(model, prompt, 70, "quantspec", gamma, stats=stats)
     assert got == expected
-    assert stats.rounds > 0 and 0 < stats.accepted < stats.drafted  # real rejections happened
+    assert stats.rounds > 0 and stats.drafted > 0
+    if gamma != "auto":  # (auto drafts only while drafting pays: on this model, its timing rounds)
+        assert 0 < stats.accepted < stats.drafted  # real rejections happened
     assert cache.quantized_len >= 48 and cache.seq_len == cache.committed  # 3+ rotations
 
 
