@@ -504,6 +504,14 @@ def available() -> bool:
     return load() is not None
 
 
+def loaded():
+    """The extension module where this process has loaded it already, else None: never
+    builds (the caches ask it for their C++ side on every write; a runner loads the kernels)."""
+    if os.environ.get(DISABLE_ENV) == "0":
+        return None
+    return _module
+
+
 def failure() -> str | None:
     """Why the build failed, if it did."""
     return _failed

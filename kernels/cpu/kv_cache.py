@@ -10,8 +10,8 @@ KV cache (`qspec_core/cache/`) and the CPU kernels, every field by name.
   every layer.
 
 `DecoderStack.run(x, cos, sin, cache, step)` takes an object and its step. None of these exist
-where the kernels cannot be built (`kernels.cpu.build.available()`): the caches then write
-and attend in PyTorch.
+until a CPU runner has loaded the kernels (`kernels.cpu.build.loaded()`), nor where they cannot
+be built: the caches then write in PyTorch and attend through `kernels.attention`.
 """
 
 from __future__ import annotations
@@ -36,9 +36,10 @@ HIER_BUFFERS = (
 
 def usable(*buffers: torch.Tensor) -> bool:
     """Whether a cache with these buffers gets a C++ object: fp32 full-precision data on a
-    CPU where the kernels are built."""
+    CPU, with the kernels loaded in this process (a CPU runner loads them; a cache never
+    starts a build by itself, so a model run without a runner stays plain PyTorch)."""
     fp = buffers[-1]
-    return fp.dtype == torch.float32 and fp.device.type == "cpu" and cpu_ext.available()
+    return fp.dtype == torch.float32 and fp.device.type == "cpu" and cpu_ext.loaded() is not None
 
 
 def hier_kv(buffers: dict[str, torch.Tensor], group_size: int, chunk: int):
