@@ -89,7 +89,7 @@ class FullPrecisionCache(torch.nn.Module):
     def native(self):
         """The C++ `FullKV` over k/v (`kernels/cpu/kv_cache.py`), made on first use and again
         when a buffer is replaced (`grow`, `.to()`); None off the CPU, for k/v not fp32, or
-        where the kernels are not built."""
+        before a runner has loaded the kernels."""
         buffers = (self._buffers["k"], self._buffers["v"])
         if not cpu_kv.usable(*buffers):
             return None

@@ -7,12 +7,12 @@ One cache serves both paths. Per layer it holds
   - the full-precision region, positions [n_quant, n_quant + fp_len), capacity 2G: F1 (the
     oldest G, confirmed, waiting to fill a whole K group) and F2 (recent and unverified).
 A forward's `Precision` picks the KV view by `path.kv`: "int4" reads the upper plane (the
-draft), "int8" both planes (the target); both read the same F1/F2. On a CPU with the kernels
-built the cache owns a C++ `HierKV` over its buffers (`native`, `kernels/cpu/kv_cache.py`):
-the one writer of a forward's K/V into F2 and the fused attention, for `attend` and the C++
-stack's step (`native_step`) alike. Elsewhere attention over a layer is
-`kernels.attention.hier_attention` over the layer's `HierLayerView` (Triton, or the PyTorch
-reference), and so it is everywhere with `fused = False`; the same data either way.
+draft), "int8" both planes (the target); both read the same F1/F2. On a CPU where a runner
+has loaded the kernels the cache owns a C++ `HierKV` over its buffers (`native`,
+`kernels/cpu/kv_cache.py`): the one writer of a forward's K/V into F2 and the fused attention,
+for `attend` and the C++ stack's step (`native_step`) alike. Otherwise it writes in PyTorch
+and attends through `kernels.attention.hier_attention` over the layer's `HierLayerView` (the
+device's fused kernel, or with `fused = False` the PyTorch reference); the same data either way.
 
 Rollback is `truncate`, which only shortens the full-precision region. `commit(n)` marks
 positions < n as confirmed by the target; only confirmed KV is ever quantized, and the cache
@@ -267,7 +267,7 @@ class HierarchicalKVCache(torch.nn.Module):
     def native(self):
         """The C++ `HierKV` over this cache's buffers (`kernels/cpu/kv_cache.py`), made when
         the buffers are first used and again when one is replaced (`.to()`, a cast); None off
-        the CPU, for a region not fp32, or where the kernels are not built."""
+        the CPU, for a region not fp32, or before a runner has loaded the kernels."""
         buffers = tuple(self._buffers[name] for name in cpu_kv.HIER_BUFFERS)
         if not cpu_kv.usable(*buffers):
             return None

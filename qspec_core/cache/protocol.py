@@ -9,11 +9,11 @@ packed planes) and which planes the attention reads.
 A cache may also have a C++ side (`kernels/cpu/kv_cache.py`), the one thing that crosses
 the line to the CPU kernels: `cache.native`, a C++ object over the cache's own buffers (the
 hierarchical cache's `HierKV`, the full-precision cache's `FullKV`; None off the CPU, for
-buffers not fp32, or where the kernels are not built), which writes a forward's new K/V into
-them and attends over them; and `cache.native_step(input_pos, path, n_tokens)`, which does
-every layer's bookkeeping of a decode-sized forward at once and returns its named step
-(`HierStep`, `FullStep`), or None to go layer by layer through `attend`. The CPU runner hands
-the object and the step to `DecoderStack.run`, which runs all layers in one C++ call
+buffers not fp32, or before a CPU runner loaded the kernels), which writes a forward's new
+K/V into them and attends over them; and `cache.native_step(input_pos, path, n_tokens)`,
+which does every layer's bookkeeping of a decode-sized forward at once and returns its named
+step (`HierStep`, `FullStep`), or None to go layer by layer through `attend`. The CPU runner
+hands the object and the step to `DecoderStack.run`, which runs all layers in one C++ call
 (`qspec_core/runner/cpu.py`); the cache's own `attend` writes through the same object, so a
 cache's buffers have one writer whichever loop runs.
 """

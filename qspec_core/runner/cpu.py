@@ -156,16 +156,17 @@ class CpuRunner(OfModel):
         model = self.model
         if torch.is_grad_enabled() or tokens.device.type != "cpu":
             return model(tokens, input_pos, cache, path, last_only)  # (the plain model)
-        step = stack = None
+        step = stack = native = None
         B, T = tokens.shape
         if B * T <= MAX_ROWS and model.dtype == torch.float32:
             model.check_path(path)
             stack = self.stack(path.weights)
-            if stack is not None and getattr(cache, "native", None) is not None:
+            native = getattr(cache, "native", None) if stack is not None else None
+            if native is not None:
                 step = cache.native_step(input_pos, path, T)  # the bookkeeping, all layers
         if step is None:
             return model(tokens, input_pos, cache, path, last_only, ops=self.ops)
         x = model.embed(tokens)  # [B, T, hidden]
         cos, sin = model.rotary_emb(input_pos, x.dtype)  # [T, D] each
-        x = stack.run(x, cos, sin, cache.native, step)  # writes each layer's K/V through it
+        x = stack.run(x, cos, sin, native, step)  # writes each layer's K/V through it
         return model.head(x, path, last_only, self.ops)
