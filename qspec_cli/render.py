@@ -198,7 +198,7 @@ def bench_tables(report: dict) -> list[Table]:
 def _compute_table(ctx: dict, peaks: dict) -> Table:
     """Per mode: the prefill's FLOPs (linears, attention), its rate, and that rate against the
     best GEMM this run measured; then each stage's rate against it (linears: the time outside
-    attention and quantization) and the bulk quantization's seconds."""
+    attention and quantization) and the quantization's seconds."""
     probe = " · ".join(f"{k} {v:,.0f}" for k, v in peaks.items() if v)
     table = Table(
         title=f"context {_size(ctx['context'])} · prefill against the compute limit "

@@ -140,11 +140,12 @@ def test_no_other_code_writes_the_buffers():
     """A complement to the tests above, on the sources: in the C++, only `kv_cache.cpp`
     copies into a cache's tensors (the stack writes through the object); in Python, the
     hierarchical cache's fp_k/fp_v are assigned to only in its fallback writer (`_put`, off
-    the C++ kernels) and its bookkeeping (rotation, checkpoints, bulk and snapshot loads)."""
+    the C++ kernels) and its bookkeeping (rotation, checkpoints, a prefill's recent tokens,
+    bulk and snapshot loads)."""
     for source in (ROOT / "kernels" / "cpu").glob("*.cpp"):
         copies = re.findall(r"\.copy_\(", source.read_text())
         assert not copies or source.name == "kv_cache.cpp", source.name
-    allowed = {"_put", "_rotate", "restore", "load_full_precision", "load_state"}
+    allowed = {"_put", "_rotate", "restore", "set_recent", "load_full_precision", "load_state"}
     path = ROOT / "qspec_core" / "cache" / "hierarchical.py"
     tree = ast.parse(path.read_text())
     writers = set()

@@ -48,15 +48,28 @@ def test_expected_tokens():
 def test_starts_by_timing_a_draft_round_and_explores_again_later():
     planner = RoundPlanner(limit=15)
     assert planner.plan(offers(6)) == ("draft", START_GAMMA)
-    # a CPU where drafting loses: after timing it, plain steps and lookups only ...
-    feed(planner, 3, 0.9, lambda m: 1 + 0.15 * (m - 1), {"draft": 0.7, "lookup": 0.0})
+    # a CPU where drafting loses at the acceptance measured (0.5), not at 0.1 more: after
+    # timing it, plain steps and lookups only ...
+    feed(planner, 3, 0.5, lambda m: 1 + 0.15 * (m - 1), {"draft": 0.5, "lookup": 0.0})
     choices = []
     for _ in range(EXPLORE_EVERY):
         choices.append(planner.plan(offers(0)))
         planner.record("draft", 0, 0, 0.0, 1.0)
     assert set(choices) == {("draft", 0)}
     # ... until a 4-bit round is tried again, since its acceptance may have moved
-    assert planner.plan(offers(0)) == ("draft", START_GAMMA)
+    source, k = planner.plan(offers(0))
+    assert source == "draft" and k >= 1
+
+
+def test_a_draft_that_cannot_win_is_not_tried_again():
+    """A draft step at 0.9 of a target step: even at 0.1 more acceptance than measured it
+    loses to plain steps, so the planner never spends a round re-timing it."""
+    planner = RoundPlanner(limit=15)
+    feed(planner, 3, 0.9, lambda m: 1 + 0.15 * (m - 1), {"draft": 0.7, "lookup": 0.0})
+    for _ in range(4 * EXPLORE_EVERY):
+        assert planner.plan(offers(0)) == ("draft", 0)
+        planner.record("draft", 0, 0, 0.0, 1.0)
+    assert planner.rounds_since_draft == 4 * EXPLORE_EVERY
 
 
 def test_a_slow_draft_loses_to_plain_steps():

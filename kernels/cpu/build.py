@@ -76,6 +76,7 @@ SOURCES = tuple(
         "hier_attention.cpp",
         "kv_cache.cpp",
         "flash_prefill.cpp",
+        "dequant.cpp",
         "linear.cpp",
         "int_dot.cpp",
         "decode.cpp",

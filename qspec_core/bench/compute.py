@@ -91,7 +91,7 @@ def prefill_compute(
     """The prefill's line: GFLOP, GFLOP/s, and that rate as a fraction of the best peak; with
     `stages` (seconds of "attention" and "quantize" inside the prefill) the same per stage:
     the attention's FLOPs over its seconds, the linears' over the rest (norms, RoPE and the
-    embedding lookup count in, a few percent), the bulk quantization's seconds."""
+    embedding lookup count in, a few percent), the quantization's seconds."""
     total = sum(flops.values())
     rate = total / seconds if seconds else 0.0
     best = max((p for p in peaks.values() if p), default=None)

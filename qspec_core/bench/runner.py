@@ -229,8 +229,8 @@ class Run:
     peak_memory_bytes: int | None  # CUDA peak for this run; None on CPU (see machine)
     target_weights: str  # the weights of the target path: its output follows that model
     tokens: list[int] = field(default_factory=list, repr=False)  # the decoded ids (not in JSON)
-    # inside prefill_s: "attention" (every chunk's causal attention), "quantize" (the bulk pass
-    # into the planes); the rest is the linears, norms and RoPE
+    # inside prefill_s: "attention" (every chunk's causal attention), "quantize" (the groups'
+    # quantization into the planes, chunk by chunk); the rest is the linears, norms and RoPE
     prefill_stages_s: dict[str, float] = field(default_factory=dict)
 
     @property

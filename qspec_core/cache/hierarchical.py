@@ -39,10 +39,12 @@ import torch
 
 from kernels.attention import hier_attention
 from kernels.cpu import kv_cache as cpu_kv
+from kernels.cpu.dequant import dequantize_into
 from kernels.formats import QUERY_MAX_DIM
 from kernels.planes import (
     VIEWS,
     HierLayerView,
+    QuantizedGroupTensor,
     QueryRows,
     kv_bytes_per_token,
     quantize_keys,
@@ -411,29 +413,74 @@ class HierarchicalKVCache(torch.nn.Module):
         self._staged[layer] = nq
 
     def load_full_precision(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Bulk load after a full-precision prefill: k/v [L, B, n_kv, T, D], all confirmed.
-
-        Quantizes all but the last G..2G tokens (all of them stay full precision if T < 2G).
-        """
+        """Bulk load of a prompt's full-precision KV: k/v [L, B, n_kv, T, D], all confirmed,
+        replacing what the cache held. Quantizes all but the last G..2G tokens (all of them
+        stay full precision if T < 2G), as a chunked prefill (`cache/prefill.py`) leaves it."""
         T, G = k.shape[3], self.group_size
         if T > self.max_seq_len:
             raise ValueError(f"{T} positions exceed the cache ({self.max_seq_len})")
         nq = max(0, (T // G - 1) * G)
+        self.reset()
         for layer in range(k.shape[0]):
-            kq = quantize_keys(k[layer, :, :, :nq], G)
-            vq = quantize_values(v[layer, :, :, :nq], G)
-            self.k_upper[layer, :, :, :nq], self.k_lower[layer, :, :, :nq] = kq.upper, kq.lower
-            self.k_scale[layer, :, :, : nq // G], self.k_zero[layer, :, :, : nq // G] = (
-                kq.scale,
-                kq.zero,
-            )
-            self.v_upper[layer, :, :, :nq], self.v_lower[layer, :, :, :nq] = vq.upper, vq.lower
-            self.v_scale[layer, :, :, :nq], self.v_zero[layer, :, :, :nq] = vq.scale, vq.zero
-            self.fp_k[layer, :, :, : T - nq] = k[layer, :, :, nq:]
-            self.fp_v[layer, :, :, : T - nq] = v[layer, :, :, nq:]
-            self.n_quant[layer], self.fp_len[layer] = nq, T - nq
+            self.append_quantized(layer, k[layer, :, :, :nq], v[layer, :, :, :nq])
+            self.set_recent(layer, k[layer, :, :, nq:], v[layer, :, :, nq:])
         self.committed = T
-        self._staged = [-1] * len(self._staged)
+
+    def append_quantized(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Quantize a prompt's k/v [B, n_kv, n, D] (n whole groups of G, confirmed: the caller
+        vouches) into a layer's planes right after its quantized history; the layer's
+        full-precision region must be empty (a prefill's bookkeeping, not a decode's)."""
+        G, nq, n = self.group_size, self.n_quant[layer], k.shape[2]
+        if n % G or self.fp_len[layer]:
+            raise ValueError("whole groups of G tokens, onto an empty full-precision region")
+        if nq + n > self.k_upper.shape[3]:
+            raise ValueError(f"the cache holds at most {self.max_seq_len} positions")
+        if n:
+            kq, vq = quantize_keys(k, G), quantize_values(v, G)
+            self.k_upper[layer, :, :, nq : nq + n] = kq.upper
+            self.k_lower[layer, :, :, nq : nq + n] = kq.lower
+            self.k_scale[layer, :, :, nq // G : (nq + n) // G] = kq.scale
+            self.k_zero[layer, :, :, nq // G : (nq + n) // G] = kq.zero
+            self.v_upper[layer, :, :, nq : nq + n] = vq.upper
+            self.v_lower[layer, :, :, nq : nq + n] = vq.lower
+            self.v_scale[layer, :, :, nq : nq + n] = vq.scale
+            self.v_zero[layer, :, :, nq : nq + n] = vq.zero
+        self.n_quant[layer] = nq + n
+        self._staged[layer] = -1
+
+    def set_recent(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """A layer's full-precision region becomes k/v [B, n_kv, n, D] (n <= 2G: a prompt's
+        last tokens after its quantized history)."""
+        n = k.shape[2]
+        if n > 2 * self.group_size:
+            raise ValueError(f"{n} recent tokens overflow the full-precision region")
+        if self.n_quant[layer] + n > self.max_seq_len:
+            raise ValueError(f"the cache holds at most {self.max_seq_len} positions")
+        self.fp_k[layer, :, :, :n] = k
+        self.fp_v[layer, :, :, :n] = v
+        self.fp_len[layer] = n
+        self._staged[layer] = -1
+
+    def dequantize_into(
+        self, layer: int, k_out: torch.Tensor, v_out: torch.Tensor, view: str = "int8"
+    ) -> None:
+        """A layer's quantized history in `view` into k_out/v_out [B, n_kv, n_quant, D] fp32
+        (rows contiguous): `kernels/cpu/dequant.py`, the reference's numbers."""
+        G, nq = self.group_size, self.n_quant[layer]
+        keys = QuantizedGroupTensor(
+            self.k_upper[layer, :, :, :nq],
+            self.k_lower[layer, :, :, :nq],
+            self.k_scale[layer, :, :, : nq // G],
+            self.k_zero[layer, :, :, : nq // G],
+        )
+        values = QuantizedGroupTensor(
+            self.v_upper[layer, :, :, :nq],
+            self.v_lower[layer, :, :, :nq],
+            self.v_scale[layer, :, :, :nq],
+            self.v_zero[layer, :, :, :nq],
+        )
+        dequantize_into(keys, G, True, view, k_out)
+        dequantize_into(values, G, False, view, v_out)
 
     # ------------------------------------------------------------------ accounting, snapshots
     def nbytes(self) -> dict[str, int]:

@@ -9,8 +9,8 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from qspec_core.cache.full import FullPrecisionCache
 from qspec_core.cache.hierarchical import HierarchicalKVCache
+from qspec_core.cache.prefill import ChunkedPrefill
 from qspec_core.cache.protocol import KVCache
 from qspec_core.engine.sampling import SamplingParams, sample
 from qspec_core.precision import FP, Precision
@@ -58,23 +58,27 @@ def prefill_hierarchical(
     weights: str = "full",
     timer: StageTimer | None = None,
 ) -> torch.Tensor:
-    """QuantSpec's prefill: full-precision attention over the prompt, then one bulk quantization.
+    """QuantSpec's prefill into `cache` (emptied first), quantizing chunk by chunk as the
+    K/V are made (`cache/prefill.py`: no full-precision copy of the whole prompt).
 
-    Returns the last position's logits [V] (from the full-precision prefill, as in the paper),
-    computed on `weights` (the target's: "full", "int8" or "w8a8", `Runtime.target_weights`). The
-    temporary full-precision KV is as large as a plain cache of the prompt. `timer` gets the
-    stages inside: "prefill.attention" (the causal attention of every chunk and layer) and
-    "prefill.quantize" (the bulk pass into the planes); the rest is the linears, norms, RoPE.
+    Returns the last position's logits [V], computed on `weights` (the target's: "full",
+    "int8" or "w8a8", `Runtime.target_weights`). `timer` gets the stages inside:
+    "prefill.attention" (every chunk's causal attention, with the history's dequantization)
+    and "prefill.quantize" (the groups' quantization into the planes); the rest is the
+    linears, norms, RoPE. On any exception (Ctrl-C included) the cache is left empty.
     """
-    fp = FullPrecisionCache(
-        runner.config, len(tokens), dtype=cache.fp_k.dtype, device=runner.device
-    )
-    logits = prefill(runner, fp, tokens, 0, FP.with_weights(weights), chunk_size, on_progress)
+    cache.reset()
+    scratch = ChunkedPrefill(cache, chunk_size)
+    try:
+        path = FP.with_weights(weights)
+        logits = prefill(runner, scratch, tokens, 0, path, chunk_size, on_progress)
+        scratch.finish()
+    except BaseException:
+        cache.reset()  # (nothing half-written: no layer holds part of the prompt)
+        raise
     timer = timer or StageTimer()
-    timer.add("prefill.attention", fp.attention_seconds)
-    with timer.stage("prefill.quantize"):
-        cache.reset()
-        cache.load_full_precision(fp.k, fp.v)
+    timer.add("prefill.attention", scratch.attention_seconds)
+    timer.add("prefill.quantize", scratch.quantize_seconds)
     return logits
 
 

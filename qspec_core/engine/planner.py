@@ -15,6 +15,9 @@ measures, while decoding:
 and picks the option with the most expected tokens per second:
   E(k) / cost, E(k) = 1 + a + ... + a^k (the accepted run, plus the recovered/bonus token),
   cost = k d + v(k + 1) for the 4-bit path, v(k + 1) for the lookup.
+The 4-bit path's acceptance is measured only where it drafts, so every EXPLORE_EVERY rounds
+without it, it is tried again, but only where it could win at OPTIMISM more acceptance than
+measured: on a CPU where its step costs most of a target step, no round is spent on it.
 A choice depends only on the past, so every round stays an exact speculative round: greedy
 output is target-ar's and sampled output follows the target's law whatever the planner picks.
 """
@@ -29,14 +32,25 @@ RECENT = 16  # timings kept per kind
 PRIOR_ACCEPTANCE = {"draft": 0.7, "lookup": 0.6}  # until measured; weight PRIOR_TOKENS
 PRIOR_TOKENS = 2.0
 SLOPE_PRIOR = 0.1  # v(m) = v(1) (1 + 0.1 (m - 1)) until two row counts have been timed
-EXPLORE_EVERY = 32  # rounds without a 4-bit draft before one is tried again (acceptance moves)
-START_GAMMA = 4  # the first two rounds draft this many on the 4-bit path, to time a step
+EXPLORE_EVERY = 32  # rounds without a 4-bit draft before one may be tried again
+OPTIMISM = 0.1  # acceptance added to the 4-bit path's when deciding whether to try it again
+START_GAMMA = 2  # the first two rounds draft this many on the 4-bit path, to time a step
 
 
 def expected_tokens(acceptance: float, k: int) -> float:
     """Tokens one round emits with k drafts, each accepted with probability a given the
     previous ones: 1 + a + ... + a^k."""
     return float(sum(acceptance**i for i in range(k + 1)))
+
+
+def _best_length(acceptance: float, step: float, verify, lo: int, hi: int) -> tuple[int, float]:
+    """(k, tokens per second) of the best k in lo..hi: E(k) / (k step + v(k + 1))."""
+    best = (lo, expected_tokens(acceptance, lo) / (lo * step + verify(lo + 1)))
+    for k in range(lo + 1, hi + 1):
+        rate = expected_tokens(acceptance, k) / (k * step + verify(k + 1))
+        if rate > best[1]:
+            best = (k, rate)
+    return best
 
 
 class _Recent:
@@ -114,7 +128,7 @@ class RoundPlanner:
     def plan(self, offers: dict[str, int]) -> tuple[str, int]:
         """offers: proposer name -> how many tokens it could draft now (`proposers.py`)."""
         d, v = self.draft_step.value, self.verify_line()
-        if len(self.draft_step) < 2 or v is None or self.rounds_since_draft >= EXPLORE_EVERY:
+        if len(self.draft_step) < 2 or v is None:
             return "draft", min(START_GAMMA, self.limit)  # time a draft step and a verify
         best, best_rate = ("draft", 0), 0.0
         # the 4-bit path first: on a tie the earlier option stays
@@ -122,12 +136,19 @@ class RoundPlanner:
             # the 4-bit path pays a draft step per token, any other source only the verify
             stepped = source == "draft"
             step, most = (d, self.limit) if stepped else (0.0, min(offers[source], self.limit))
-            a = self.acceptance(source)
-            for k in range(0 if stepped else 1, most + 1):
-                rate = expected_tokens(a, k) / (k * step + v(k + 1))
-                if rate > best_rate:
-                    best, best_rate = (source, k), rate
-        return best
+            if not stepped and most < 1:
+                continue  # (nothing offered)
+            k, rate = _best_length(self.acceptance(source), step, v, 0 if stepped else 1, most)
+            if rate > best_rate:
+                best, best_rate = (source, k), rate
+        if best[0] == "draft" and best[1] or self.rounds_since_draft < EXPLORE_EVERY:
+            return best
+        # Time to try the 4-bit path again (its acceptance may have moved), but only where it
+        # could win: at OPTIMISM more acceptance than measured. Where it loses even then (a
+        # CPU whose draft step costs most of a target step), no round is spent on it.
+        a = min(self.acceptance("draft") + OPTIMISM, 0.999)
+        k, rate = _best_length(a, d, v, 1, self.limit)
+        return ("draft", k) if rate >= best_rate else best
 
     def record(self, source, k, n, draft_seconds, verify_seconds) -> None:
         """A round of k drafts from `source` with n accepted; its measured stage seconds."""

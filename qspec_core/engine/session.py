@@ -225,7 +225,7 @@ class ChatSession:
         """Bring the cache from ids[:reuse] to ids; return the last position's logits.
 
         Hierarchical cache, empty: the document prefix goes in as QuantSpec's prefill
-        (full-precision attention, then one bulk quantization), the rest through the target
+        (quantized chunk by chunk as it goes, `cache/prefill.py`), the rest through the target
         path in chunks of G, committing as it goes; so chatting from a saved prefix and
         from the document give the same cache.
         """
