@@ -8,7 +8,6 @@ import torch
 from error_model import assert_within_error_model, attention64, dequantize64, hier_attention64
 from hf_tiny import ours_from_hf, tiny_hf
 
-from kernels import attention as dispatch
 from kernels.planes import (
     HierLayerView,
     QuantizedGroupTensor,
@@ -294,23 +293,28 @@ def test_paths_are_checked():
     ],
 )
 def test_paths_whose_activations_are_int8_round_their_queries(monkeypatch, path, rounded):
-    """The integer queries reach the kernel from both ways in: a layer's `attend` and the
-    C++ stack's one-call step (`step_plan`); no other path gets them."""
+    """The integer queries reach the kernel from both ways in: a layer's `attend` (the C++
+    `HierKV`'s step, or `hier_attention` without one) and the C++ stack's one-call step
+    (`native_step`); no other path gets them."""
     assert path.int_queries is rounded
     model = _tiny()
     cache = _cache(model)
     calls = []
     real = hier_cache.hier_attention
     monkeypatch.setattr(
-        hier_cache, "hier_attention", lambda *a, **k: calls.append(k) or real(*a, **k)
+        hier_cache,
+        "hier_attention",
+        lambda *a, **k: calls.append(k["int_queries"]) or real(*a, **k),
     )
+    real_step = cache._step
+    monkeypatch.setattr(cache, "_step", lambda *a: calls.append(a[-1]) or real_step(*a))
     q = torch.zeros(1, model.config.num_attention_heads, 1, model.config.head_dim)
     kv = torch.zeros(1, model.config.num_key_value_heads, 1, model.config.head_dim)
     cache.attend(0, q, kv, kv, torch.tensor([0]), path)
-    assert calls[-1]["int_queries"] is rounded
-    plan = _cache(model).step_plan(torch.tensor([0]), path, 1)
-    if dispatch.backend(q) == "cpu":  # (else no C++ stack to plan for)
-        assert plan.int_queries is rounded
+    assert calls == [rounded]
+    step = _cache(model).native_step(torch.tensor([0]), path, 1)
+    if cache.native is not None:  # (else no C++ stack to step)
+        assert step.int_queries is rounded
 
 
 class _Float64Reference:
@@ -372,22 +376,9 @@ def test_fused_attention_equals_the_reference_through_rounds_with_late_queries(m
     model = _tiny()
     exact = _Float64Reference(model, monkeypatch)
     fused = _cache(model, 256)
-    kernel_runs = []  # forwards of `fused` through the C++ kernels (a step or a layer's call)
-    step_plan = fused.step_plan
-
-    def counted_step(*args):
-        plan = step_plan(*args)
-        if plan is not None:
-            kernel_runs.append("step")
-        return plan
-
-    fused.step_plan = counted_step
-    attend_cpu = dispatch.cpu_attention.hier_attention_cpu
-    monkeypatch.setattr(
-        dispatch.cpu_attention,
-        "hier_attention_cpu",
-        lambda *a, **k: kernel_runs.append("layer") or attend_cpu(*a, **k),
-    )
+    kernel_runs = []  # steps of `fused` for its C++ `HierKV` (the stack's, or a layer's)
+    make_step = fused._step
+    monkeypatch.setattr(fused, "_step", lambda *a: kernel_runs.append(a) or make_step(*a))
     prompt = _tokens(30)
     prefill(model, fused, prompt, 0, TARGET, chunk_size=16)
     g, c, late_seen = _gen(9), len(prompt), {DRAFT_KV4: 0, TARGET: 0}

@@ -35,7 +35,8 @@ def _forward(run, tokens, model):
 
 def test_the_model_alone_runs_plain_pytorch_and_no_cpu_kernel(monkeypatch):
     """A Transformer called without a runner runs PyTorch's ops: no C++ kernel is loaded or
-    called on its way (the attention here is the full-precision cache's, PyTorch too), and it
+    called on its way (the attention here is the full-precision cache's, PyTorch too; the
+    cache writes through its C++ side only once a runner has loaded the kernels), and it
     holds no runner. A step's rows, which a runner would send to the few-row kernels."""
     model = _model()
     tokens = torch.randint(0, 101, (1, 5), generator=torch.Generator().manual_seed(1))
@@ -46,6 +47,7 @@ def test_the_model_alone_runs_plain_pytorch_and_no_cpu_kernel(monkeypatch):
 
     for name in ("load", "available"):
         monkeypatch.setattr(cpu_ext, name, refuse)
+    monkeypatch.setattr(cpu_ext, "loaded", lambda: None)  # (a process no runner loaded them in)
     for name in ("linear", "int8_linear", "w8a8_linear", "int4_linear", "usable"):
         monkeypatch.setattr(cpu_linear, name, refuse)
     got = _forward(model, tokens, model)

@@ -1,4 +1,5 @@
-"""The CPU fast path of the hierarchical-KV attention: `hier_attention.cpp`.
+"""The CPU fast path of the hierarchical-KV attention: `hier_attention.cpp`, over one layer
+view (a cache of one layer for the caches' `HierKV`, `kv_cache.py`).
 
 Same arguments (q, view, rows, kv, chunk_size) as the Triton kernel
 (`kernels/triton/hier_attention.py`) and their PyTorch twin `kernels.reference.
@@ -12,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from kernels.cpu import build as cpu_ext
+from kernels.cpu import kv_cache as cpu_kv
 from kernels.planes import HierLayerView, QueryRows, check_view
 
 DEFAULT_CHUNK = 512  # history tokens per task (the threads split the history in chunks)
@@ -41,11 +43,30 @@ def hier_attention_cpu(
     projection's transpose(1, 2).reshape is then free). No shape checks beyond the C++ ones:
     this is the per-layer hot path."""
     check_view(kv)
-    module = cpu_ext.load()
-    if module is None:
+    if cpu_ext.load() is None:
         raise RuntimeError(f"CPU attention kernel unavailable: {cpu_ext.failure()}")
-    out = module.hier_attention_cpu(
-        q,
+    # one layer as a cache of one: [1, ...] views of the view's tensors (no copies but a
+    # region not fp32 with unit last stride), the region's F positions all valid
+    names = cpu_kv.HIER_BUFFERS
+    layer = {n: t.unsqueeze(0) for n, t in zip(names, view_tensors(view), strict=True)}
+    cache = cpu_kv.hier_kv(layer, int(view.group_size), int(chunk_size or DEFAULT_CHUNK))
+    step = cpu_kv.hier_step(
+        lo=0,
+        n_fp=int(view.fp_k.shape[2]),
+        n_quant=int(view.fp_pos0),
+        n_quant_q=torch.as_tensor(rows.n_quant_q),
+        shift=torch.as_tensor(rows.fp_lo),
+        input_pos=torch.as_tensor(rows.input_pos),
+        int8=kv == "int8",  # both planes; else the upper plane only
+        int_queries=bool(int_queries),
+    )
+    return cache.attend(0, q, step).to(q.dtype)
+
+
+def view_tensors(view: HierLayerView) -> tuple[torch.Tensor, ...]:
+    """A layer view's tensors in `kv_cache.HIER_BUFFERS` order, the region as the kernel
+    reads it (`_fp32_rows`)."""
+    return (
         view.k_upper,
         view.k_lower,
         view.k_scale,
@@ -54,18 +75,9 @@ def hier_attention_cpu(
         view.v_lower,
         view.v_scale,
         view.v_zero,
-        torch.as_tensor(rows.n_quant_q),
         _fp32_rows(view.fp_k),
         _fp32_rows(view.fp_v),
-        int(view.fp_pos0),
-        torch.as_tensor(rows.fp_lo),
-        torch.as_tensor(rows.input_pos),
-        kv == "int8",  # both planes; else the upper plane only
-        bool(int_queries),
-        int(view.group_size),
-        int(chunk_size or DEFAULT_CHUNK),
     )
-    return out.to(q.dtype)
 
 
 # ------------------------------------------------------------ a prefill chunk (flash_prefill)

@@ -1,6 +1,7 @@
 """Builds qspec's C++ CPU kernels once, as one extension module, into qspec's cache.
 
-Sources: `hier_attention.cpp` (attention over the hierarchical cache), `flash_prefill.cpp`
+Sources: `hier_attention.cpp` (attention over the hierarchical cache), `kv_cache.cpp` (the
+caches' C++ objects: the one writer of a step's K/V, and the attention), `flash_prefill.cpp`
 (a prefill chunk's causal attention over the full-precision cache), `linear.cpp`
 (x W^T for the few rows of a decode or verify step), `int_dot.cpp` (the same on int8
 activations: the INT8 target's W8A8 and the draft's W4A8), `decode.cpp` (the small ops around
@@ -73,6 +74,7 @@ SOURCES = tuple(
     HERE / n
     for n in (
         "hier_attention.cpp",
+        "kv_cache.cpp",
         "flash_prefill.cpp",
         "dequant.cpp",
         "linear.cpp",
@@ -501,6 +503,14 @@ def available() -> bool:
     if os.environ.get(DISABLE_ENV) == "0":
         return False
     return load() is not None
+
+
+def loaded():
+    """The extension module where this process has loaded it already, else None: never
+    builds (the caches ask it for their C++ side on every write; a runner loads the kernels)."""
+    if os.environ.get(DISABLE_ENV) == "0":
+        return None
+    return _module
 
 
 def failure() -> str | None:

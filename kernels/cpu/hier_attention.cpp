@@ -290,26 +290,25 @@ at::Tensor dense(const at::Tensor& x) { return x.is_contiguous() ? x : x.contigu
 
 // Returns [B, H, T, D] fp32 (a view of a [B, T, H, D] buffer, so that the caller's
 // transpose(1, 2).reshape(B, T, H * D) for the output projection is free).
-// n_quant_q/fp_lo/input_pos: integer [T]. fp_k/fp_v: fp32, stride 1 along D.
-at::Tensor hier_attention_cpu(at::Tensor q, at::Tensor k_upper, at::Tensor k_lower,
-                                 at::Tensor k_scale, at::Tensor k_zero,
-                                 at::Tensor v_upper, at::Tensor v_lower,
-                                 at::Tensor v_scale, at::Tensor v_zero,
-                                 at::Tensor n_quant_q, at::Tensor fp_k, at::Tensor fp_v,
-                                 int64_t fp_pos0, at::Tensor fp_lo, at::Tensor input_pos,
-                                 bool target, bool int_queries, int64_t group_size,
-                                 int64_t chunk) {
+// step.n_quant_q/shift/input_pos: integer [T]. layer.fp_k/fp_v: fp32, stride 1 along D.
+at::Tensor hier_attention_cpu(const at::Tensor& q, const HierLayer& layer, const HierStep& step,
+                              int64_t group_size, int64_t chunk) {
+  const at::Tensor &fp_k = layer.fp_k, &fp_v = layer.fp_v;
+  const int64_t fp_pos0 = step.n_quant;
+  const bool target = step.int8, int_queries = step.int_queries;
   const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3);
-  const int64_t n_kv = k_upper.size(1), R = H / n_kv, RT = R * T;
+  const int64_t n_kv = layer.k_upper.size(1), R = H / n_kv, RT = R * T;
   TORCH_CHECK(!int_queries || D <= kMaxIntQueryDim, "integer queries need head_dim <= ",
               kMaxIntQueryDim, ", not ", D);
   TORCH_CHECK(fp_k.scalar_type() == at::kFloat && fp_v.scalar_type() == at::kFloat,
               "fp_k/fp_v must be fp32");
   TORCH_CHECK(fp_k.stride(3) == 1 && fp_v.stride(3) == 1, "fp_k/fp_v need stride 1 along D");
-  k_upper = dense(k_upper), k_lower = dense(k_lower), v_upper = dense(v_upper);
-  v_lower = dense(v_lower), k_scale = dense(k_scale), k_zero = dense(k_zero);
-  v_scale = dense(v_scale), v_zero = dense(v_zero);
-  n_quant_q = as_long(n_quant_q), fp_lo = as_long(fp_lo), input_pos = as_long(input_pos);
+  const auto k_upper = dense(layer.k_upper), k_lower = dense(layer.k_lower);
+  const auto v_upper = dense(layer.v_upper), v_lower = dense(layer.v_lower);
+  const auto k_scale = dense(layer.k_scale), k_zero = dense(layer.k_zero);
+  const auto v_scale = dense(layer.v_scale), v_zero = dense(layer.v_zero);
+  const auto n_quant_q = as_long(step.n_quant_q), fp_lo = as_long(step.shift);
+  const auto input_pos = as_long(step.input_pos);
   auto q32 = q.scalar_type() == at::kFloat ? q : q.to(at::kFloat);
 
   std::vector<int64_t> perm(D);

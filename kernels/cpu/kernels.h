@@ -4,16 +4,9 @@
 #include <ATen/ATen.h>
 
 #include "isa.h"
+#include "kv_cache.h"
 
-// hier_attention.cpp
-at::Tensor hier_attention_cpu(at::Tensor q, at::Tensor k_upper, at::Tensor k_lower,
-                                 at::Tensor k_scale, at::Tensor k_zero,
-                                 at::Tensor v_upper, at::Tensor v_lower,
-                                 at::Tensor v_scale, at::Tensor v_zero,
-                                 at::Tensor n_quant_q, at::Tensor fp_k, at::Tensor fp_v,
-                                 int64_t fp_pos0, at::Tensor fp_lo, at::Tensor input_pos,
-                                 bool target, bool int_queries, int64_t group_size,
-                                 int64_t chunk);
+// hier_attention.cpp: hier_attention_cpu, over the named layer and step of kv_cache.h
 // flash_prefill.cpp
 at::Tensor prefill_attention_cpu(at::Tensor q, at::Tensor k, at::Tensor v, int64_t start);
 // dequant.cpp

@@ -3,10 +3,61 @@
 
 #include "kernels.h"
 
-void bind_decoder_stack(pybind11::module& m);  // step.cpp
+namespace py = pybind11;
+
+void bind_decoder_stack(py::module& m);  // step.cpp
+
+namespace {
+
+// The caches' objects and steps (kv_cache.h), every field by name: what crosses the line
+// between a cache (qspec_core/cache/) and the kernels.
+void bind_kv_cache(py::module& m) {
+  py::class_<HierStep>(m, "HierStep", "one forward over the hierarchical cache (kv_cache.h)")
+      .def(py::init([](int64_t lo, int64_t n_fp, int64_t n_quant, at::Tensor n_quant_q,
+                       at::Tensor shift, at::Tensor input_pos, bool int8, bool int_queries) {
+             return HierStep{lo, n_fp, n_quant, n_quant_q, shift, input_pos, int8, int_queries};
+           }),
+           py::kw_only(), py::arg("lo"), py::arg("n_fp"), py::arg("n_quant"),
+           py::arg("n_quant_q"), py::arg("shift"), py::arg("input_pos"), py::arg("int8"),
+           py::arg("int_queries"))
+      .def_readonly("lo", &HierStep::lo)
+      .def_readonly("n_fp", &HierStep::n_fp)
+      .def_readonly("n_quant", &HierStep::n_quant)
+      .def_readonly("n_quant_q", &HierStep::n_quant_q)
+      .def_readonly("shift", &HierStep::shift)
+      .def_readonly("input_pos", &HierStep::input_pos)
+      .def_readonly("int8", &HierStep::int8)
+      .def_readonly("int_queries", &HierStep::int_queries);
+  py::class_<HierKV>(m, "HierKV", "the hierarchical cache's buffers, all layers (kv_cache.h)")
+      .def(py::init<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
+                    at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t, int64_t>(),
+           py::kw_only(), py::arg("k_upper"), py::arg("k_lower"), py::arg("k_scale"),
+           py::arg("k_zero"), py::arg("v_upper"), py::arg("v_lower"), py::arg("v_scale"),
+           py::arg("v_zero"), py::arg("fp_k"), py::arg("fp_v"), py::arg("group_size"),
+           py::arg("chunk"))
+      .def("write", &HierKV::write, py::arg("layer"), py::arg("k"), py::arg("v"), py::arg("lo"))
+      .def("attend", &HierKV::attend, py::arg("layer"), py::arg("q"), py::arg("step"))
+      .def_property_readonly("group_size", &HierKV::group_size)
+      .def_property_readonly("chunk", &HierKV::chunk);
+  py::class_<FullStep>(m, "FullStep", "one forward over the full-precision cache (kv_cache.h)")
+      .def(py::init([](int64_t start, int64_t end, c10::optional<at::Tensor> mask,
+                       bool is_causal) { return FullStep{start, end, mask, is_causal}; }),
+           py::kw_only(), py::arg("start"), py::arg("end"), py::arg("mask"),
+           py::arg("is_causal"))
+      .def_readonly("start", &FullStep::start)
+      .def_readonly("end", &FullStep::end)
+      .def_readonly("mask", &FullStep::mask)
+      .def_readonly("is_causal", &FullStep::is_causal);
+  py::class_<FullKV>(m, "FullKV", "the full-precision cache's k/v, all layers (kv_cache.h)")
+      .def(py::init<at::Tensor, at::Tensor>(), py::kw_only(), py::arg("k"), py::arg("v"))
+      .def("write", &FullKV::write, py::arg("layer"), py::arg("k"), py::arg("v"),
+           py::arg("start"))
+      .def("attend", &FullKV::attend, py::arg("layer"), py::arg("q"), py::arg("step"));
+}
+
+}  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("hier_attention_cpu", &hier_attention_cpu, "hierarchical KV attention (CPU)");
   m.def("prefill_attention_cpu", &prefill_attention_cpu, "tiled causal prefill attention (CPU)");
   m.def("dequantize_planes_cpu", &dequantize_planes_cpu, "KV planes -> fp32 rows (CPU)");
   m.def("linear_rows_cpu", &linear_rows_cpu, "x W^T + b for a step's rows (CPU, fp32 x)");
@@ -17,5 +68,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm_cpu", &rms_norm_cpu, "RMSNorm over the last dim (CPU, fp32)");
   m.def("add_rms_norm_cpu", &add_rms_norm_cpu, "x += h in place, then RMSNorm (CPU, fp32)");
   m.def("rope_cpu", &rope_cpu, "rotate-half RoPE in place on [B, T, n, D] (CPU, fp32)");
+  bind_kv_cache(m);  // (before the stack, whose `run` takes them)
   bind_decoder_stack(m);
 }

@@ -10,12 +10,10 @@
 //
 // Shapes: x [B, T, hidden] fp32 contiguous, updated in place (the residual stream); cos/sin
 // [T, D]. Per layer: q/k/v [B, T, n, D] from the projections, RoPE in place, then attention
-// through one of two caches:
-//   run_hier: the hierarchical cache's buffers [L, ...] (see qspec_core/cache/hierarchical.py), the
-//     new K/V written at [lo, lo + T) of the layer's full-precision region, then
-//     hier_attention_cpu over the layer's planes and the region's first n_fp positions;
-//   run_full: a full-precision cache k/v [L, B, n_kv, S, D], the new K/V written at
-//     [start, end), then SDPA over [0, end) with the cache's mask (or is_causal).
+// through the cache's C++ object (kv_cache.h: `HierKV` or `FullKV`), which writes the layer's
+// new K/V into the cache's buffers and attends over them with the step the cache filled
+// (`HierStep`: the hierarchical planes and full-precision region; `FullStep`: SDPA over
+// [0, end) with the cache's mask or is_causal).
 #include <torch/extension.h>  // (the stack is a pybind11 class)
 
 #include <functional>
@@ -94,44 +92,23 @@ class DecoderStack {
 
   int64_t size() const { return int64_t(layers_.size()); }
 
-  at::Tensor run_hier(at::Tensor x, at::Tensor cos, at::Tensor sin,
-                         std::vector<at::Tensor> buffers, int64_t lo, int64_t n_fp,
-                         int64_t n_quant, at::Tensor n_quant_q, at::Tensor shift,
-                         at::Tensor input_pos, bool target, bool int_queries,
-                         int64_t group_size, int64_t chunk) {
-    // buffers: k_upper, k_lower, k_scale, k_zero, v_upper, v_lower, v_scale, v_zero, fp_k, fp_v
-    TORCH_CHECK(buffers.size() == 10, "the hierarchical cache's 10 buffers");
-    const auto& fp_k = buffers[8];
-    const auto& fp_v = buffers[9];
-    TORCH_CHECK(fp_k.scalar_type() == at::kFloat, "fp32 full-precision region only");
-    const int64_t T = x.size(1);
+  // One forward through every layer over a cache's C++ object (kv_cache.h), which writes each
+  // layer's new K/V into the cache and attends over it, with the step the cache filled.
+  at::Tensor run_hier(at::Tensor x, at::Tensor cos, at::Tensor sin, const HierKV& cache,
+                      const HierStep& step) {
     return run(x, cos, sin, [&](int64_t l, const at::Tensor& q, const at::Tensor& k,
                                 const at::Tensor& v) {
-      auto fk = fp_k.select(0, l), fv = fp_v.select(0, l);
-      fk.narrow(2, lo, T).copy_(k);
-      fv.narrow(2, lo, T).copy_(v);
-      return hier_attention_cpu(q, buffers[0].select(0, l), buffers[1].select(0, l),
-                                buffers[2].select(0, l), buffers[3].select(0, l),
-                                buffers[4].select(0, l), buffers[5].select(0, l),
-                                buffers[6].select(0, l), buffers[7].select(0, l), n_quant_q,
-                                fk.narrow(2, 0, n_fp), fv.narrow(2, 0, n_fp), n_quant, shift,
-                                input_pos, target, int_queries, group_size, chunk);
+      cache.write(l, k, v, step.lo);
+      return cache.attend(l, q, step);
     });
   }
 
-  at::Tensor run_full(at::Tensor x, at::Tensor cos, at::Tensor sin,
-                         at::Tensor k_cache, at::Tensor v_cache, int64_t start,
-                         int64_t end, c10::optional<at::Tensor> mask, bool is_causal) {
-    TORCH_CHECK(k_cache.scalar_type() == at::kFloat, "fp32 cache only");
-    const bool gqa = H_ != n_kv_;
+  at::Tensor run_full(at::Tensor x, at::Tensor cos, at::Tensor sin, const FullKV& cache,
+                      const FullStep& step) {
     return run(x, cos, sin, [&](int64_t l, const at::Tensor& q, const at::Tensor& k,
                                 const at::Tensor& v) {
-      auto kc = k_cache.select(0, l), vc = v_cache.select(0, l);
-      kc.narrow(2, start, end - start).copy_(k);
-      vc.narrow(2, start, end - start).copy_(v);
-      // the call `kernels.reference.causal_attention` makes
-      return at::scaled_dot_product_attention(q, kc.narrow(2, 0, end), vc.narrow(2, 0, end),
-                                              mask, 0.0, is_causal, c10::nullopt, gqa);
+      cache.write(l, k, v, step.start);
+      return cache.attend(l, q, step);
     });
   }
 
@@ -178,8 +155,12 @@ void bind_decoder_stack(pybind11::module& m) {
       .def("add_layer", &DecoderStack::add_layer)
       .def("__len__", &DecoderStack::size)
       // (the forward touches no Python object: other threads may run meanwhile)
-      .def("run_hier", &DecoderStack::run_hier,
+      // run(x, cos, sin, cache, step): a `HierKV` with its `HierStep`, or a `FullKV` with
+      // its `FullStep` (the cache's `native` and `native_step`)
+      .def("run", &DecoderStack::run_hier, pybind11::arg("x"), pybind11::arg("cos"),
+           pybind11::arg("sin"), pybind11::arg("cache"), pybind11::arg("step"),
            pybind11::call_guard<pybind11::gil_scoped_release>())
-      .def("run_full", &DecoderStack::run_full,
+      .def("run", &DecoderStack::run_full, pybind11::arg("x"), pybind11::arg("cos"),
+           pybind11::arg("sin"), pybind11::arg("cache"), pybind11::arg("step"),
            pybind11::call_guard<pybind11::gil_scoped_release>());
 }

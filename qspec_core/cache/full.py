@@ -7,8 +7,9 @@ import time
 import torch
 
 from kernels.attention import causal_attention
+from kernels.cpu import kv_cache as cpu_kv
 from kernels.reference import causal_mask
-from qspec_core.cache.protocol import FullStep, KVCache
+from qspec_core.cache.protocol import KVCache
 from qspec_core.config import ModelConfig
 from qspec_core.precision import FP, Precision
 
@@ -46,13 +47,13 @@ class FullPrecisionCache(torch.nn.Module):
         self.seq_len = 0
         self._mask = (None, None)  # (positions key, mask): built once per forward, not per layer
         self.attention_seconds = 0.0  # wall time inside `attend`'s attention (a prefill's stage)
+        self._native: tuple | None = None  # ((k, v), the C++ `FullKV` over them)
 
     def attend(self, layer, q, k, v, input_pos, path: Precision = FP):
         if path.kv != "fp":
             raise ValueError(f"the full-precision cache serves the 'fp' KV view, not {path.kv!r}")
         start, end = self._span(input_pos)
-        self.k[layer, :, :, start:end] = k
-        self.v[layer, :, :, start:end] = v
+        self._put(layer, k, v, start)
         if layer == self.k.shape[0] - 1:
             self.seq_len = end
         k_all, v_all = self.k[layer, :, :, :end], self.v[layer, :, :, :end]
@@ -73,21 +74,48 @@ class FullPrecisionCache(torch.nn.Module):
             self._mask = (key, causal_mask(input_pos, end))
         return start, end
 
-    def step_plan(self, input_pos: torch.Tensor, path: Precision, n_tokens: int):
-        """For a decode-sized forward on CPU: the `FullStep` the C++ stack reads (the
-        attention `causal_attention` computes), its length bookkeeping done; None when this
-        forward goes layer by layer (a cache not fp32 on CPU, a KV view other than "fp")."""
-        if path.kv != "fp":
-            return None  # (`attend` raises)
-        if self.k.dtype != torch.float32 or self.k.device.type != "cpu":
+    def _put(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
+        """Writes k/v [B, n_kv, T, D] at positions [start, start + T): through the C++
+        `FullKV` where there is one, the very object the C++ stack writes through."""
+        native = self.native
+        if native is not None:
+            native.write(layer, k, v, start)
+            return
+        end = start + k.shape[2]
+        self.k[layer, :, :, start:end] = k
+        self.v[layer, :, :, start:end] = v
+
+    @property
+    def native(self):
+        """The C++ `FullKV` over k/v (`kernels/cpu/kv_cache.py`), made on first use and again
+        when a buffer is replaced (`grow`, `.to()`); None off the CPU, for k/v not fp32, or
+        before a runner has loaded the kernels."""
+        buffers = (self._buffers["k"], self._buffers["v"])
+        if not cpu_kv.usable(*buffers):
             return None
+        memo = self._native
+        if memo is None or memo[0][0] is not buffers[0] or memo[0][1] is not buffers[1]:
+            memo = self._native = (buffers, cpu_kv.full_kv(*buffers))
+        return memo[1]
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state["_native"] = None  # (a C++ object: made again over the copy's buffers)
+        return state
+
+    def native_step(self, input_pos: torch.Tensor, path: Precision, n_tokens: int):
+        """For a forward of `native`'s C++ stack: the `FullStep` (`kernels/cpu/kv_cache.h`:
+        the attention `causal_attention` computes), its length bookkeeping done; None when
+        this forward goes layer by layer (no `native`, a KV view other than "fp")."""
+        if path.kv != "fp" or self.native is None:
+            return None  # (`attend` raises for another view)
         start, end = self._span(input_pos)
         self.seq_len = end
         # causal_attention's cases: the whole sequence at once is plain causal; one query at
         # the newest position sees every key (no mask); else the mask
         is_causal = n_tokens == end and start == 0
         mask = None if is_causal else self._mask[1]
-        return FullStep(self.k, self.v, start, end, mask, is_causal)
+        return cpu_kv.full_step(start, end, mask, is_causal)
 
     def truncate(self, length: int) -> None:
         if not 0 <= length <= self.seq_len:

@@ -7,9 +7,12 @@ One cache serves both paths. Per layer it holds
   - the full-precision region, positions [n_quant, n_quant + fp_len), capacity 2G: F1 (the
     oldest G, confirmed, waiting to fill a whole K group) and F2 (recent and unverified).
 A forward's `Precision` picks the KV view by `path.kv`: "int4" reads the upper plane (the
-draft), "int8" both planes (the target); both read the same F1/F2. Attention over a layer is
-`kernels.attention.hier_attention` over the layer's `HierLayerView`: the fused kernel of the
-device, or with `fused = False` the PyTorch reference, which read the same data.
+draft), "int8" both planes (the target); both read the same F1/F2. On a CPU where a runner
+has loaded the kernels the cache owns a C++ `HierKV` over its buffers (`native`,
+`kernels/cpu/kv_cache.py`): the one writer of a forward's K/V into F2 and the fused attention,
+for `attend` and the C++ stack's step (`native_step`) alike. Otherwise it writes in PyTorch
+and attends through `kernels.attention.hier_attention` over the layer's `HierLayerView` (the
+device's fused kernel, or with `fused = False` the PyTorch reference); the same data either way.
 
 Rollback is `truncate`, which only shortens the full-precision region. `commit(n)` marks
 positions < n as confirmed by the target; only confirmed KV is ever quantized, and the cache
@@ -34,7 +37,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.attention import backend, hier_attention
+from kernels.attention import hier_attention
+from kernels.cpu import kv_cache as cpu_kv
 from kernels.cpu.dequant import dequantize_into
 from kernels.formats import QUERY_MAX_DIM
 from kernels.planes import (
@@ -47,7 +51,6 @@ from kernels.planes import (
     quantize_values,
 )
 from kernels.triton.kv_pack import quantize_keys_triton, quantize_values_triton
-from qspec_core.cache.protocol import HierStep
 from qspec_core.config import ModelConfig
 from qspec_core.precision import Precision
 
@@ -125,6 +128,7 @@ class HierarchicalKVCache(torch.nn.Module):
         # host read and the per-query index tensors are made once, not once per layer.
         self._pos_memo: tuple | None = None
         self._rows_memo: tuple | None = None
+        self._native: tuple | None = None  # (the buffers, the C++ `HierKV` over them)
 
     # ------------------------------------------------------------------ lengths and protocol
     @property
@@ -216,8 +220,15 @@ class HierarchicalKVCache(torch.nn.Module):
         G = self.group_size
         return ((positions // G - 1) * G).clamp(min=0)
 
-    def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int, end: int) -> None:
-        lo, hi = self._claim(layer, start, end)
+    def _put(self, layer: int, k: torch.Tensor, v: torch.Tensor, lo: int) -> None:
+        """Writes a forward's k/v [B, n_kv, T, D] at [lo, lo + T) of a layer's full-precision
+        region (claimed by `_claim`): the C++ `HierKV` where there is one, the very object the
+        C++ stack writes through, so the region has one writer per cache."""
+        native = self.native
+        if native is not None:
+            native.write(layer, k, v, lo)
+            return
+        hi = lo + k.shape[2]
         self.fp_k[layer, :, :, lo:hi] = k
         self.fp_v[layer, :, :, lo:hi] = v
 
@@ -254,21 +265,40 @@ class HierarchicalKVCache(torch.nn.Module):
         self.fp_len[layer] = hi
         return lo, hi
 
-    def step_plan(self, input_pos: torch.Tensor, path: Precision, n_tokens: int):
-        """For a decode-sized forward on CPU: does every layer's bookkeeping of `attend` now
-        and returns the `HierStep` the C++ stack reads (the CPU runner runs all layers in one
-        call); None when this forward must go layer by layer (layers out of step, no fused
-        kernel, a forward longer than G, a bad path: `attend` raises)."""
+    @property
+    def native(self):
+        """The C++ `HierKV` over this cache's buffers (`kernels/cpu/kv_cache.py`), made when
+        the buffers are first used and again when one is replaced (`.to()`, a cast); None off
+        the CPU, for a region not fp32, or before a runner has loaded the kernels."""
+        buffers = tuple(self._buffers[name] for name in cpu_kv.HIER_BUFFERS)
+        if not cpu_kv.usable(*buffers):
+            return None
+        memo = self._native
+        if memo is None or any(a is not b for a, b in zip(memo[0], buffers, strict=True)):
+            named = dict(zip(cpu_kv.HIER_BUFFERS, buffers, strict=True))
+            memo = self._native = (buffers, cpu_kv.hier_kv(named, self.group_size, self.chunk_size))
+        return memo[1]
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state["_native"] = None  # (a C++ object: made again over the copy's buffers)
+        return state
+
+    def native_step(self, input_pos: torch.Tensor, path: Precision, n_tokens: int):
+        """For a forward of `native`'s C++ stack: does every layer's bookkeeping of `attend`
+        now and returns the `HierStep` (`kernels/cpu/kv_cache.h`) the stack's layers write and
+        attend with; None when this forward must go layer by layer (no `native`, the reference
+        attention asked for, layers out of step, a forward longer than G, a bad path:
+        `attend` raises)."""
         kv = getattr(path, "kv", None)
         L, G = len(self.n_quant), self.group_size
         if (
             kv not in VIEWS
             or n_tokens > G  # (then a late query could need an F1 this forward rewrites)
-            or self.fp_k.dtype != torch.float32
-            or self.fp_k.device.type != "cpu"
+            or self.fused is False
             or self.n_quant.count(self.n_quant[0]) != L
             or self.fp_len.count(self.fp_len[0]) != L
-            or backend(self.fp_k, fused=self.fused is not False) != "cpu"
+            or self.native is None
         ):
             return None
         start, end = self._span(input_pos)
@@ -280,22 +310,20 @@ class HierarchicalKVCache(torch.nn.Module):
             for layer in range(L):
                 if self._staged[layer] != nq:
                     self._stage_f1(layer)
-        buffers = [
-            self.k_upper,
-            self.k_lower,
-            self.k_scale,
-            self.k_zero,
-            self.v_upper,
-            self.v_lower,
-            self.v_scale,
-            self.v_zero,
-            self.fp_k,
-            self.fp_v,
-        ]
-        int8 = kv == "int8"  # (the target's view: both planes)
         iq = self._int_queries(path, q_device=self.fp_k.device)
-        return HierStep(
-            buffers, lo, hi, nq, n_quant_q, shift, input_pos, int8, iq, G, self.chunk_size
+        return self._step(lo, hi, nq, n_quant_q, shift, input_pos, kv, iq)
+
+    def _step(self, lo, hi, nq, n_quant_q, shift, input_pos, kv: str, int_queries: bool):
+        """The `HierStep` of a forward whose tokens sit at [lo, hi) of the region."""
+        return cpu_kv.hier_step(
+            lo=lo,
+            n_fp=hi,
+            n_quant=nq,
+            n_quant_q=n_quant_q,
+            shift=shift,
+            input_pos=input_pos,
+            int8=kv == "int8",  # (the target's view: both planes)
+            int_queries=int_queries,
         )
 
     def attend(self, layer, q, k, v, input_pos, path: Precision):
@@ -303,17 +331,22 @@ class HierarchicalKVCache(torch.nn.Module):
         view `path.kv` ("int8" or "int4")."""
         kv = kv_view(path)
         start, end = self._span(input_pos)
-        self._write(layer, k, v, start, end)
+        lo, hi = self._claim(layer, start, end)
+        self._put(layer, k, v, lo)
         # Late queries read F1 quantized from the planes' next slot, staged there once (the
         # rotation later writes the very same values), and skip it in the fp region.
         nq = self.n_quant[layer]
         any_late, n_quant_q, shift = self._query_rows(start, end, nq)
         if any_late and self._staged[layer] != nq:
             self._stage_f1(layer)
-        rows = QueryRows(n_quant_q=n_quant_q, fp_lo=shift, input_pos=input_pos)
-        chunk = self.chunk_size if q.device.type == "cpu" else None  # Triton: fill the GPU
         fused = self.fused is not False
         iq = self._int_queries(path, q.device)
+        native = self.native
+        if native is not None and fused:  # (the C++ kernel, as in the stack's step)
+            step = self._step(lo, hi, nq, n_quant_q, shift, input_pos, kv, iq)
+            return native.attend(layer, q, step).to(q.dtype)
+        rows = QueryRows(n_quant_q=n_quant_q, fp_lo=shift, input_pos=input_pos)
+        chunk = self.chunk_size if q.device.type == "cpu" else None  # Triton: fill the GPU
         return hier_attention(
             q, self.layer_view(layer), rows, kv, chunk, fused=fused, int_queries=iq
         )

@@ -6,15 +6,20 @@ the KV view the forward's `Precision.kv` names ("fp", "int8", "int4"). That call
 where the hierarchical INT4/INT8 cache plugs in: it decides what it stores (full precision,
 packed planes) and which planes the attention reads.
 
-A cache may also offer `step_plan(input_pos, path, n_tokens)`: for a decode-sized forward
-on CPU it does every layer's bookkeeping at once and returns what the C++ stack reads of it
-(`FullStep`, `HierStep`), so that the CPU runner runs all layers in one C++ call
-(`qspec_core/runner/cpu.py`); or None to go layer by layer through `attend`.
+A cache may also have a C++ side (`kernels/cpu/kv_cache.py`), the one thing that crosses
+the line to the CPU kernels: `cache.native`, a C++ object over the cache's own buffers (the
+hierarchical cache's `HierKV`, the full-precision cache's `FullKV`; None off the CPU, for
+buffers not fp32, or before a CPU runner loaded the kernels), which writes a forward's new
+K/V into them and attends over them; and `cache.native_step(input_pos, path, n_tokens)`,
+which does every layer's bookkeeping of a decode-sized forward at once and returns its named
+step (`HierStep`, `FullStep`), or None to go layer by layer through `attend`. The CPU runner
+hands the object and the step to `DecoderStack.run`, which runs all layers in one C++ call
+(`qspec_core/runner/cpu.py`); the cache's own `attend` writes through the same object, so a
+cache's buffers have one writer whichever loop runs.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -52,36 +57,3 @@ class KVCache(Protocol):
     def nbytes(self) -> dict[str, int]:
         """Bytes held, split by kind (payload, scales, full-precision buffer)."""
         ...
-
-
-@dataclass(frozen=True)
-class FullStep:
-    """A full-precision cache for one step: k/v [L, B, n_kv, S, D] fp32, the step's positions
-    [start, end), and its attention mask (None with `is_causal`, or for one newest query)."""
-
-    k: torch.Tensor
-    v: torch.Tensor
-    start: int
-    end: int
-    mask: torch.Tensor | None
-    is_causal: bool
-
-
-@dataclass(frozen=True)
-class HierStep:
-    """A hierarchical cache for one step, as `DecoderStack.run_hier` reads it: the buffers
-    (planes, scales, zeros of K then V, then fp_k, fp_v; all layers), where the step's tokens
-    sit in the full-precision region [lo, hi), the quantized length, each query's quantized
-    length and F1 shift (late queries, see `cache/hierarchical.py`), and the view."""
-
-    buffers: list[torch.Tensor]
-    lo: int
-    hi: int
-    n_quant: int
-    n_quant_q: torch.Tensor  # [T] int64
-    shift: torch.Tensor  # [T] int64
-    input_pos: torch.Tensor  # [T]
-    int8: bool  # both planes (the target's view), else the upper plane only
-    int_queries: bool  # queries rounded to int16, integer-dot scores (`Precision.int_queries`)
-    group_size: int
-    chunk_size: int

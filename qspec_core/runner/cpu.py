@@ -6,8 +6,9 @@ layers, and the runner picks one per forward:
 
 - a decode or verify step (at most `MAX_ROWS` = gamma + 1 <= 17 rows) in fp32 runs every
   decoder layer in one C++ call (`DecoderStack`, built per weight set by `cpu_stack.py`, owned
-  by this runner) when the cache offers a `step_plan` (what the stack reads of it: `FullStep`,
-  `HierStep`); the model's `embed` and `head` run around it;
+  by this runner) when the cache has a C++ side (`cache.native`, `cache.native_step`:
+  `cache/protocol.py`): the stack takes the cache's object and the step it fills, and writes
+  and attends through them; the model's `embed` and `head` run around it;
 - anything else (a prefill chunk, bf16, a cache or a twin the stack does not take) runs the
   model's own PyTorch layer loop, called with this runner's `CpuOps`: RMSNorm, the residual
   add and RoPE in C++ when fp32 (`kernels/cpu/decode.cpp`), and every linear through
@@ -35,7 +36,6 @@ import torch
 
 from kernels.cpu import linear as rows_kernels
 from kernels.formats import quantize_activations
-from qspec_core.cache.protocol import FullStep, HierStep
 from qspec_core.model.ops import LayerOps
 from qspec_core.precision import FP, Precision
 from qspec_core.quant.int4 import Int4Linear
@@ -156,27 +156,17 @@ class CpuRunner(OfModel):
         model = self.model
         if torch.is_grad_enabled() or tokens.device.type != "cpu":
             return model(tokens, input_pos, cache, path, last_only)  # (the plain model)
-        plan = stack = None
+        step = stack = native = None
         B, T = tokens.shape
         if B * T <= MAX_ROWS and model.dtype == torch.float32:
             model.check_path(path)
             stack = self.stack(path.weights)
-            step_plan = getattr(cache, "step_plan", None)
-            if stack is not None and step_plan is not None:
-                plan = step_plan(input_pos, path, T)  # the cache's bookkeeping, all layers
-        if plan is None:
+            native = getattr(cache, "native", None) if stack is not None else None
+            if native is not None:
+                step = cache.native_step(input_pos, path, T)  # the bookkeeping, all layers
+        if step is None:
             return model(tokens, input_pos, cache, path, last_only, ops=self.ops)
         x = model.embed(tokens)  # [B, T, hidden]
         cos, sin = model.rotary_emb(input_pos, x.dtype)  # [T, D] each
-        if isinstance(plan, HierStep):
-            p = plan
-            x = stack.run_hier(
-                x, cos, sin, p.buffers, p.lo, p.hi, p.n_quant, p.n_quant_q, p.shift,
-                p.input_pos, p.int8, p.int_queries, p.group_size, p.chunk_size,
-            )  # fmt: skip
-        elif isinstance(plan, FullStep):
-            p = plan
-            x = stack.run_full(x, cos, sin, p.k, p.v, p.start, p.end, p.mask, p.is_causal)
-        else:
-            raise TypeError(f"unknown step plan {type(plan).__name__}")
+        x = stack.run(x, cos, sin, native, step)  # writes each layer's K/V through it
         return model.head(x, path, last_only, self.ops)

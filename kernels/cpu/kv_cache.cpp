@@ -1,0 +1,70 @@
+// The caches' C++ objects (kv_cache.h): the one writer of a step's K/V into a cache's buffers,
+// and the attention over them, for the per-layer path and DecoderStack alike.
+#include <ATen/ATen.h>
+
+#include "kernels.h"  // (the declarations these definitions must match)
+
+namespace {
+
+// The same shape on both, 4 dims: a step's k/v [B, n_kv, T, D] (copy_ would broadcast)
+void check_kv(const at::Tensor& k, const at::Tensor& v) {
+  TORCH_CHECK(k.dim() == 4 && k.sizes() == v.sizes(), "k/v must be [B, n_kv, T, D] alike");
+}
+
+}  // namespace
+
+HierKV::HierKV(at::Tensor k_upper, at::Tensor k_lower, at::Tensor k_scale, at::Tensor k_zero,
+               at::Tensor v_upper, at::Tensor v_lower, at::Tensor v_scale, at::Tensor v_zero,
+               at::Tensor fp_k, at::Tensor fp_v, int64_t group_size, int64_t chunk)
+    : all_{k_upper, k_lower, k_scale, k_zero, v_upper, v_lower, v_scale, v_zero, fp_k, fp_v},
+      group_size_(group_size),
+      chunk_(chunk) {
+  TORCH_CHECK(fp_k.scalar_type() == at::kFloat && fp_v.scalar_type() == at::kFloat,
+              "fp32 full-precision region only");
+  TORCH_CHECK(fp_k.dim() == 5 && k_upper.dim() == 5, "buffers of all layers, [L, B, n_kv, ...]");
+  TORCH_CHECK(group_size > 0 && chunk > 0, "group size and chunk must be positive");
+}
+
+void HierKV::write(int64_t layer, const at::Tensor& k, const at::Tensor& v, int64_t lo) const {
+  check_kv(k, v);
+  const int64_t T = k.size(2);
+  all_.fp_k.select(0, layer).narrow(2, lo, T).copy_(k);
+  all_.fp_v.select(0, layer).narrow(2, lo, T).copy_(v);
+}
+
+at::Tensor HierKV::attend(int64_t layer, const at::Tensor& q, const HierStep& step) const {
+  const HierLayer& a = all_;
+  const HierLayer one{a.k_upper.select(0, layer),
+                      a.k_lower.select(0, layer),
+                      a.k_scale.select(0, layer),
+                      a.k_zero.select(0, layer),
+                      a.v_upper.select(0, layer),
+                      a.v_lower.select(0, layer),
+                      a.v_scale.select(0, layer),
+                      a.v_zero.select(0, layer),
+                      a.fp_k.select(0, layer).narrow(2, 0, step.n_fp),
+                      a.fp_v.select(0, layer).narrow(2, 0, step.n_fp)};
+  return hier_attention_cpu(q, one, step, group_size_, chunk_);
+}
+
+FullKV::FullKV(at::Tensor k, at::Tensor v) : k_(k), v_(v) {
+  TORCH_CHECK(k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat, "fp32 cache only");
+  TORCH_CHECK(k.dim() == 5 && k.sizes() == v.sizes(), "k/v [L, B, n_kv, S, D] alike");
+}
+
+void FullKV::write(int64_t layer, const at::Tensor& k, const at::Tensor& v,
+                   int64_t start) const {
+  check_kv(k, v);
+  const int64_t T = k.size(2);
+  k_.select(0, layer).narrow(2, start, T).copy_(k);
+  v_.select(0, layer).narrow(2, start, T).copy_(v);
+}
+
+at::Tensor FullKV::attend(int64_t layer, const at::Tensor& q, const FullStep& step) const {
+  const auto k = k_.select(0, layer).narrow(2, 0, step.end);
+  const auto v = v_.select(0, layer).narrow(2, 0, step.end);
+  const bool gqa = q.size(1) != k.size(1);
+  // the call `kernels.reference.causal_attention` makes
+  return at::scaled_dot_product_attention(q, k, v, step.mask, 0.0, step.is_causal, c10::nullopt,
+                                          gqa);
+}

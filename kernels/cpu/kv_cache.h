@@ -1,0 +1,76 @@
+// The caches' side of the C++ line: what a KV cache hands the kernels, named.
+//
+// A cache on the CPU owns one of these objects over its own buffers (made by
+// qspec_core/cache/hierarchical.py or full.py, bound once in module.cpp) and fills one step
+// struct per forward. The object is the one writer of a step's new K/V into the buffers and
+// runs the attention over them, for the cache's per-layer `attend` and for `DecoderStack`
+// (step.cpp) alike: the stack receives the object and the step, never the buffers.
+#pragma once
+#include <ATen/ATen.h>
+
+// One layer of the hierarchical cache as the attention reads it (slices, no copies): planes
+// [B, n_kv, S, D/2] uint8; k_scale/k_zero [B, n_kv, S/G, D] fp32; v_scale/v_zero
+// [B, n_kv, S, D/G] fp32; fp_k/fp_v [B, n_kv, n_fp, D] fp32, stride 1 along D.
+struct HierLayer {
+  at::Tensor k_upper, k_lower, k_scale, k_zero;
+  at::Tensor v_upper, v_lower, v_scale, v_zero;
+  at::Tensor fp_k, fp_v;
+};
+
+// One forward over the hierarchical cache, the same for every layer (the cache's bookkeeping,
+// `HierarchicalKVCache.native_step` or `attend`).
+struct HierStep {
+  int64_t lo = 0;        // the step's T tokens go to [lo, lo + T) of the full-precision region
+  int64_t n_fp = 0;      // the region's valid length once they are written
+  int64_t n_quant = 0;   // the quantized length: the region's first position
+  at::Tensor n_quant_q;  // [T] int: the quantized history each query sees
+  at::Tensor shift;      // [T] int: region keys a query skips (a late query's F1, read quantized)
+  at::Tensor input_pos;  // [T] int: the queries' positions
+  bool int8 = false;     // both planes (the target's view), else the upper plane only
+  bool int_queries = false;  // queries rounded to int16, integer-dot scores (attention_int.h)
+};
+
+// The hierarchical cache's buffers, all layers: planes [L, B, n_kv, S, D/2] uint8, K metadata
+// [L, B, n_kv, S/G, D], V metadata [L, B, n_kv, S, D/G], fp_k/fp_v [L, B, n_kv, 3G, D] fp32.
+class HierKV {
+ public:
+  HierKV(at::Tensor k_upper, at::Tensor k_lower, at::Tensor k_scale, at::Tensor k_zero,
+         at::Tensor v_upper, at::Tensor v_lower, at::Tensor v_scale, at::Tensor v_zero,
+         at::Tensor fp_k, at::Tensor fp_v, int64_t group_size, int64_t chunk);
+  // k/v [B, n_kv, T, D] (any strides) -> fp_k/fp_v[layer, :, :, lo : lo + T]
+  void write(int64_t layer, const at::Tensor& k, const at::Tensor& v, int64_t lo) const;
+  // q [B, H, T, D] over the layer's planes and region [0, step.n_fp) -> [B, H, T, D] fp32
+  at::Tensor attend(int64_t layer, const at::Tensor& q, const HierStep& step) const;
+  int64_t group_size() const { return group_size_; }
+  int64_t chunk() const { return chunk_; }
+
+ private:
+  HierLayer all_;  // [L, ...] each
+  int64_t group_size_, chunk_;
+};
+
+// One forward over the full-precision cache: positions [start, end), the attention mask (none
+// with is_causal), as `kernels.reference.causal_attention` calls SDPA.
+struct FullStep {
+  int64_t start = 0, end = 0;
+  c10::optional<at::Tensor> mask;
+  bool is_causal = false;
+};
+
+// The full-precision cache's k/v [L, B, n_kv, S, D] fp32.
+class FullKV {
+ public:
+  FullKV(at::Tensor k, at::Tensor v);
+  // k/v [B, n_kv, T, D] -> the cache's [layer, :, :, start : start + T]
+  void write(int64_t layer, const at::Tensor& k, const at::Tensor& v, int64_t start) const;
+  // q [B, H, T, D] over keys [0, step.end) -> [B, H, T, D]
+  at::Tensor attend(int64_t layer, const at::Tensor& q, const FullStep& step) const;
+
+ private:
+  at::Tensor k_, v_;
+};
+
+// hier_attention.cpp: the kernel over one layer; fp_pos0 = step.n_quant, and step.lo unused.
+// Returns [B, H, T, D] fp32, a view of a [B, T, H, D] buffer.
+at::Tensor hier_attention_cpu(const at::Tensor& q, const HierLayer& layer, const HierStep& step,
+                              int64_t group_size, int64_t chunk);

@@ -1,0 +1,62 @@
+"""The caches' C++ objects (`kv_cache.h` / `kv_cache.cpp`): what crosses the line between a
+KV cache (`qspec_core/cache/`) and the CPU kernels, every field by name.
+
+- `HierKV` over the hierarchical cache's buffers (all layers), `FullKV` over the
+  full-precision cache's k/v: made and owned by the cache, over its own buffers (no copy);
+  `write(layer, k, v, lo)` puts a forward's new K/V into them (the one place that does, for
+  the cache's per-layer `attend` and for `DecoderStack` alike) and `attend(layer, q, step)`
+  runs the attention over them.
+- `HierStep` / `FullStep`: one forward's positions and view, which the cache fills once for
+  every layer.
+
+`DecoderStack.run(x, cos, sin, cache, step)` takes an object and its step. None of these exist
+until a CPU runner has loaded the kernels (`kernels.cpu.build.loaded()`), nor where they cannot
+be built: the caches then write in PyTorch and attend through `kernels.attention`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.cpu import build as cpu_ext
+
+HIER_BUFFERS = (
+    "k_upper",
+    "k_lower",
+    "k_scale",
+    "k_zero",
+    "v_upper",
+    "v_lower",
+    "v_scale",
+    "v_zero",
+    "fp_k",
+    "fp_v",
+)  # the hierarchical cache's buffers, by the names `HierKV` takes
+
+
+def usable(*buffers: torch.Tensor) -> bool:
+    """Whether a cache with these buffers gets a C++ object: fp32 full-precision data on a
+    CPU, with the kernels loaded in this process (a CPU runner loads them; a cache never
+    starts a build by itself, so a model run without a runner stays plain PyTorch)."""
+    fp = buffers[-1]
+    return fp.dtype == torch.float32 and fp.device.type == "cpu" and cpu_ext.loaded() is not None
+
+
+def hier_kv(buffers: dict[str, torch.Tensor], group_size: int, chunk: int):
+    """A `HierKV` over `buffers` (the `HIER_BUFFERS`, [L, ...] each; fp_k/fp_v fp32)."""
+    return cpu_ext.load().HierKV(**buffers, group_size=group_size, chunk=chunk)
+
+
+def hier_step(**fields):
+    """A `HierStep`: lo, n_fp, n_quant, n_quant_q, shift, input_pos, int8, int_queries."""
+    return cpu_ext.load().HierStep(**fields)
+
+
+def full_kv(k: torch.Tensor, v: torch.Tensor):
+    """A `FullKV` over k/v [L, B, n_kv, S, D] fp32."""
+    return cpu_ext.load().FullKV(k=k, v=v)
+
+
+def full_step(start: int, end: int, mask: torch.Tensor | None, is_causal: bool):
+    """A `FullStep`: positions [start, end), SDPA's mask, or is_causal."""
+    return cpu_ext.load().FullStep(start=start, end=end, mask=mask, is_causal=is_causal)
