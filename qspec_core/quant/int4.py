@@ -264,9 +264,12 @@ class CpuLayouts:
     def __init__(self):
         self._made: dict[Int4Linear, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def get(self, layer: Int4Linear) -> tuple[torch.Tensor, torch.Tensor]:
+    def get(self, layer: Int4Linear) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`layer.cpu_layout()`, made once; None where the CPU kernel does not take the layer."""
         layout = self._made.get(layer)
         if layout is None:
+            if not layer.cpu_kernel_ok():
+                return None
             layout = self._made[layer] = layer.cpu_layout()
         return layout
 
