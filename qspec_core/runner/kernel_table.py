@@ -42,7 +42,7 @@ FORMATS = ("float", "int8", "w8a8", "w4a8", "int4", "other")
 ROWS = ("step", "prefill", "prefill_rows")
 
 # run(layer, twin, x, layouts) -> y, or None: this input does not fit the kernel. `layouts`: the
-# runner's `Int4Layouts` (the CPU int4 kernel's weight layouts).
+# runner's `CpuLayouts` (the CPU int4 kernel's weight layouts).
 Run = Callable[..., "torch.Tensor | None"]
 
 
