@@ -57,7 +57,7 @@ struct Weight<int8_t> {
 };
 
 // NR weight rows starting at n against the M rows of x: eight fp32 lanes per accumulator
-// (simd::F8 on every ISA: AVX-512 builds sum in eight lanes too), one fixed horizontal sum,
+// (simd::F8 on AVX2 and NEON; AVX-512 builds sum in eight lanes too), one fixed horizontal sum,
 // the K % 8 tail in order.
 template <int M, int NR, typename W>
 inline void rows_block(const float* __restrict x, const W* __restrict w, int64_t K, int64_t N,
@@ -112,15 +112,37 @@ void block_vector(const float* x, const W* w, const float* scale, const float* b
 template <typename W, class For>
 void block(const float* x, const W* w, const float* scale, const float* bias, float* out,
            int64_t M, int64_t K, int64_t N, const For& parallel_for) {
-  switch (M) {
-    case 1: return block_vector<1>(x, w, scale, bias, out, K, N, parallel_for);
-    case 2: return block_vector<2>(x, w, scale, bias, out, K, N, parallel_for);
-    case 3: return block_vector<3>(x, w, scale, bias, out, K, N, parallel_for);
-    case 4: return block_vector<4>(x, w, scale, bias, out, K, N, parallel_for);
-    case 5: return block_vector<5>(x, w, scale, bias, out, K, N, parallel_for);
-    case 6: return block_vector<6>(x, w, scale, bias, out, K, N, parallel_for);
-    case 7: return block_vector<7>(x, w, scale, bias, out, K, N, parallel_for);
-    default: return block_vector<8>(x, w, scale, bias, out, K, N, parallel_for);
+  if constexpr (simd::kVectorF8) {
+    switch (M) {
+      case 1: return block_vector<1>(x, w, scale, bias, out, K, N, parallel_for);
+      case 2: return block_vector<2>(x, w, scale, bias, out, K, N, parallel_for);
+      case 3: return block_vector<3>(x, w, scale, bias, out, K, N, parallel_for);
+      case 4: return block_vector<4>(x, w, scale, bias, out, K, N, parallel_for);
+      case 5: return block_vector<5>(x, w, scale, bias, out, K, N, parallel_for);
+      case 6: return block_vector<6>(x, w, scale, bias, out, K, N, parallel_for);
+      case 7: return block_vector<7>(x, w, scale, bias, out, K, N, parallel_for);
+      default: return block_vector<8>(x, w, scale, bias, out, K, N, parallel_for);
+    }
+  } else {
+    // Portable builds keep their own loop (and its bits: -ffast-math vectorizes it its own
+    // way): the same order for every row (eight partial sums over K, summed pairwise), so the
+    // result does not depend on M here either.
+    parallel_for(0, N, grain_rows(int64_t(sizeof(W)) * K), [&](int64_t n0, int64_t n1) {
+      const int64_t K8 = K & ~int64_t(7);
+      for (int64_t n = n0; n < n1; ++n) {
+        const W* wr = w + n * K;
+        for (int64_t m = 0; m < M; ++m) {
+          const float* xr = x + m * K;
+          float lane[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+          for (int64_t k = 0; k < K8; k += 8)
+            for (int j = 0; j < 8; ++j) lane[j] += Weight<W>::f32(wr[k + j]) * xr[k + j];
+          float s = ((lane[0] + lane[4]) + (lane[2] + lane[6])) +
+                    ((lane[1] + lane[5]) + (lane[3] + lane[7]));
+          for (int64_t k = K8; k < K; ++k) s += Weight<W>::f32(wr[k]) * xr[k];
+          out[m * N + n] = finish(s, scale, bias, n);
+        }
+      }
+    });
   }
 }
 

@@ -8,6 +8,7 @@
 
 namespace simd {
 
+constexpr bool kVectorF8 = true;  // F8 is a register (linear.h takes its vector path)
 using F8 = __m256;
 inline F8 zero8() { return _mm256_setzero_ps(); }
 inline F8 set8(float v) { return _mm256_set1_ps(v); }

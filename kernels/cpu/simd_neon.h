@@ -9,6 +9,7 @@
 
 namespace simd {
 
+constexpr bool kVectorF8 = true;  // F8 is a pair of vector registers
 struct F8 {
   float32x4_t lo, hi;
 };
