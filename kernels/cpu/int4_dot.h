@@ -214,6 +214,7 @@ inline void int4_block(const QuantRows& xq, const uint8_t* packed, const float* 
 #pragma GCC unroll 8
       for (int r = 0; r < NR; ++r)
         for (int h = 0; h < 2; ++h) {
+          using simd::dot16;
           const int32x4_t lanes = dot16(dot16(none, lo[r][h], e[h]), hi[r][h], o[h]);
           acc[r][m][h] =
               vfmaq_f32(acc[r][m][h], vmulq_f32(vcvtq_f32_s32(lanes), step), sv[r]);
@@ -224,8 +225,8 @@ inline void int4_block(const QuantRows& xq, const uint8_t* packed, const float* 
   for (int r = 0; r < NR; ++r)
 #pragma GCC unroll 8
     for (int m = 0; m < M; ++m)
-      out[m * N + n + r] = int4_finish(hsum(acc[r][m][0], acc[r][m][1]), xq, scale, zero, bias,
-                                       m, n + r, NG);
+      out[m * N + n + r] = int4_finish(simd::hsum(simd::F8{acc[r][m][0], acc[r][m][1]}), xq,
+                                       scale, zero, bias, m, n + r, NG);
 }
 template <int M>
 constexpr int int4_nr() { return M == 1 ? 4 : M == 2 ? 2 : 1; }

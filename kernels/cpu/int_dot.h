@@ -55,30 +55,6 @@ inline float quantize_chunk(const float* x, int8_t* codes) {
   return round_to_codes(x, CHUNK, codes);
 }
 
-#ifdef QSPEC_NEON
-// acc + the products of w and x, four adjacent bytes per int32 lane (lane j: bytes 4j .. 4j + 3),
-// exactly: sdot with dotprod; else products (|p| <= 128 * 127), adjacent pairs (< 2^15), then
-// pairs of pairs. Both give the same integers.
-inline int32x4_t dot16(int32x4_t acc, int8x16_t w, int8x16_t x) {
-#ifdef QSPEC_NEON_DOTPROD
-  return vdotq_s32(acc, w, x);
-#else
-  const int16x8_t pairs =
-      vpaddq_s16(vmull_s8(vget_low_s8(w), vget_low_s8(x)), vmull_high_s8(w, x));
-  return vpadalq_s16(acc, pairs);
-#endif
-}
-
-// The eight lanes lo (0-3), hi (4-7) summed in the order of the AVX2 `hsum` (isa.h):
-// ((v0 + v4) + (v2 + v6)) + ((v1 + v5) + (v3 + v7)), in vector operations (that -ffast-math
-// leaves in order).
-inline float hsum(float32x4_t lo, float32x4_t hi) {
-  const float32x4_t s = vaddq_f32(lo, hi);
-  const float32x2_t t = vadd_f32(vget_low_f32(s), vget_high_f32(s));
-  return vget_lane_f32(t, 0) + vget_lane_f32(t, 1);
-}
-#endif
-
 // ------------------------------------------------------------------------------------ W8A8
 constexpr int64_t W8_BLOCK_ROWS = 8;  // rows of x per pass over the weights
 
@@ -123,39 +99,35 @@ struct Serial {  // a parallel_for that runs the whole range in this thread
   }
 };
 
-#if defined(QSPEC_AVX512_VNNI)
-// NR weight rows from n against x rows m0 .. m0 + M - 1; acc lanes: 16 int32 partial dots of a
-// chunk, converted, times the chunk's step, summed over chunks in order, then one fixed
-// 16-lane reduction.
+// NR weight rows from n against x rows m0 .. m0 + M - 1, on the SIMD layer's int8 dot
+// (simd.h: Dot64): per chunk, the exact integer lanes, converted, times the chunk's step,
+// summed over chunks in order; then the ISA's one fixed reduction of the lanes.
 template <int M, int NR>
 inline void w8a8_block(const Int8Rows& xq, const int8_t* w, const float* scale,
                        const float* bias, float* out, int64_t K, int64_t N, int64_t n,
                        int64_t m0) {
+  using Dot = simd::Dot64;
   const int64_t C = K / CHUNK;
-  const __m512i flip = _mm512_set1_epi8(char(0x80));
-  __m512 acc[NR][M];
+  typename Dot::Acc acc[NR][M];
 #pragma GCC unroll 8
   for (int r = 0; r < NR; ++r)
 #pragma GCC unroll 8
-    for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
+    for (int m = 0; m < M; ++m) acc[r][m] = Dot::zero();
   for (int64_t c = 0; c < C; ++c) {
-    __m512i wu[NR];
+    typename Dot::W wv[NR];
 #pragma GCC unroll 8
     for (int r = 0; r < NR; ++r) {
-      wu[r] = _mm512_xor_si512(_mm512_loadu_si512(w + (n + r) * K + c * CHUNK), flip);
-      prefetch_ahead(w + (n + r) * K + c * CHUNK, NR * K);
+      const int8_t* p = w + (n + r) * K + c * CHUNK;
+      wv[r] = Dot::load_w(p);
+      prefetch_ahead(p, NR * K);
     }
 #pragma GCC unroll 8
     for (int m = 0; m < M; ++m) {
       const int64_t at = (m0 + m) * C + c;
-      const __m512i xv = _mm512_loadu_si512(&xq.codes[at * CHUNK]);
-      const __m512i start = _mm512_loadu_si512(&xq.offset[at * 16]);
-      const __m512 step = _mm512_set1_ps(xq.step[at]);
+      const typename Dot::X xv = Dot::load_x(&xq.codes[at * CHUNK], &xq.offset[at * 16]);
+      const typename Dot::Acc step = Dot::set1(xq.step[at]);
 #pragma GCC unroll 8
-      for (int r = 0; r < NR; ++r) {
-        const __m512i d = _mm512_dpbusd_epi32(start, wu[r], xv);
-        acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), step, acc[r][m]);
-      }
+      for (int r = 0; r < NR; ++r) acc[r][m] = Dot::fma_dot(wv[r], xv, step, acc[r][m]);
     }
   }
   // (unrolled like the loops above: an indexed read would keep acc in memory, not registers)
@@ -163,156 +135,11 @@ inline void w8a8_block(const Int8Rows& xq, const int8_t* w, const float* scale,
   for (int r = 0; r < NR; ++r)
 #pragma GCC unroll 8
     for (int m = 0; m < M; ++m) {
-      out[(m0 + m) * N + n + r] = w8a8_finish(_mm512_reduce_add_ps(acc[r][m]), scale, bias, n + r);
+      out[(m0 + m) * N + n + r] = w8a8_finish(Dot::sum(acc[r][m]), scale, bias, n + r);
     }
 }
 template <int M>
-constexpr int w8a8_nr() { return M == 1 ? 8 : M <= 4 ? 4 : 2; }  // NR * M accumulators <= 20
-
-#elif defined(QSPEC_AVX2)
-// As above with 8 int32 lanes: |w| (u8) times x with w's sign (s8) in pairs (vpmaddubsw, exact:
-// |pair| <= 2 * 128 * 127 < 2^15), pairs to quads (vpmaddwd), the chunk's two halves added.
-template <int M, int NR>
-inline void w8a8_block(const Int8Rows& xq, const int8_t* w, const float* scale,
-                       const float* bias, float* out, int64_t K, int64_t N, int64_t n,
-                       int64_t m0) {
-  const int64_t C = K / CHUNK;
-#ifdef QSPEC_AVX_VNNI
-  const __m256i flip = _mm256_set1_epi8(char(0x80));
-#else
-  const __m256i ones = _mm256_set1_epi16(1);
-#endif
-  __m256 acc[NR][M];
-#pragma GCC unroll 8
-  for (int r = 0; r < NR; ++r)
-#pragma GCC unroll 8
-    for (int m = 0; m < M; ++m) acc[r][m] = _mm256_setzero_ps();
-  for (int64_t c = 0; c < C; ++c) {
-    __m256i wl[NR], wh[NR];
-#pragma GCC unroll 8
-    for (int r = 0; r < NR; ++r) {
-      const int8_t* p = w + (n + r) * K + c * CHUNK;
-      wl[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-      wh[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32));
-      prefetch_ahead(p, NR * K);
-#ifdef QSPEC_AVX_VNNI
-      wl[r] = _mm256_xor_si256(wl[r], flip), wh[r] = _mm256_xor_si256(wh[r], flip);  // w + 128
-#endif
-    }
-#pragma GCC unroll 8
-    for (int m = 0; m < M; ++m) {
-      const int64_t at = (m0 + m) * C + c;
-      const int8_t* xp = &xq.codes[at * CHUNK];
-      const __m256i xl = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp));
-      const __m256i xh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + 32));
-      const __m256 step = _mm256_set1_ps(xq.step[at]);
-#ifdef QSPEC_AVX_VNNI
-      // each lane starts at -128 times the sum of its eight codes (its four in either half)
-      const __m256i start = _mm256_add_epi32(
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(&xq.offset[at * 16])),
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(&xq.offset[at * 16 + 8])));
-#endif
-#pragma GCC unroll 8
-      for (int r = 0; r < NR; ++r) {
-#ifdef QSPEC_AVX_VNNI
-        const __m256i lanes = _mm256_dpbusd_avx_epi32(
-            _mm256_dpbusd_avx_epi32(start, wl[r], xl), wh[r], xh);
-#else
-        const __m256i pl = _mm256_madd_epi16(
-            _mm256_maddubs_epi16(_mm256_abs_epi8(wl[r]), _mm256_sign_epi8(xl, wl[r])), ones);
-        const __m256i ph = _mm256_madd_epi16(
-            _mm256_maddubs_epi16(_mm256_abs_epi8(wh[r]), _mm256_sign_epi8(xh, wh[r])), ones);
-        const __m256i lanes = _mm256_add_epi32(pl, ph);
-#endif
-        const __m256 d = _mm256_cvtepi32_ps(lanes);
-        acc[r][m] = _mm256_fmadd_ps(d, step, acc[r][m]);
-      }
-    }
-  }
-  // (unrolled like the loops above: an indexed read would keep acc in memory, not registers)
-#pragma GCC unroll 8
-  for (int r = 0; r < NR; ++r)
-#pragma GCC unroll 8
-    for (int m = 0; m < M; ++m) {
-      out[(m0 + m) * N + n + r] = w8a8_finish(hsum(acc[r][m]), scale, bias, n + r);
-    }
-}
-template <int M>
-constexpr int w8a8_nr() { return M == 1 ? 4 : M <= 3 ? 2 : 1; }  // 16 ymm registers
-
-#elif defined(QSPEC_NEON)
-// The AVX2 path's eight int32 lanes as two int32x4 (lanes 0-3: bytes 0-15 and 32-47 of the
-// chunk, four per lane; lanes 4-7: bytes 16-31 and 48-63), the same fp32 multiply-adds per lane
-// and the same horizontal sum: the AVX2 path's bits (the integer lanes are exact either way).
-template <int M, int NR>
-inline void w8a8_block(const Int8Rows& xq, const int8_t* w, const float* scale,
-                       const float* bias, float* out, int64_t K, int64_t N, int64_t n,
-                       int64_t m0) {
-  const int64_t C = K / CHUNK;
-  const int32x4_t zero = vdupq_n_s32(0);
-  float32x4_t acc[NR][M][2];
-#pragma GCC unroll 8
-  for (int r = 0; r < NR; ++r)
-#pragma GCC unroll 8
-    for (int m = 0; m < M; ++m) acc[r][m][0] = acc[r][m][1] = vdupq_n_f32(0.f);
-  for (int64_t c = 0; c < C; ++c) {
-    int8x16_t wv[NR][4];
-#pragma GCC unroll 8
-    for (int r = 0; r < NR; ++r) {
-      const int8_t* p = w + (n + r) * K + c * CHUNK;
-      for (int i = 0; i < 4; ++i) wv[r][i] = vld1q_s8(p + 16 * i);
-      prefetch_ahead(p, NR * K);
-    }
-#pragma GCC unroll 8
-    for (int m = 0; m < M; ++m) {
-      const int64_t at = (m0 + m) * C + c;
-      const int8_t* xp = &xq.codes[at * CHUNK];
-      int8x16_t xv[4];
-      for (int i = 0; i < 4; ++i) xv[i] = vld1q_s8(xp + 16 * i);
-      const float32x4_t step = vdupq_n_f32(xq.step[at]);
-#pragma GCC unroll 8
-      for (int r = 0; r < NR; ++r) {
-        const int32x4_t lo = dot16(dot16(zero, wv[r][0], xv[0]), wv[r][2], xv[2]);
-        const int32x4_t hi = dot16(dot16(zero, wv[r][1], xv[1]), wv[r][3], xv[3]);
-        acc[r][m][0] = vfmaq_f32(acc[r][m][0], vcvtq_f32_s32(lo), step);
-        acc[r][m][1] = vfmaq_f32(acc[r][m][1], vcvtq_f32_s32(hi), step);
-      }
-    }
-  }
-#pragma GCC unroll 8
-  for (int r = 0; r < NR; ++r)
-#pragma GCC unroll 8
-    for (int m = 0; m < M; ++m) {
-      out[(m0 + m) * N + n + r] =
-          w8a8_finish(hsum(acc[r][m][0], acc[r][m][1]), scale, bias, n + r);
-    }
-}
-template <int M>
-constexpr int w8a8_nr() { return M == 1 ? 4 : M <= 3 ? 2 : 1; }  // as AVX2 (32 q registers)
-
-#else
-// Portable: per chunk an exact int dot, then the same float sum in chunk order.
-template <int M, int NR>
-inline void w8a8_block(const Int8Rows& xq, const int8_t* w, const float* scale,
-                       const float* bias, float* out, int64_t K, int64_t N, int64_t n,
-                       int64_t m0) {
-  const int64_t C = K / CHUNK;
-  for (int r = 0; r < NR; ++r)
-    for (int m = 0; m < M; ++m) {
-      float y = 0.f;
-      for (int64_t c = 0; c < C; ++c) {
-        const int8_t* wp = w + (n + r) * K + c * CHUNK;
-        const int8_t* xp = &xq.codes[((m0 + m) * C + c) * CHUNK];
-        int32_t dot = 0;
-        for (int i = 0; i < CHUNK; ++i) dot += int32_t(wp[i]) * int32_t(xp[i]);
-        y += float(dot) * xq.step[(m0 + m) * C + c];
-      }
-      out[(m0 + m) * N + n + r] = w8a8_finish(y, scale, bias, n + r);
-    }
-}
-template <int M>
-constexpr int w8a8_nr() { return 1; }
-#endif
+constexpr int w8a8_nr() { return simd::Dot64::nr<M>(); }
 
 template <int M, class For>
 void w8a8_pass(const Int8Rows& xq, const int8_t* w, const float* scale, const float* bias,

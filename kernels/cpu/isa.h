@@ -1,7 +1,8 @@
-// The torch-free core the CPU kernels share: which instruction set paths this build compiles
-// (QSPEC_AVX2, QSPEC_AVX512_VNNI, QSPEC_AVX_VNNI on x86-64; QSPEC_NEON, QSPEC_NEON_DOTPROD on
-// aarch64; portable C++ otherwise), the activations' rounding, the thread-pool grain. Included
-// by kernels.h and by the torch-free test driver (kernels/cpu/tests/driver.cpp).
+// The torch-free core the CPU kernels share: the SIMD layer (simd.h: which instruction set
+// paths this build compiles, QSPEC_AVX2, QSPEC_AVX512_VNNI, QSPEC_AVX_VNNI on x86-64,
+// QSPEC_NEON, QSPEC_NEON_DOTPROD on aarch64, portable C++ otherwise), the activations'
+// rounding, the thread-pool grain. Included by kernels.h and by the torch-free test driver
+// (kernels/cpu/tests/driver.cpp).
 #pragma once
 #include <algorithm>
 #include <cmath>
@@ -9,24 +10,9 @@
 #include <limits>
 #include <type_traits>
 
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#include <immintrin.h>
-#define QSPEC_AVX2 1  // the sources' AVX2 intrinsics paths (else: portable C++)
-#endif
-#if defined(QSPEC_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__) && \
-    defined(__AVX512DQ__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
-#define QSPEC_AVX512_VNNI 1  // the integer-dot linears' 512-bit vpdpbusd paths (int_dot.h)
-#elif defined(QSPEC_AVX2) && defined(__AVXVNNI__)
-#define QSPEC_AVX_VNNI 1  // their AVX2 paths with the 256-bit vpdpbusd (AVX-VNNI)
-#endif
+#include "simd.h"  // the QSPEC_* paths and the SIMD layer (simd::F8, simd::Dot64)
 
-#if defined(__aarch64__) && defined(__ARM_NEON)
-#include <arm_neon.h>
-#define QSPEC_NEON 1  // the linears' NEON paths (int_dot.h, linear.h): the AVX2 paths' lanes
-#if defined(__ARM_FEATURE_DOTPROD)
-#define QSPEC_NEON_DOTPROD 1  // their sdot form (Armv8.2-A dotprod: Graviton 2+, Apple M1+)
-#endif
-#endif
+using simd::hsum;  // (the 8-lane sum in its one fixed order, for the kernels not on simd:: yet)
 
 // Rows per thread at the least: waking the thread pool costs tens of microseconds on a small
 // VM, more than a layer of a 135M model takes on one core, so only large matrices (lm_head)
@@ -85,11 +71,3 @@ inline float round_to_codes(const float* x, int64_t n, Code* codes) {
   for (; i < n; ++i) codes[i] = Code(lrintf(x[i] * inv));
   return amax / levels;
 }
-
-#ifdef QSPEC_AVX2
-inline float hsum(__m256 v) {  // one fixed order of the eight lanes
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-#endif

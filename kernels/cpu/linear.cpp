@@ -11,20 +11,16 @@ namespace rowlinear {  // torch's 16-bit floats as weights
 template <>
 struct Weight<c10::BFloat16> {
   static float f32(c10::BFloat16 w) { return static_cast<float>(w); }
-#if defined(QSPEC_AVX2) || defined(QSPEC_NEON)
-  static Lanes8 load8(const c10::BFloat16* p) {
-    return load8_bf16(reinterpret_cast<const uint16_t*>(p));
+  static simd::F8 load8(const c10::BFloat16* p) {
+    return simd::load8_bf16(reinterpret_cast<const uint16_t*>(p));
   }
-#endif
 };
 template <>
 struct Weight<c10::Half> {
   static float f32(c10::Half w) { return static_cast<float>(w); }
-#if defined(QSPEC_AVX2) || defined(QSPEC_NEON)
-  static Lanes8 load8(const c10::Half* p) {
-    return load8_fp16(reinterpret_cast<const uint16_t*>(p));
+  static simd::F8 load8(const c10::Half* p) {
+    return simd::load8_fp16(reinterpret_cast<const uint16_t*>(p));
   }
-#endif
 };
 }  // namespace rowlinear
 

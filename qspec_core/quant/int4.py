@@ -9,8 +9,9 @@ over 576 inputs: five groups, the last one of 64), and such a layer is stored pa
 input padded with zeros (so the padded columns add exactly nothing). The matmul
 never builds the dense weight on the fast paths: on CUDA the Triton kernel
 (`kernels/triton/w4a16.py`) dequantizes in registers; on CPU PyTorch's int4 weight kernel runs with
-bf16 activations (its blocked weight layout is ISA-specific, so it is built at load time and
-never stored). Shapes those kernels cannot take use `w4a16_ref`, which is exact but slow.
+bf16 activations (its blocked weight layout is ISA-specific, so it is never stored: the
+runner that runs the layer makes it once and keeps it, `CpuLayouts`). Shapes those kernels
+cannot take use `w4a16_ref`, which is exact but slow.
 """
 
 from __future__ import annotations
@@ -83,8 +84,6 @@ class Int4Linear(nn.Module):
         # the target: y = (W' (x * input_scale)) * output_scale.
         self.register_buffer("input_scale", torch.ones(in_features) if scaled else None)
         self.register_buffer("output_scale", torch.ones(out_features) if scaled else None)
-        self._cpu_kernel = None  # (int4pack, scale_and_zero) for the CPU int4 kernel, built lazily
-        self._w4a8 = None  # `_w4a8_args()`, built lazily
 
     @classmethod
     def from_quantized(cls, q, scale, zero, group_size, bias=None) -> Int4Linear:
@@ -174,17 +173,18 @@ class Int4Linear(nn.Module):
     def cpu_kernel_ok(self) -> bool:
         return self.group_size in CPU_INT4_GROUPS and self.out_features % 16 == 0
 
-    def _cpu_int4(self):
-        if self._cpu_kernel is None:
-            q = unpack_int4(self.packed).to(torch.int32)  # [N, Kp] in 0..15
-            int4pack = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)
-            # The kernel computes (q - 8) * s + z_f: with an integer zero point z that is
-            # (q - z) * s when z_f = (8 - z) * s.
-            scale_and_zero = torch.stack(
-                [self.scale.t(), ((8 - self.zero) * self.scale).t()], dim=-1
-            ).to(torch.bfloat16)  # [K/G, N, 2]
-            self._cpu_kernel = (int4pack, scale_and_zero.contiguous())
-        return self._cpu_kernel
+    def cpu_layout(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(int4pack, scale_and_zero): the weights in the blocked layout of PyTorch's CPU int4
+        kernel (ISA-specific, so made where it runs, never stored). Made anew on every call:
+        whoever runs the layer more than once keeps it (a runner's `CpuLayouts`)."""
+        q = unpack_int4(self.packed).to(torch.int32)  # [N, Kp] in 0..15
+        int4pack = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)
+        # The kernel computes (q - 8) * s + z_f: with an integer zero point z that is
+        # (q - z) * s when z_f = (8 - z) * s.
+        scale_and_zero = torch.stack(
+            [self.scale.t(), ((8 - self.zero) * self.scale).t()], dim=-1
+        ).to(torch.bfloat16)  # [K/G, N, 2]
+        return int4pack, scale_and_zero.contiguous()
 
     def effective_weight(self) -> torch.Tensor:
         """The dense fp32 weight [N, K] the layer applies, scales included."""
@@ -216,26 +216,21 @@ class Int4Linear(nn.Module):
     def w4a8_args(self):
         """(packed, scale, zero, group size) for the CPU runner's W4A8 kernel of a draft step,
         or False when this layer's form needs its own forward (AWQ scales, act-order, groups
-        that are not multiples of 64). Built once; `_apply` and state loads reset it."""
-        args = self.__dict__["_w4a8"]
-        if args is None:
-            plain = self.input_scale is None and self.perm is None and self.output_scale is None
-            ok = plain and not self.in_features % 64 and not self.group_size % 64
-            ok = ok and not self.ragged  # (the kernel reads x as wide as the stored weights)
-            args = self._w4a8 = (
-                (self.packed, self.scale, self.zero, self.group_size) if ok else False
-            )
-        return args
+        that are not multiples of 64). Read from the buffers on every call (dict reads)."""
+        buffers = self._buffers  # (nn.Module.__getattr__ is slow: this runs once per linear)
+        plain = buffers["input_scale"] is None and buffers["perm"] is None
+        plain = plain and buffers["output_scale"] is None
+        ok = plain and not self.in_features % 64 and not self.group_size % 64
+        ok = ok and not self.ragged  # (the kernel reads x as wide as the stored weights)
+        if not ok:
+            return False
+        return buffers["packed"], buffers["scale"], buffers["zero"], self.group_size
 
-    def _apply(self, fn, *args, **kwargs):
-        self._w4a8 = None  # buffers are replaced (.to, .float): drop what points at the old ones
-        self._cpu_kernel = None
-        return super()._apply(fn, *args, **kwargs)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cpu_layout=None) -> torch.Tensor:
         """x [..., K] -> [..., N]: the Triton kernel on CUDA, PyTorch's int4 kernel on CPU
-        (bf16 activations), else the exact reference. (A CPU decode step's W4A8 kernel is the
-        CPU runner's choice: `qspec_core/runner/cpu.py`.)"""
+        (bf16 activations; `cpu_layout`: this layer's `cpu_layout()` kept by the caller, else
+        made for this call), else the exact reference. (A CPU decode step's W4A8 kernel is the
+        CPU runner's choice: `qspec_core/runner/kernel_table.py`.)"""
         if self.input_scale is not None:
             x = x * self.input_scale.to(x.dtype)
         if self.perm is not None:
@@ -247,7 +242,7 @@ class Int4Linear(nn.Module):
                 x, self.packed, self.scale.to(x.dtype), self.zero.to(x.dtype), self.group_size
             )
         elif self.cpu_kernel_ok():
-            int4pack, scale_and_zero = self._cpu_int4()
+            int4pack, scale_and_zero = self.cpu_layout() if cpu_layout is None else cpu_layout
             x2 = x.reshape(-1, self.padded_features).to(torch.bfloat16)  # fast only in bf16
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(
                 x2, int4pack, self.group_size, scale_and_zero
@@ -259,7 +254,24 @@ class Int4Linear(nn.Module):
             y = y * self.output_scale.to(y.dtype)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
-    def _load_from_state_dict(self, *args, **kwargs):
-        self._cpu_kernel = None  # weights changed: rebuild the kernel layout on next use
-        self._w4a8 = None
-        return super()._load_from_state_dict(*args, **kwargs)
+
+class CpuLayouts:
+    """The CPU int4 kernel's weight layouts (`Int4Linear.cpu_layout`) of the 4-bit layers one
+    runner runs, made on a layer's first use and dropped by `clear` (the runner's `rebuild`,
+    after the model's tensors are replaced). Owned by the runner, so a model holds nothing
+    beside its buffers."""
+
+    def __init__(self):
+        self._made: dict[Int4Linear, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def get(self, layer: Int4Linear) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`layer.cpu_layout()`, made once; None where the CPU kernel does not take the layer."""
+        layout = self._made.get(layer)
+        if layout is None:
+            if not layer.cpu_kernel_ok():
+                return None
+            layout = self._made[layer] = layer.cpu_layout()
+        return layout
+
+    def clear(self) -> None:
+        self._made.clear()

@@ -12,9 +12,10 @@ layers, and the runner picks one per forward:
 - anything else (a prefill chunk, bf16, a cache or a twin the stack does not take) runs the
   model's own PyTorch layer loop, called with this runner's `CpuOps`: RMSNorm, the residual
   add and RoPE in C++ when fp32 (`kernels/cpu/decode.cpp`), and every linear through
-  `CpuOps.linear`, the one place the kernel of a linear is chosen.
+  `CpuOps.linear`, which runs the kernel `kernel_table.py` chooses (the stack's builder reads
+the same table, so the choice exists once).
 
-`CpuOps.linear` runs every linear of a step (at most `MAX_ROWS` rows) on a batch-invariant
+The table runs every linear of a step (at most `MAX_ROWS` rows) on a batch-invariant
 few-row kernel (`kernels/cpu/linear.cpp`, and `int_dot.cpp` for the int8-activation sets
 "w8a8" and the draft's "int4"): a row's result does not depend on how many rows share the call,
 so a token's logits inside a verify are bit for bit those of the same token decoded alone, in
@@ -34,17 +35,15 @@ from __future__ import annotations
 
 import torch
 
-from kernels.cpu import linear as rows_kernels
-from kernels.formats import quantize_activations
 from qspec_core.model.ops import LayerOps
 from qspec_core.precision import FP, Precision
-from qspec_core.quant.int4 import Int4Linear
-from qspec_core.quant.int8 import Int8Linear
+from qspec_core.quant.int4 import CpuLayouts
 from qspec_core.quant.prefill_choice import prefill_path
+from qspec_core.runner import kernel_table
 from qspec_core.runner.cpu_stack import build_stack
 from qspec_core.runner.reference import OfModel
 
-MAX_ROWS = rows_kernels.MAX_ROWS
+MAX_ROWS = kernel_table.MAX_ROWS
 
 
 class CpuOps(LayerOps):
@@ -53,6 +52,7 @@ class CpuOps(LayerOps):
     def __init__(self, ext):
         self.ext = ext  # the loaded C++ extension (`kernels.cpu.build.load()`)
         self._prefill = None  # the INT8 prefill's product (`prefill_path`), asked once
+        self.layouts = CpuLayouts()  # the 4-bit twins' layouts for PyTorch's CPU int4 kernel
 
     def norm(self, norm, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32 and x.is_contiguous() and norm.kind == "rms":
@@ -71,38 +71,10 @@ class CpuOps(LayerOps):
         return super().rope(x, cos, sin)
 
     def linear(self, layer, x: torch.Tensor, path: Precision) -> torch.Tensor:
-        """`layer(x, path)` (a `model.Linear`) through the batch-invariant row kernels when x
-        has at most MAX_ROWS rows, else PyTorch's GEMM or the twin's own forward."""
-        twin = layer.twin(path.weights)
-        if twin is None:
-            params = layer._parameters  # (dict reads: nn.Module.__getattr__ is slow)
-            weight, bias = params["weight"], params["bias"]
-            if rows_kernels.usable(x, weight):
-                return rows_kernels.linear(x, weight, bias)
-            return torch.nn.functional.linear(x, weight, bias)
-        buffers = twin._buffers
-        if isinstance(twin, Int8Linear):
-            w8a8 = layer.int8_activations(path.weights)
-            usable = rows_kernels.w8a8_usable if w8a8 else rows_kernels.int8_usable
-            run = rows_kernels.w8a8_linear if w8a8 else rows_kernels.int8_linear
-            w, bias = buffers["weight_int8"], buffers["bias"]
-            if usable(x, w):
-                # (a model cast with .to(bf16) casts the scale too: the kernels take fp32)
-                return run(x, w, buffers["weight_scale"].float().contiguous(), bias)
-            # a prefill: the same kernels (W8A8 all rows at once, W8A16 a slice at a time)
-            # where this machine measured them fastest (the prompt's rows are a decode's bits)
-            if self.prefill_path() == "rows" and usable(x[..., :1, :], w):
-                scale = buffers["weight_scale"].float().contiguous()
-                if w8a8:  # (one call: the C++ schedules many rows as a GEMM, same bits)
-                    return run(x, w, scale, bias)
-                return rows_kernels.in_slices(run, x, w, scale, bias)
-            if w8a8:  # (prefill: the same rounding, then the twin's own kernel)
-                return twin.forward(quantize_activations(x).to(x.dtype))
-        elif isinstance(twin, Int4Linear):
-            args = twin.w4a8_args()
-            if args and rows_kernels.int4_usable(x, twin.in_features, twin.group_size):
-                return rows_kernels.int4_linear(x, *args, bias=buffers["bias"])  # W4A8
-        return twin.forward(x)
+        """`layer(x, path)` (a `model.Linear`) on the kernel `kernel_table.py` chooses: the
+        batch-invariant row kernels for at most MAX_ROWS rows, else PyTorch's GEMM, the
+        twin's own forward, or the INT8 row kernels where this machine measured them fastest."""
+        return kernel_table.run_linear(layer, x, path.weights, self.prefill_path, self.layouts)
 
     def prefill_path(self) -> str:
         """The many-row INT8 product of this machine, asked on the first one (it may measure:
@@ -130,12 +102,13 @@ class CpuRunner(OfModel):
         self._stacks: dict[str, object | None] = {}  # weights -> DecoderStack, or None
 
     def rebuild(self) -> None:
-        """Forget the stacks: the next step builds them again from the model's tensors (call
-        it after replacing a tensor or a twin in place of another)."""
+        """Forget the stacks and the int4 layouts: the next step builds them again from the
+        model's tensors (call it after replacing a tensor or a twin in place of another)."""
         self._stacks.clear()
+        self.ops.layouts.clear()
 
     def close(self) -> None:
-        self._stacks.clear()
+        self.rebuild()
 
     def stack(self, weights: str):
         """The DecoderStack of one weight set, built on first use; None where the model's

@@ -2,13 +2,14 @@
 
 `build_stack(model, weights, ext)` makes the `DecoderStack` that runs every layer on one weight
 set (`Precision.weights`): the fp32 weights, the draft's 4-bit twins through the W4A8 kernel,
-or the INT8 twins, exactly as `CpuOps.linear` (`cpu.py`) picks them (the KV view is the cache's
-part of the call). The stack holds the model's tensors themselves, not copies: an in-place
-change to a weight shows in the next step, and a tensor or twin *replaced* after the build is
-not seen until the runner that owns the stack builds it again (`CpuRunner.rebuild`; the runtime
-does so on `.to()`). None when the weights need what the C++ loop does not run: a 4-bit twin
-in a form other than plain W4A8 (AWQ scales, act-order), an INT8 twin the CPU int8 kernel
-cannot take, weights not fp32; the runner then calls the model's own layer loop with its ops.
+or the INT8 twins, as the kernel table (`kernel_table.py`) picks them for `CpuOps.linear` too
+(the KV view is the cache's part of the call). The stack holds the model's tensors themselves,
+not copies: an in-place change to a weight shows in the next step, and a tensor or twin
+*replaced* after the build is not seen until the runner that owns the stack builds it again
+(`CpuRunner.rebuild`; the runtime does so on `.to()`). None when the weights need what the C++
+loop does not run: a 4-bit twin in a form other than plain W4A8 (AWQ scales, act-order), an
+INT8 twin the CPU int8 kernel cannot take, weights not fp32; the runner then calls the model's
+own layer loop with its ops.
 """
 
 from __future__ import annotations
@@ -16,8 +17,7 @@ from __future__ import annotations
 import torch
 
 from kernels.cpu import linear as cpu_linear
-from qspec_core.quant.int4 import Int4Linear
-from qspec_core.quant.int8 import Int8Linear
+from qspec_core.runner import kernel_table
 
 
 def build_stack(model, weights: str, ext):
@@ -50,33 +50,31 @@ def build_stack(model, weights: str, ext):
 
 
 def _add_linear(stack, linear, weights: str) -> bool:
-    """Adds one `model.Linear` as `CpuOps.linear` would run it on `weights`; False when the
-    C++ loop cannot run it."""
-    # the twin `Linear.twin` picks: the draft's 4-bit twin, else its INT8 one; the INT8 sets'
-    # INT8 twin
+    """Adds one `model.Linear` with the step kernel `kernel_table` chooses for it (the one
+    `CpuOps.linear` runs); False when the C++ loop cannot run it: no stack kernel for the
+    format, or tensors the C++ does not take."""
     twin = linear.twin(weights)
-    if isinstance(twin, Int4Linear):
-        args = twin.w4a8_args()  # (packed, scale, zero, group size), or False
-        if not args:
-            return False
-        stack.add_int4_linear(*args, twin.bias)
+    fmt = kernel_table.weight_format(linear, weights, twin)
+    add = kernel_table.step_kernel(fmt).stack
+    if add == "add_int4_linear":
+        stack.add_int4_linear(*twin.w4a8_args(), twin.bias)  # (packed, scale, zero, G), bias
         return True
-    if isinstance(twin, Int8Linear):
+    if add == "add_int8_linear":
         tensors = (twin.weight_int8, twin.weight_scale, twin.bias)
         if not cpu_linear.int8_weight_ok(tensors[0]) or tensors[1].dtype != torch.float32:
             return False
-        w8a8 = linear.int8_activations(weights)
+        w8a8 = fmt == "w8a8"  # (activations rounded to int8 per 64 inputs)
         if w8a8 and tensors[0].shape[1] % cpu_linear.CHUNK:
             return False
-        stack.add_int8_linear(*tensors, w8a8)  # (w8a8: activations rounded to int8)
+        stack.add_int8_linear(*tensors, w8a8)
         return True
-    if twin is not None:
-        return False  # a twin of another kind: its own forward, in the model's loop
-    weight, bias = linear.weight, linear.bias
-    if not _fp32(weight) or (bias is not None and not _fp32(bias)):
-        return False
-    stack.add_linear(weight, bias)
-    return True
+    if add == "add_linear":
+        weight, bias = linear.weight, linear.bias
+        if not _fp32(weight) or (bias is not None and not _fp32(bias)):
+            return False
+        stack.add_linear(weight, bias)
+        return True
+    return False  # (add is None: the twin's own forward, in the model's loop)
 
 
 def _fp32(t: torch.Tensor) -> bool:

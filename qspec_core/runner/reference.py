@@ -3,7 +3,8 @@
 What `build_runner` gives where no native runner applies: a GPU (there the model's quantized
 twins and the cache's attention call the Triton kernels themselves), a CPU without qspec's C++
 kernels (`QSPEC_CPU_KERNELS=0`, or a failed build), or a family whose layer the C++ stack does
-not compute (`LayerSpec.native_ok()` false). It owns nothing, so its lifecycle is empty; it is
+not compute (`LayerSpec.native_ok()` false). It owns one thing: the layouts PyTorch's CPU int4
+kernel takes of the 4-bit twins (`TorchOps`), made on first use and dropped by `rebuild`; it is
 a runner so that the runtime and the engine treat every model alike.
 """
 
@@ -11,7 +12,9 @@ from __future__ import annotations
 
 import torch
 
+from qspec_core.model.ops import LayerOps
 from qspec_core.precision import FP, Precision
+from qspec_core.quant.int4 import CpuLayouts, Int4Linear
 
 
 class OfModel:
@@ -32,6 +35,19 @@ class OfModel:
         return self.model.dtype
 
 
+class TorchOps(LayerOps):
+    """PyTorch's own ops, with the 4-bit twins' CPU int4 layouts kept (`CpuLayouts`)."""
+
+    def __init__(self):
+        self.layouts = CpuLayouts()
+
+    def linear(self, layer, x: torch.Tensor, path: Precision) -> torch.Tensor:
+        twin = layer.twin(path.weights)
+        if isinstance(twin, Int4Linear) and x.device.type == "cpu":
+            return twin(x, self.layouts.get(twin))  # (a 4-bit twin's activations: as they come)
+        return layer(x, path)
+
+
 class TorchRunner(OfModel):
     """`model(...)` itself (see the module docstring)."""
 
@@ -39,12 +55,14 @@ class TorchRunner(OfModel):
 
     def __init__(self, model):
         self.model = model
+        self.ops = TorchOps()
 
     def rebuild(self) -> None:
-        """Nothing to rebuild: the model's forward reads its tensors on every call."""
+        """Drop the int4 layouts: the model's forward reads its other tensors on every call."""
+        self.ops.layouts.clear()
 
     def close(self) -> None:
-        """Nothing to release."""
+        self.ops.layouts.clear()
 
     def __call__(
         self,
@@ -54,4 +72,4 @@ class TorchRunner(OfModel):
         path: Precision = FP,
         last_only: bool = False,
     ) -> torch.Tensor:
-        return self.model(tokens, input_pos, cache, path, last_only)
+        return self.model(tokens, input_pos, cache, path, last_only, ops=self.ops)

@@ -1,0 +1,120 @@
+"""The CPU runner's one kernel table (`qspec_core/runner/kernel_table.py`): which kernel each
+(weight format, device, rows) gets, and what the decode stack adds."""
+
+import pytest
+import torch
+
+from kernels.cpu import build as cpu_ext
+from qspec_core.model.transformer import Linear
+from qspec_core.quant.int4 import Int4Linear
+from qspec_core.quant.int8 import Int8Linear
+from qspec_core.runner import kernel_table as table
+
+K, N = 128, 32
+
+
+def _layer(draft: str | None = None, int8: bool = True, k: int = K) -> Linear:
+    """A model.Linear [N, k] with the twins asked for: draft "plain" (W4A8-ready), "awq"
+    (AWQ scales: its own forward) or "other" (a twin of no known kind)."""
+    layer = Linear(k, N, bias=False)
+    if int8:
+        layer.int8 = Int8Linear.from_linear(layer)
+    if draft == "plain":
+        layer.draft = Int4Linear.from_linear(layer, 64)
+    elif draft == "awq":
+        layer.draft = Int4Linear.from_linear(layer, 64).with_scales()
+    elif draft == "other":
+        layer.draft = torch.nn.Identity()
+    return layer
+
+
+@pytest.mark.parametrize(
+    "draft, int8, k, weights, fmt",
+    [
+        (None, False, K, "full", "float"),
+        (None, False, K, "int4", "float"),  # (no twin at all: its own weight)
+        (None, True, K, "int8", "int8"),
+        (None, True, K, "w8a8", "w8a8"),
+        (None, True, K, "int4", "w8a8"),  # a draft on the INT8 twin rounds its activations
+        (None, True, 96, "int4", "int8"),  # ... only in whole 64-chunks
+        ("plain", True, K, "int4", "w4a8"),
+        ("awq", True, K, "int4", "int4"),
+        ("other", True, K, "int4", "other"),
+        ("plain", True, K, "full", "float"),
+    ],
+)
+def test_weight_format(draft, int8, k, weights, fmt):
+    assert table.weight_format(_layer(draft, int8, k), weights) == fmt
+
+
+def _never() -> str:
+    raise AssertionError("the prefill path was asked where no entry depends on it")
+
+
+# (format, rows, measured prefill path) -> kernel name; None: the prefill path is not asked
+EXPECTED = [
+    ("float", 1, None, "linear_rows"),
+    ("float", 17, None, "linear_rows"),
+    ("float", 18, None, "torch_linear"),
+    ("int8", 1, None, "int8_rows"),
+    ("int8", 17, None, "int8_rows"),
+    ("int8", 18, "rows", "int8_row_slices"),
+    ("int8", 512, "int8pack", "twin"),
+    ("int8", 512, "fp32", "twin"),
+    ("w8a8", 5, None, "w8a8_rows"),
+    ("w8a8", 512, "rows", "w8a8_gemm"),
+    ("w8a8", 512, "int8pack", "twin_a8"),
+    ("w8a8", 512, "fp32", "twin_a8"),
+    ("w4a8", 1, None, "w4a8_rows"),
+    ("w4a8", 512, None, "twin"),
+    ("int4", 1, None, "twin"),
+    ("int4", 512, None, "twin"),
+    ("other", 1, None, "twin"),
+    ("other", 512, None, "twin"),
+]
+
+
+@pytest.mark.parametrize("fmt, n_rows, measured, name", EXPECTED)
+def test_the_table_picks(fmt, n_rows, measured, name):
+    asked = _never if measured is None else (lambda: measured)
+    assert table.choose(fmt, "cpu", n_rows, asked).name == name
+
+
+def test_every_format_has_a_step_and_a_prefill_entry():
+    for fmt in table.FORMATS:
+        for rows in ("step", "prefill"):
+            assert (fmt, "cpu", rows) in table.TABLE
+
+
+@pytest.mark.parametrize("fmt", table.FORMATS)
+def test_other_devices_run_the_formats_own_forward(fmt):
+    assert table.choose(fmt, "cuda", 1, _never) is table.OWN[fmt]
+
+
+def test_an_unknown_format_raises():
+    with pytest.raises(ValueError, match="unknown weight format"):
+        table.choose("fp8", "cpu", 1, _never)
+
+
+def test_the_stack_adds_what_a_step_runs():
+    stacks = {fmt: table.step_kernel(fmt).stack for fmt in table.FORMATS}
+    assert stacks == {
+        "float": "add_linear",
+        "int8": "add_int8_linear",
+        "w8a8": "add_int8_linear",
+        "w4a8": "add_int4_linear",
+        "int4": None,
+        "other": None,
+    }
+
+
+@pytest.mark.skipif(not cpu_ext.available(), reason="C++ kernels not built")
+@pytest.mark.parametrize("draft, weights", [(None, "int8"), (None, "w8a8"), ("plain", "int4")])
+def test_an_input_the_kernel_does_not_take_runs_the_own_forward(draft, weights):
+    """fp64 activations: no row kernel takes them, so the format's own forward runs."""
+    layer = _layer(draft).double()
+    x = torch.randn(1, 3, K, dtype=torch.float64)
+    got = table.run_linear(layer, x, weights, _never)
+    fmt = table.weight_format(layer, weights)
+    want = table.OWN[fmt].run(layer, layer.twin(weights), x, None)
+    assert torch.equal(got, want)
