@@ -42,6 +42,28 @@ def usable(*buffers: torch.Tensor) -> bool:
     return fp.dtype == torch.float32 and fp.device.type == "cpu" and cpu_ext.loaded() is not None
 
 
+class NativeMemo:
+    """A cache's C++ object, kept with the buffers it was made over: `get` makes it again when
+    one of them is replaced (`.to()`, a cast, `grow`: an identity check per call). A copy of
+    the cache starts without one (a C++ object cannot be copied; it is made again over the
+    copy's buffers)."""
+
+    def __init__(self):
+        self._memo: tuple | None = None  # (the buffers, the object over them)
+
+    def get(self, buffers: tuple, make):
+        memo = self._memo
+        if memo is None or any(a is not b for a, b in zip(memo[0], buffers, strict=True)):
+            memo = self._memo = (buffers, make())
+        return memo[1]
+
+    def __deepcopy__(self, memo) -> NativeMemo:
+        return NativeMemo()
+
+    def __getstate__(self) -> dict:
+        return {"_memo": None}
+
+
 def hier_kv(buffers: dict[str, torch.Tensor], group_size: int, chunk: int):
     """A `HierKV` over `buffers` (the `HIER_BUFFERS`, [L, ...] each; fp_k/fp_v fp32)."""
     return cpu_ext.load().HierKV(**buffers, group_size=group_size, chunk=chunk)

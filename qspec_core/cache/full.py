@@ -47,7 +47,7 @@ class FullPrecisionCache(torch.nn.Module):
         self.seq_len = 0
         self._mask = (None, None)  # (positions key, mask): built once per forward, not per layer
         self.attention_seconds = 0.0  # wall time inside `attend`'s attention (a prefill's stage)
-        self._native: tuple | None = None  # ((k, v), the C++ `FullKV` over them)
+        self._native = cpu_kv.NativeMemo()  # the C++ `FullKV` over k and v
 
     def attend(self, layer, q, k, v, input_pos, path: Precision = FP):
         if path.kv != "fp":
@@ -93,15 +93,7 @@ class FullPrecisionCache(torch.nn.Module):
         buffers = (self._buffers["k"], self._buffers["v"])
         if not cpu_kv.usable(*buffers):
             return None
-        memo = self._native
-        if memo is None or memo[0][0] is not buffers[0] or memo[0][1] is not buffers[1]:
-            memo = self._native = (buffers, cpu_kv.full_kv(*buffers))
-        return memo[1]
-
-    def __getstate__(self):
-        state = self.__dict__.copy()
-        state["_native"] = None  # (a C++ object: made again over the copy's buffers)
-        return state
+        return self._native.get(buffers, lambda: cpu_kv.full_kv(*buffers))
 
     def native_step(self, input_pos: torch.Tensor, path: Precision, n_tokens: int):
         """For a forward of `native`'s C++ stack: the `FullStep` (`kernels/cpu/kv_cache.h`:

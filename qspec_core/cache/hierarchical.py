@@ -128,7 +128,7 @@ class HierarchicalKVCache(torch.nn.Module):
         # host read and the per-query index tensors are made once, not once per layer.
         self._pos_memo: tuple | None = None
         self._rows_memo: tuple | None = None
-        self._native: tuple | None = None  # (the buffers, the C++ `HierKV` over them)
+        self._native = cpu_kv.NativeMemo()  # the C++ `HierKV` over the buffers
 
     # ------------------------------------------------------------------ lengths and protocol
     @property
@@ -273,16 +273,10 @@ class HierarchicalKVCache(torch.nn.Module):
         buffers = tuple(self._buffers[name] for name in cpu_kv.HIER_BUFFERS)
         if not cpu_kv.usable(*buffers):
             return None
-        memo = self._native
-        if memo is None or any(a is not b for a, b in zip(memo[0], buffers, strict=True)):
-            named = dict(zip(cpu_kv.HIER_BUFFERS, buffers, strict=True))
-            memo = self._native = (buffers, cpu_kv.hier_kv(named, self.group_size, self.chunk_size))
-        return memo[1]
-
-    def __getstate__(self):
-        state = self.__dict__.copy()
-        state["_native"] = None  # (a C++ object: made again over the copy's buffers)
-        return state
+        named = dict(zip(cpu_kv.HIER_BUFFERS, buffers, strict=True))
+        return self._native.get(
+            buffers, lambda: cpu_kv.hier_kv(named, self.group_size, self.chunk_size)
+        )
 
     def native_step(self, input_pos: torch.Tensor, path: Precision, n_tokens: int):
         """For a forward of `native`'s C++ stack: does every layer's bookkeeping of `attend`
