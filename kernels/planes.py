@@ -115,15 +115,16 @@ def _quantize_groups(
 
 
 def _dequantize_groups(
-    upper: torch.Tensor,
-    lower: torch.Tensor | None,
-    scale: torch.Tensor,
-    zero: torch.Tensor,
+    q: QuantizedGroupTensor, grouped: tuple[int, ...], group_dim: int, view: str
 ) -> torch.Tensor:
-    """The INT4 view when `lower` is None, else the INT8 view; all math in fp32."""
-    upper = upper.float()
-    if lower is None:
+    """q's codes reshaped to `grouped` (a group's members along `group_dim`, where its scale
+    and zero broadcast) and dequantized: the INT4 view from the upper plane alone, the INT8
+    view from both; all math in fp32."""
+    upper = unpack_nibbles(q.upper).reshape(grouped).float()
+    scale, zero = q.scale.unsqueeze(group_dim), q.zero.unsqueeze(group_dim)
+    if view == "int4":
         return upper * scale + zero
+    lower = unpack_nibbles(q.lower).reshape(grouped).to(torch.int8) - LOWER_OFFSET
     return (16 * upper + lower.float()) * (scale / 16) + zero
 
 
@@ -173,11 +174,7 @@ def dequantize_keys(q: QuantizedGroupTensor, group_size: int, view: str) -> torc
     if group_size < 1 or q.scale.shape != (B, n_kv, T // group_size, D) or T % group_size:
         raise ValueError(f"keys: metadata {tuple(q.scale.shape)} does not match G={group_size}")
     grouped = (B, n_kv, T // group_size, group_size, D)
-    upper = unpack_nibbles(q.upper).reshape(grouped)
-    lower = None
-    if view == "int8":
-        lower = unpack_nibbles(q.lower).reshape(grouped).to(torch.int8) - LOWER_OFFSET
-    out = _dequantize_groups(upper, lower, q.scale.unsqueeze(3), q.zero.unsqueeze(3))
+    out = _dequantize_groups(q, grouped, 3, view)
     return out.reshape(B, n_kv, T, D)
 
 
@@ -213,11 +210,7 @@ def dequantize_values(
     if G < 1 or D % G != 0 or q.scale.shape != (B, n_kv, T, D // G):
         raise ValueError(f"values: metadata {tuple(q.scale.shape)} does not match G={G}")
     grouped = (B, n_kv, T, D // G, G)
-    upper = unpack_nibbles(q.upper).reshape(grouped)
-    lower = None
-    if view == "int8":
-        lower = unpack_nibbles(q.lower).reshape(grouped).to(torch.int8) - LOWER_OFFSET
-    out = _dequantize_groups(upper, lower, q.scale.unsqueeze(4), q.zero.unsqueeze(4))
+    out = _dequantize_groups(q, grouped, 4, view)
     return out.reshape(B, n_kv, T, D)
 
 
