@@ -163,6 +163,32 @@ def _check_group_size(group_size: int, in_features: int) -> None:
         )
 
 
+def _check_groups(
+    qweight: torch.Tensor,
+    qzeros: torch.Tensor,
+    scales: torch.Tensor,
+    group_size: int,
+    in_features: int,
+    out_features: int,
+) -> tuple[int, str]:
+    """The group size, then scales [n_groups, N] and qzeros int32 [n_groups, N/8] against the
+    layer qweight holds (GPTQ and AWQ store these two alike); returns (n_groups, the reason
+    a shape error gives)."""
+    _check_group_size(group_size, in_features)
+    n_groups = -(-in_features // group_size)  # (the last group short when G does not divide)
+    why = (
+        f"qweight {list(qweight.shape)} means in={in_features}, out={out_features}, g={group_size}"
+    )
+    if list(scales.shape) != [n_groups, out_features]:
+        raise _shape_error("scales", scales, [n_groups, out_features], why)
+    # (N % 8: GPTQ's zeros pack N into words; AWQ's N is words * 8, so it always passes)
+    if out_features % 8 or list(qzeros.shape) != [n_groups, out_features // 8]:
+        raise _shape_error("qzeros", qzeros, [n_groups, out_features // 8], why)
+    if qzeros.dtype != torch.int32:
+        raise QspecError(f"qzeros must be int32, got {qzeros.dtype}")
+    return n_groups, why
+
+
 # ---- GPTQ -----------------------------------------------------------------------------------
 
 
@@ -193,17 +219,7 @@ def unpack_gptq(
             f"qweight must be int32 [K/8, N], got {qweight.dtype} {list(qweight.shape)}"
         )
     in_features, out_features = qweight.shape[0] * 8, qweight.shape[1]
-    _check_group_size(group_size, in_features)
-    n_groups = -(-in_features // group_size)  # (the last group short when G does not divide)
-    why = (
-        f"qweight {list(qweight.shape)} means in={in_features}, out={out_features}, g={group_size}"
-    )
-    if list(scales.shape) != [n_groups, out_features]:
-        raise _shape_error("scales", scales, [n_groups, out_features], why)
-    if out_features % 8 or list(qzeros.shape) != [n_groups, out_features // 8]:
-        raise _shape_error("qzeros", qzeros, [n_groups, out_features // 8], why)
-    if qzeros.dtype != torch.int32:
-        raise QspecError(f"qzeros must be int32, got {qzeros.dtype}")
+    n_groups, why = _check_groups(qweight, qzeros, scales, group_size, in_features, out_features)
     if g_idx is not None:
         if list(g_idx.shape) != [in_features]:
             raise _shape_error("g_idx", g_idx, [in_features], why)
@@ -262,17 +278,7 @@ def unpack_awq(
             f"qweight must be int32 [K, N/8], got {qweight.dtype} {list(qweight.shape)}"
         )
     in_features, out_features = qweight.shape[0], qweight.shape[1] * 8
-    _check_group_size(group_size, in_features)
-    n_groups = -(-in_features // group_size)  # (the last group short when G does not divide)
-    why = (
-        f"qweight {list(qweight.shape)} means in={in_features}, out={out_features}, g={group_size}"
-    )
-    if list(scales.shape) != [n_groups, out_features]:
-        raise _shape_error("scales", scales, [n_groups, out_features], why)
-    if list(qzeros.shape) != [n_groups, out_features // 8]:
-        raise _shape_error("qzeros", qzeros, [n_groups, out_features // 8], why)
-    if qzeros.dtype != torch.int32:
-        raise QspecError(f"qzeros must be int32, got {qzeros.dtype}")
+    _check_groups(qweight, qzeros, scales, group_size, in_features, out_features)
 
     def unpack_interleaved(words: torch.Tensor) -> torch.Tensor:
         nibbles = _unpack_last(words).unflatten(-1, (-1, 8))  # [rows, N/8, 8] in storage order
