@@ -74,18 +74,25 @@ def _online_update(q, k, v, visible, acc, m_i, l_i, DOT_PRECISION: tl.constexpr)
 
 
 @triton.jit
+def _dequant_planes(upper_ptr, lower_ptr, plane_off, key_ok, scale, zero, INT8: tl.constexpr):
+    """A tile's codes at plane_off [BN, D/2] as fp32 [BN, D] times scale plus zero (each
+    broadcast to [BN, D]): the INT4 view from the upper plane, the INT8 view from both."""
+    upper = _unpack_nibbles(tl.load(upper_ptr + plane_off, mask=key_ok[:, None], other=0))
+    if INT8:
+        lower = _unpack_nibbles(tl.load(lower_ptr + plane_off, mask=key_ok[:, None], other=0))
+        return (16.0 * upper + (lower - _LOWER_OFFSET)) * (scale / 16.0) + zero
+    return upper * scale + zero
+
+
+@triton.jit
 def _dequant_key_tile(
     upper_ptr, lower_ptr, scale_ptr, zero_ptr, plane_off, meta_off, key_ok, INT8: tl.constexpr
 ):
     """Keys of one tile as fp32 [BN, D]: plane_off [BN, D/2] byte offsets, meta_off [D] the
     offsets of the tile's group row in k_scale/k_zero (per channel)."""
-    upper = _unpack_nibbles(tl.load(upper_ptr + plane_off, mask=key_ok[:, None], other=0))
     scale = tl.load(scale_ptr + meta_off)[None, :]  # [1, D]
     zero = tl.load(zero_ptr + meta_off)[None, :]
-    if INT8:
-        lower = _unpack_nibbles(tl.load(lower_ptr + plane_off, mask=key_ok[:, None], other=0))
-        return (16.0 * upper + (lower - _LOWER_OFFSET)) * (scale / 16.0) + zero
-    return upper * scale + zero
+    return _dequant_planes(upper_ptr, lower_ptr, plane_off, key_ok, scale, zero, INT8)
 
 
 @triton.jit
@@ -96,7 +103,6 @@ def _dequant_value_tile(
     """Values of one tile as fp32 [BN, D]: meta_off [BN] offsets of each token's metadata row
     ([D/G] per token). With G = D the row is one number, broadcast along channels; otherwise
     each channel reads its group's entry (D/G distinct values per token)."""
-    upper = _unpack_nibbles(tl.load(upper_ptr + plane_off, mask=key_ok[:, None], other=0))
     if HEAD_DIM == GROUP_SIZE:
         scale = tl.load(scale_ptr + meta_off, mask=key_ok, other=0.0)[:, None]  # [BN, 1]
         zero = tl.load(zero_ptr + meta_off, mask=key_ok, other=0.0)[:, None]
@@ -104,10 +110,7 @@ def _dequant_value_tile(
         group = (tl.arange(0, HEAD_DIM) // GROUP_SIZE)[None, :]  # [1, D]
         scale = tl.load(scale_ptr + meta_off[:, None] + group, mask=key_ok[:, None], other=0.0)
         zero = tl.load(zero_ptr + meta_off[:, None] + group, mask=key_ok[:, None], other=0.0)
-    if INT8:
-        lower = _unpack_nibbles(tl.load(lower_ptr + plane_off, mask=key_ok[:, None], other=0))
-        return (16.0 * upper + (lower - _LOWER_OFFSET)) * (scale / 16.0) + zero
-    return upper * scale + zero
+    return _dequant_planes(upper_ptr, lower_ptr, plane_off, key_ok, scale, zero, INT8)
 
 
 @triton.jit
