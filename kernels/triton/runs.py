@@ -1,4 +1,5 @@
-"""Whether a Triton kernel can run for a tensor here: shared by every kernel module."""
+"""What the Triton kernel modules share: whether a kernel can run for a tensor here, and
+the rows a matmul kernel (W4A16, W8A16) takes."""
 
 from __future__ import annotations
 
@@ -14,3 +15,10 @@ def kernel_runs_on(kernel, x: torch.Tensor) -> bool:
         return True
     interpreted = type(kernel).__name__ == "InterpretedFunction"
     return interpreted and os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def matmul_rows(x: torch.Tensor, k: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., K] as the kernel's rows [M, K], and the output y [M, N] it fills (uninitialized,
+    in x's dtype and on its device)."""
+    x2 = x.reshape(-1, k)
+    return x2, torch.empty((x2.shape[0], n), dtype=x.dtype, device=x.device)

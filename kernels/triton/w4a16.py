@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from kernels.formats import unpack_int4
-from kernels.triton.runs import kernel_runs_on
+from kernels.triton.runs import kernel_runs_on, matmul_rows
 
 GROUP_SIZES = (32, 64, 128, 256)
 
@@ -195,42 +195,23 @@ def _launch(
         raise ValueError(f"group_size must be one of {GROUP_SIZES}, got {group_size}")
     n, k = _check(x, packed, scale, zero, group_size)
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, k)  # [M, K]
+    x2, y = matmul_rows(x, k, n)  # [M, K], [M, N]
     m = x2.shape[0]
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)  # [M, N]
     if m == 0 or n == 0:
         return y.reshape(*lead, n)
     config = _launch_config(m, n, group_size, x.is_cuda)
     grid = (triton.cdiv(m, config["BLOCK_M"]), triton.cdiv(n, config["BLOCK_N"]))
     _w4a16_kernel[grid](
-        x2,
-        packed,
-        scale,
-        zero,
-        y,
-        m,
-        n,
-        k,
-        x2.stride(0),
-        x2.stride(1),
-        packed.stride(0),
-        packed.stride(1),
-        scale.stride(0),
-        scale.stride(1),
-        zero.stride(0),
-        zero.stride(1),
-        y.stride(0),
-        y.stride(1),
-        GROUP_SIZE=group_size,
-        **config,
-    )
+        x2, packed, scale, zero, y, m, n, k,
+        *x2.stride(), *packed.stride(), *scale.stride(), *zero.stride(), *y.stride(),
+        GROUP_SIZE=group_size, **config,
+    )  # fmt: skip
     return y.reshape(*lead, n)
 
 
 def triton_usable(x: torch.Tensor) -> bool:
-    """Whether `w4a16_matmul` runs the Triton kernel for x: on CUDA, or on CPU when the
-    interpreter is on (TRITON_INTERPRET=1 now, and it was on when this module was imported,
-    since triton.jit picks compiled vs interpreted at decoration time)."""
+    """Whether `w4a16_matmul` runs the Triton kernel for x (`kernel_runs_on`: on CUDA, or on
+    CPU in the interpreter)."""
     return kernel_runs_on(_w4a16_kernel, x)
 
 

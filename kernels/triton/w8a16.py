@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from kernels.formats import dequantize_int8
-from kernels.triton.runs import kernel_runs_on
+from kernels.triton.runs import kernel_runs_on, matmul_rows
 from kernels.triton.w4a16 import _round_to_bf16_grid
 
 # ---------------------------------------------------------------------------------------------
@@ -159,9 +159,8 @@ def _launch(
     """Run the Triton kernel on x [..., K] -> y [..., N] (no fallback: the caller chose Triton)."""
     n, k = _check(x, w_int8, scale, bias)
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, k)  # [M, K]
+    x2, y = matmul_rows(x, k, n)  # [M, K], [M, N]
     m = x2.shape[0]
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)  # [M, N]
     if m == 0 or n == 0:
         return y.reshape(*lead, n)
     if k == 0:
@@ -171,30 +170,17 @@ def _launch(
     scale = scale.contiguous()  # [N], read with unit stride
     bias = None if bias is None else bias.contiguous()
     _w8a16_kernel[grid](
-        x2,
-        w_int8,
-        scale,
+        x2, w_int8, scale,
         scale if bias is None else bias,  # any valid pointer: the kernel skips it
-        y,
-        m,
-        n,
-        k,
-        x2.stride(0),
-        x2.stride(1),
-        w_int8.stride(0),
-        w_int8.stride(1),
-        y.stride(0),
-        y.stride(1),
-        HAS_BIAS=bias is not None,
-        **config,
-    )
+        y, m, n, k, *x2.stride(), *w_int8.stride(), *y.stride(),
+        HAS_BIAS=bias is not None, **config,
+    )  # fmt: skip
     return y.reshape(*lead, n)
 
 
 def triton_usable(x: torch.Tensor) -> bool:
-    """Whether `w8a16_matmul` runs the Triton kernel for x: on CUDA, or on CPU when the
-    interpreter is on (TRITON_INTERPRET=1 now, and it was on when this module was imported,
-    since triton.jit picks compiled vs interpreted at decoration time)."""
+    """Whether `w8a16_matmul` runs the Triton kernel for x (`kernel_runs_on`: on CUDA, or on
+    CPU in the interpreter)."""
     return kernel_runs_on(_w8a16_kernel, x)
 
 
