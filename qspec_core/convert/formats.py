@@ -150,19 +150,6 @@ def _shape_error(what: str, tensor: torch.Tensor, want: list[int], why: str) -> 
     return QspecError(f"{what} has shape {list(tensor.shape)}, expected {want} ({why})")
 
 
-def _check_group_size(group_size: int, in_features: int) -> None:
-    if group_size == -1:
-        raise QspecError(
-            "group_size -1 (one group per output row) is not supported; "
-            f"requantize with group_size {SUPPORTED_GROUP_SIZES_NOTE}"
-        )
-    if not isinstance(group_size, int) or group_size <= 0 or group_size % 2:
-        raise QspecError(
-            f"group_size {group_size} is not supported (in_features {in_features}); "
-            f"it must be {SUPPORTED_GROUP_SIZES_NOTE}"
-        )
-
-
 def _check_groups(
     qweight: torch.Tensor,
     qzeros: torch.Tensor,
@@ -187,6 +174,19 @@ def _check_groups(
     if qzeros.dtype != torch.int32:
         raise QspecError(f"qzeros must be int32, got {qzeros.dtype}")
     return n_groups, why
+
+
+def _check_group_size(group_size: int, in_features: int) -> None:
+    if group_size == -1:
+        raise QspecError(
+            "group_size -1 (one group per output row) is not supported; "
+            f"requantize with group_size {SUPPORTED_GROUP_SIZES_NOTE}"
+        )
+    if not isinstance(group_size, int) or group_size <= 0 or group_size % 2:
+        raise QspecError(
+            f"group_size {group_size} is not supported (in_features {in_features}); "
+            f"it must be {SUPPORTED_GROUP_SIZES_NOTE}"
+        )
 
 
 # ---- GPTQ -----------------------------------------------------------------------------------
