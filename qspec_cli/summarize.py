@@ -84,20 +84,21 @@ def summarize(
     progress bar; --workers and --ray run it on several processes or machines.
     """
     from qspec_cli.render import PrefillProgress, stats_table
+    from qspec_core.batch.job import BatchSettings
     from qspec_core.engine.summary import summary_record
 
     # every option, then the input, before any model loads
-    params, drafts = common.check_session_options(
+    _, drafts = common.check_session_options(
         mode, gamma, group_size, temperature, top_p, top_k, dtype, threads, target_weights
     )
+    # one document or a batch, the same settings (a batch's workers open their sessions alike)
+    settings = BatchSettings(
+        model, mode, drafts, lookup, max_new_tokens, temperature, top_p, top_k, seed,
+        truncate, group_size, target_weights, dtype, prompt or SUMMARY_REQUEST,
+    )  # fmt: skip
     if output is not None:
         from qspec_cli.batch import run_batch
-        from qspec_core.batch.job import BatchSettings
 
-        settings = BatchSettings(
-            model, mode, drafts, lookup, max_new_tokens, temperature, top_p, top_k, seed,
-            truncate, group_size, target_weights, dtype, prompt or SUMMARY_REQUEST,
-        )  # fmt: skip
         run_batch(files, output, settings, workers, ray, snapshots, threads, as_json)
         return
     batch_only = {"--workers": workers != 1, "--ray": ray, "--snapshots": snapshots}
@@ -110,22 +111,8 @@ def summarize(
     if file.is_dir():
         raise QspecError(f"{file}: is a folder; to summarize its documents, add -o out.jsonl")
     snapshot, text = common.read_input(file)
-    session = common.load_session(
-        model,
-        dtype,
-        threads,
-        target_weights,
-        snapshot,
-        text,
-        params=params,
-        seed=seed,
-        max_new_tokens=max_new_tokens,
-        mode=mode,
-        truncate=truncate,
-        gamma=drafts,
-        group_size=group_size,
-        lookup=lookup,
-    )
+    kwargs = settings.session_kwargs()
+    session = common.load_session(model, dtype, threads, target_weights, snapshot, text, **kwargs)
     runtime = session.runtime
     if session.truncated_tokens:
         common.warn(
@@ -134,7 +121,7 @@ def summarize(
         )
     progress = PrefillProgress(common.err)
     try:
-        for piece in session.ask(prompt or SUMMARY_REQUEST, on_prefill=progress):
+        for piece in session.ask(settings.prompt, on_prefill=progress):
             if not as_json:
                 common.out.out(piece, end="")
     finally:

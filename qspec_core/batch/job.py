@@ -54,6 +54,20 @@ class BatchSettings:
     def params(self) -> SamplingParams:
         return SamplingParams(self.temperature, self.top_p, self.top_k)
 
+    def session_kwargs(self) -> dict:
+        """`ChatSession`'s arguments under these settings (but the runtime and the document):
+        what a batch's worker and `qspec summarize` of one document open their session with."""
+        return dict(
+            params=self.params,
+            seed=self.seed,
+            max_new_tokens=self.max_new_tokens,
+            mode=self.mode,
+            truncate=self.truncate,
+            gamma=self.gamma,
+            group_size=self.group_size,
+            lookup=self.lookup,
+        )
+
     def snapshot_name(self, sha256: str, runtime) -> str:
         """The file name of a document's snapshot under `--snapshots`: its content and what
         its KV depends on (model, target weights, dtype, KV group, the cut of --truncate);
@@ -94,16 +108,7 @@ def _session(runtime, text: str, sha256: str, settings: BatchSettings, snapshots
     """(a ChatSession ready for the prompt, the snapshot it used or wrote: None without
     --snapshots). A snapshot that exists is loaded (no prefill); else the document is
     prefilled and saved there first."""
-    kwargs = dict(
-        params=settings.params,
-        seed=settings.seed,
-        max_new_tokens=settings.max_new_tokens,
-        mode=settings.mode,
-        truncate=settings.truncate,
-        gamma=settings.gamma,
-        group_size=settings.group_size,
-        lookup=settings.lookup,
-    )
+    kwargs = settings.session_kwargs()
     if snapshots is None or settings.mode == "ar":
         return ChatSession(runtime, text, **kwargs), None
     from qspec_core.store.snapshot import load_snapshot, save_snapshot
