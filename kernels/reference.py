@@ -59,15 +59,22 @@ def causal_attention(
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
-def _history(upper, lower, scale, zero, n_hist: int, G: int, kv: str, keys: bool):
-    """Dequantized history positions [0, n_hist) as fp32 [B, n_kv, n_hist, D]."""
-    meta = slice(0, n_hist // G) if keys else slice(0, n_hist)
-    packed = QuantizedGroupTensor(
-        upper[:, :, :n_hist], lower[:, :, :n_hist], scale[:, :, meta], zero[:, :, meta]
-    )
-    if keys:
-        return dequantize_keys(packed, G, kv)
-    return dequantize_values(packed, G, kv)
+def dequantize_history(
+    view: HierLayerView, n_hist: int, kv: str, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's quantized history [0, n_hist) (whole K groups) dequantized in the KV view `kv`:
+    (keys, values) [B, n_kv, n_hist, D], computed in `dtype`: fp32 is the cache's own math,
+    float64 the exact values the codes stand for (what the tests' error model compares to)."""
+    G, hist = view.group_size, slice(0, n_hist)
+    keys = QuantizedGroupTensor(
+        view.k_upper[:, :, hist], view.k_lower[:, :, hist],
+        view.k_scale[:, :, : n_hist // G].to(dtype), view.k_zero[:, :, : n_hist // G].to(dtype),
+    )  # fmt: skip
+    values = QuantizedGroupTensor(
+        view.v_upper[:, :, hist], view.v_lower[:, :, hist],
+        view.v_scale[:, :, hist].to(dtype), view.v_zero[:, :, hist].to(dtype),
+    )  # fmt: skip
+    return dequantize_keys(keys, G, kv), dequantize_values(values, G, kv)
 
 
 def _visibility(index: torch.Tensor, n_hist: int, n_fp: int, fp_pos0: int, device) -> torch.Tensor:
@@ -129,11 +136,10 @@ def hier_attention_ref(
     """
     view.check(q, kv)
     B, H, T, D = q.shape
-    n_kv, G = view.k_upper.shape[1], view.group_size
+    n_kv = view.k_upper.shape[1]
     index = rows.index(T)
     n_hist = int(index[0].max()) if T else 0
-    keys = _history(view.k_upper, view.k_lower, view.k_scale, view.k_zero, n_hist, G, kv, True)
-    values = _history(view.v_upper, view.v_lower, view.v_scale, view.v_zero, n_hist, G, kv, False)
+    keys, values = dequantize_history(view, n_hist, kv)
     keys = torch.cat((keys, view.fp_k.float()), dim=2)  # [B, n_kv, n_hist + F, D]
     values = torch.cat((values, view.fp_v.float()), dim=2)
     visible = _visibility(index, n_hist, view.fp_k.shape[2], int(view.fp_pos0), q.device)

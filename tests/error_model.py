@@ -13,15 +13,8 @@ layer of the hierarchical cache (`hier_attention64`, the arguments of `kernels.a
 import torch
 
 from kernels.formats import QUERY_LEVELS, round_symmetric
-from kernels.planes import (
-    LOWER_OFFSET,
-    HierLayerView,
-    QuantizedGroupTensor,
-    QueryRows,
-    dequantize_keys,
-    dequantize_values,
-    unpack_nibbles,
-)
+from kernels.planes import LOWER_OFFSET, HierLayerView, QueryRows, unpack_nibbles
+from kernels.reference import dequantize_history
 
 EPS32 = torch.finfo(torch.float32).eps
 
@@ -50,16 +43,6 @@ def assert_within_error_model(got, ref32, ref64, factor: float, ulps: float = 2.
         f"{torch_err:.3g} + {ulps:g} ulps of {mag:.3g} = {bound:.3g}"
     )
     return err, torch_err
-
-
-def dequantize64(upper, lower, scale, zero, group_size: int, kv: str, keys: bool):
-    """Packed planes -> K or V in float64 in the KV view `kv` ("int8" or "int4"): the codes
-    are exact, so this is the data the quantized cache holds, without the fp32 rounding of
-    `kernels.planes`' dequantization."""
-    packed = QuantizedGroupTensor(upper, lower, scale.double(), zero.double())
-    if keys:
-        return dequantize_keys(packed, group_size, kv).double()
-    return dequantize_values(packed, group_size, kv).double()
 
 
 def attention64(q, k, v, visible, hist_scores=None):
@@ -105,16 +88,10 @@ def hier_attention64(q, view: HierLayerView, rows: QueryRows, kv: str, int_queri
     dequantized exactly, the same full-precision region and the same per-query visibility
     (history j < n_quant_q[t]; fp key j with fp_lo[t] <= j and fp_pos0 + j <= input_pos[t]);
     with int_queries, the history scored by `int_query_scores64`."""
-    G = view.group_size
     n_quant_q, fp_lo, pos = (torch.as_tensor(x).cpu() for x in (rows.n_quant_q, rows.fp_lo,
                                                                  rows.input_pos))  # fmt: skip
     n = int(n_quant_q.max())
-    keys = dequantize64(view.k_upper[:, :, :n], view.k_lower[:, :, :n],
-                        view.k_scale[:, :, : n // G], view.k_zero[:, :, : n // G], G, kv,
-                        keys=True)  # fmt: skip
-    values = dequantize64(view.v_upper[:, :, :n], view.v_lower[:, :, :n],
-                          view.v_scale[:, :, :n], view.v_zero[:, :, :n], G, kv,
-                          keys=False)  # fmt: skip
+    keys, values = dequantize_history(view, n, kv, torch.float64)  # (the codes' exact values)
     j = torch.arange(view.fp_k.shape[2])
     visible = torch.cat(
         (

@@ -5,19 +5,11 @@ from functools import partial
 
 import pytest
 import torch
-from error_model import assert_within_error_model, attention64, dequantize64, hier_attention64
+from error_model import assert_within_error_model, attention64, hier_attention64
 from hf_tiny import ours_from_hf, tiny_hf
 
-from kernels.planes import (
-    HierLayerView,
-    QuantizedGroupTensor,
-    QueryRows,
-    dequantize_keys,
-    dequantize_values,
-    quantize_keys,
-    quantize_values,
-)
-from kernels.reference import hier_attention_ref
+from kernels.planes import HierLayerView, QueryRows, quantize_keys, quantize_values
+from kernels.reference import dequantize_history, hier_attention_ref
 from qspec_core.cache import hierarchical as hier_cache
 from qspec_core.cache.full import FullPrecisionCache
 from qspec_core.cache.hierarchical import CommitInvariantError, HierarchicalKVCache
@@ -56,12 +48,7 @@ def test_reference_attention_equals_dense(n_kv, rep, D, n_quant, n_fp, T, kv):
                          vq.zero, fp_k, fp_v, fp_pos0=n_quant, group_size=G)  # fmt: skip
     rows = QueryRows(torch.full((T,), n_quant), torch.zeros(T, dtype=torch.long), pos)
     got = hier_attention_ref(q, view, rows, kv)
-    hist_k = dequantize64(kq.upper[:, :, :n_quant], kq.lower[:, :, :n_quant],
-                          kq.scale[:, :, : n_quant // G], kq.zero[:, :, : n_quant // G], G, kv,
-                          keys=True)  # fmt: skip
-    hist_v = dequantize64(vq.upper[:, :, :n_quant], vq.lower[:, :, :n_quant],
-                          vq.scale[:, :, :n_quant], vq.zero[:, :, :n_quant], G, kv,
-                          keys=False)  # fmt: skip
+    hist_k, hist_v = dequantize_history(view, n_quant, kv, torch.float64)
     k, v = torch.cat([hist_k, fp_k.double()], 2), torch.cat([hist_v, fp_v.double()], 2)
     causal = torch.arange(n_quant + n_fp)[None, :] <= pos[:, None]  # [T, S]
     want = attention64(q, k, v, causal)
@@ -89,20 +76,6 @@ def _tokens(n, seed=0):
     return torch.randint(0, 101, (n,), generator=_gen(seed)).tolist()
 
 
-def _history(cache, layer: int, end: int, view: str):
-    """The first `end` history positions (a multiple of G) of one layer as fp32 (k, v) in
-    `view`, dequantized by the plane format's reference."""
-    G, v = cache.group_size, cache.layer_view(layer)
-    k = QuantizedGroupTensor(
-        v.k_upper[:, :, :end], v.k_lower[:, :, :end], v.k_scale[:, :, : end // G],
-        v.k_zero[:, :, : end // G],
-    )  # fmt: skip
-    vals = QuantizedGroupTensor(
-        v.v_upper[:, :, :end], v.v_lower[:, :, :end], v.v_scale[:, :, :end], v.v_zero[:, :, :end]
-    )
-    return dequantize_keys(k, G, view), dequantize_values(vals, G, view)
-
-
 def test_cache_attention_equals_dense_over_dequantized_view():
     model = _tiny()
     cache = _cache(model)
@@ -114,7 +87,7 @@ def test_cache_attention_equals_dense_over_dequantized_view():
     k_new, v_new = torch.randn(1, 2, 3, 16, generator=g), torch.randn(1, 2, 3, 16, generator=g)
     for path in (TARGET, DRAFT_KV4):
         cache.truncate(70)
-        hist_k, hist_v = _history(cache, layer, 48, path.kv)
+        hist_k, hist_v = dequantize_history(cache.layer_view(layer), 48, path.kv)
         fp_k = torch.cat([cache.fp_k[layer, :, :, :22], k_new], 2)
         fp_v = torch.cat([cache.fp_v[layer, :, :, :22], v_new], 2)
         pos = torch.arange(70, 73)
