@@ -81,6 +81,20 @@ def tiny_model_dir(tmp_path_factory, default_model_dir) -> Path:
 
 
 @pytest.fixture
+def spy(monkeypatch):
+    """`spy(module, name, calls=None)`: module.name still runs, and each call appends `name` to
+    `calls` (a new list unless given, to share one between several spies), which it returns."""
+
+    def install(module, name: str, calls: list | None = None) -> list:
+        calls = [] if calls is None else calls
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, **k: calls.append(name) or real(*a, **k))
+        return calls
+
+    return install
+
+
+@pytest.fixture
 def read_only_tmp(tmp_path, monkeypatch) -> Path:
     """tmp_path as a read-only mount would be: every create under it fails with EROFS (root
     writes any plain folder, so the refusal is simulated in `atomic_write`'s os.open)."""

@@ -240,19 +240,13 @@ def test_kernel_chunk_not_multiple_of_tile_and_int32_indices():
     assert_matches_twin(out, q, view, rows, "int4")
 
 
-def _spy(monkeypatch, module, name, calls):
-    real = getattr(module, name)
-    monkeypatch.setattr(module, name, lambda *a, **k: calls.append(name) or real(*a, **k))
-
-
-def test_dispatch(monkeypatch):
+def test_dispatch(monkeypatch, spy):
     """`kernels.attention.hier_attention`: the C++ kernel for CPU tensors when built (before
     the interpreter), Triton where it runs, else the twin; fused=False: always the twin."""
     q, view, rows = build(Case(R=1, T=1, n_quant=32, F=10))
-    calls = []
-    _spy(monkeypatch, dispatch.cpu_attention, "hier_attention_cpu", calls)
-    _spy(monkeypatch, dispatch.triton_attention, "hier_attention_triton", calls)
-    _spy(monkeypatch, dispatch, "hier_attention_ref", calls)
+    calls = spy(dispatch.cpu_attention, "hier_attention_cpu")
+    spy(dispatch.triton_attention, "hier_attention_triton", calls)
+    spy(dispatch, "hier_attention_ref", calls)
     if dispatch.cpu_attention.available():
         hier_attention(q, view, rows, "int4")
         assert calls == ["hier_attention_cpu"]

@@ -138,19 +138,13 @@ def test_kernel_odd_operands():
 # The wrapper's dispatch
 
 
-def test_wrapper_runs_triton_under_interpreter(monkeypatch):
+def test_wrapper_runs_triton_under_interpreter(monkeypatch, spy):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    calls = []
-
-    def spy(*args):
-        calls.append(1)
-        return _launch(*args)
-
-    monkeypatch.setattr(w4a16, "_launch", spy)
+    calls = spy(w4a16, "_launch")
     q, scale, zero = make_weights(48, 128, 64)
     x = torch.randn(3, 128)
     y = w4a16_matmul(x, pack_int4(q), scale, zero, 64)
-    assert calls == [1]
+    assert calls == ["_launch"]
     torch.testing.assert_close(y, w4a16_ref(x, pack_int4(q), scale, zero, 64))
 
 

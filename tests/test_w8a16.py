@@ -305,19 +305,13 @@ def test_kernel_odd_operands():
 # The wrapper's dispatch
 
 
-def test_wrapper_runs_triton_under_interpreter(monkeypatch):
+def test_wrapper_runs_triton_under_interpreter(monkeypatch, spy):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    calls = []
-
-    def spy(*args):
-        calls.append(1)
-        return _launch(*args)
-
-    monkeypatch.setattr(w8a16, "_launch", spy)
+    calls = spy(w8a16, "_launch")
     layer = make_layer(96, 40)
     x = torch.randn(3, 96)
     y = w8a16_matmul(x, layer.weight_int8, layer.weight_scale, layer.bias)
-    assert calls == [1]
+    assert calls == ["_launch"]
     torch.testing.assert_close(y, w8a16_ref(x, layer.weight_int8, layer.weight_scale, layer.bias))
 
 
