@@ -6,7 +6,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_speculative import _forced, _g, _model, _run, assert_replays
+from test_speculative import _echo_prompt, _forced, _g, _model, assert_replays
 
 from qspec_core.cache.hierarchical import HierarchicalKVCache
 from qspec_core.engine.generate import prefill_hierarchical
@@ -117,10 +117,7 @@ def test_greedy_with_lookup_equals_target_ar(gamma):
     the document and from the 4-bit path, both accepting and rejecting, and rotations; the
     output is target-ar's, token for token."""
     model = _model()
-    seed = torch.randint(0, 101, (10,), generator=_g(8)).tolist()
-    said, _ = _run(model, seed, 30, "target-ar")
-    prompt = seed + said + seed
-    expected, _ = _run(model, prompt, 70, "target-ar")
+    prompt, expected = _echo_prompt(model)
     got, cache, stats = _run_lookup(model, prompt, 70, gamma=gamma, lookup_min=2)
     assert got == expected
     assert cache.quantized_len >= 48 and cache.seq_len == cache.committed
@@ -155,10 +152,7 @@ class RandomPlanner:
 
 def test_greedy_equals_target_ar_over_every_kind_of_round():
     model = _model()
-    seed = torch.randint(0, 101, (10,), generator=_g(8)).tolist()
-    said, _ = _run(model, seed, 30, "target-ar")
-    prompt = seed + said + seed
-    expected, _ = _run(model, prompt, 70, "target-ar")
+    prompt, expected = _echo_prompt(model)
     got, cache, stats = _run_lookup(
         model, prompt, 70, gamma="auto", lookup_min=1, planner=RandomPlanner(0)
     )

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from test_speculative import _g, _model, _run
+from test_speculative import _echo_prompt, _g, _model, _run
 
 from qspec_core.bench.runner import BenchConfig
 from qspec_core.cache.full import FullPrecisionCache
@@ -98,10 +98,7 @@ class Scripted:
 
 def test_greedy_over_three_sources_and_plain_steps_equals_target_ar():
     model = _model()
-    seed = torch.randint(0, 101, (10,), generator=_g(8)).tolist()
-    said, _ = _run(model, seed, 30, "target-ar")
-    prompt = seed + said + seed
-    expected, _ = _run(model, prompt, 70, "target-ar")
+    prompt, expected = _echo_prompt(model)
     oracle = Oracle(expected, len(prompt), wrong=3)
     got, cache, stats = _decode(
         model, prompt, 70, gamma="auto", planner=Scripted(1), proposers=[oracle],

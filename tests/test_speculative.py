@@ -60,6 +60,17 @@ def _run(
     return list(out), cache
 
 
+def _echo_prompt(model) -> tuple[list[int], list[int]]:
+    """(prompt, target-ar's 70 tokens after it) for a prompt that holds the model's own
+    continuation of its end once already: ten random tokens, target-ar's 30 after them, the
+    ten again. What lookup drafts from: greedy runs over it must give target-ar's tokens."""
+    seed = torch.randint(0, 101, (10,), generator=_g(8)).tolist()
+    said, _ = _run(model, seed, 30, "target-ar")
+    prompt = seed + said + seed
+    expected, _ = _run(model, prompt, 70, "target-ar")
+    return prompt, expected
+
+
 @pytest.mark.parametrize("gamma", [1, 3, 6, "auto"])
 @pytest.mark.parametrize("prompt_len", [5, 37])
 def test_greedy_quantspec_equals_target_ar(gamma, prompt_len):
