@@ -7,8 +7,9 @@
 // pool, each leaving softmax partials (acc, max, sum) that a final pass merges by log-sum-exp;
 // the full-precision region is one more task per head.
 //
-// Two implementations of a task: AVX2/FMA intrinsics for head_dim 64 and 128 (the models
-// qspec runs), and portable C++ for the rest and for CPUs without AVX2. Both fold each row's
+// Two implementations of a task: the SIMD layer's attention ops (simd::Attn: AVX2/FMA and
+// AVX-512 builds) for head_dim 64 and 128 (the models qspec runs), and portable C++ for the rest
+// and for the builds without those ops. Both fold each row's
 // keys in the same order, so a query's result does not depend on how many queries came with
 // it (greedy QuantSpec relies on a verify row equalling the autoregressive step bit for bit).
 //
@@ -87,9 +88,10 @@ inline void prefetch_block(const Args& a, int64_t row, int64_t bytes, bool targe
 // Codes are U (draft) or 16 U + L (target, with s / 16 as the step). The AVX2 decoder gives
 // the target 16 U + (L + 8), so its zeros absorb -8 steps (`off`).
 // DT: head_dim known at compile time (64, 128: the vector paths), 0 for the portable one.
-template <int64_t DT, bool TARGET, bool INTQ>
+// A: the SIMD layer's attention ops (A::kVector: whether this build has them).
+template <int64_t DT, bool TARGET, bool INTQ, class A = simd::Attn>
 void quantized_task(const Args& a, int64_t bh, int64_t c, Rows& rows) {
-  constexpr bool FAST = DT != 0;
+  constexpr bool FAST = DT != 0 && A::kVector;
   const int64_t D = DT ? DT : a.D, half = D / 2, G = a.G, RT = rows.RT;
   const int64_t start = c * a.chunk, stop = std::min(start + a.chunk, a.max_nq);
   const float div = TARGET ? 16.f : 1.f;
@@ -148,19 +150,16 @@ void quantized_task(const Args& a, int64_t bh, int64_t c, Rows& rows) {
     if constexpr (INTQ)  // every row's dots at once: the block's bytes are decoded once
       int_dots<DT, TARGET>(a.ku + row0 * half, a.kl + row0 * half, n, D, iq.codes.data(), RT,
                            dots.data());
-#ifdef QSPEC_AVX2
     if constexpr (FAST) {
       for (int64_t j = 0; j < n; ++j) {
         const int64_t at = (row0 + j) * half;
         for (int64_t s = 0; s < D; s += 64) {
-          if (!INTQ)
-            decode_segment<TARGET>(a.ku + at + s / 2, a.kl + at + s / 2, kbp + j * D + s);
-          decode_segment<TARGET>(a.vu + at + s / 2, a.vl + at + s / 2, vbp + j * D + s);
+          const int64_t o = at + s / 2;
+          if (!INTQ) A::template decode_segment<TARGET>(a.ku + o, a.kl + o, kbp + j * D + s);
+          A::template decode_segment<TARGET>(a.vu + o, a.vl + o, vbp + j * D + s);
         }
       }
-    }
-#endif
-    if constexpr (!FAST) {
+    } else {
       if (!INTQ) block_codes(a.ku + row0 * half, a.kl + row0 * half, n, D, TARGET, kbp);
       block_codes(a.vu + row0 * half, a.vl + row0 * half, n, D, TARGET, vbp);
     }
@@ -186,17 +185,15 @@ void quantized_task(const Args& a, int64_t bh, int64_t c, Rows& rows) {
         const float step = iq.step[r], bias = iq.bias[r];
         for (int64_t j = 0; j < n; ++j) p[j] = std::fma(float(dots[r * n + j]), step, bias);
       }
-#ifdef QSPEC_AVX2
       if constexpr (FAST) {
-        if (!INTQ) scores_avx2<DT>(qs.data() + r * D, kbp, n, kbias[r], p);
-        fold_row_fast<DT>(p, n, vbp, ws, wz, rows.acc + r * D, rows.m[r], rows.l[r],
+        if (!INTQ) scores_vector<A, DT>(qs.data() + r * D, kbp, n, kbias[r], p);
+        fold_row_vector<A, DT>(p, n, vbp, ws, wz, rows.acc + r * D, rows.m[r], rows.l[r],
+                               zacc[r]);
+      } else {
+        if (!INTQ) scores_portable(qs.data() + r * D, kbp, n, D, kbias[r], p);
+        fold_row_portable(p, n, vbp, ws, wz, D, rows.acc + r * D, rows.m[r], rows.l[r],
                           zacc[r]);
-        continue;
       }
-#endif
-      if (!INTQ) scores_portable(qs.data() + r * D, kbp, n, D, kbias[r], p);
-      fold_row_portable(p, n, vbp, ws, wz, D, rows.acc + r * D, rows.m[r], rows.l[r],
-                        zacc[r]);
     }
   }
   for (int64_t r = 0; r < RT; ++r) {  // the values' zeros, sum_j p_j z_j, reach every dim
@@ -206,8 +203,9 @@ void quantized_task(const Args& a, int64_t bh, int64_t c, Rows& rows) {
 }
 
 // The full-precision region, with each query's mask, in blocks of BLOCK tokens.
-template <int64_t DT>
+template <int64_t DT, class A = simd::Attn>
 void full_precision_task(const Args& a, int64_t bh, Rows& rows) {
+  constexpr bool FAST = DT != 0 && A::kVector;
   const int64_t D = DT ? DT : a.D, RT = rows.RT;
   const int64_t b = bh / a.n_kv, h = bh % a.n_kv;
   const float* fk = a.fk + b * a.fk_b + h * a.fk_h;
@@ -222,18 +220,16 @@ void full_precision_task(const Args& a, int64_t bh, Rows& rows) {
     for (int64_t j = 0; j < n; ++j) {
       const float* kj = fk + (b0 + j) * a.fk_t;
       const float* vj = fv + (b0 + j) * a.fv_t;
-#ifdef QSPEC_AVX2
-      if constexpr (DT != 0) {
+      if constexpr (FAST) {
         for (int64_t s = 0; s < D; s += 64) {
-          deinterleave_segment(kj + s, kb + j * D + s);
-          deinterleave_segment(vj + s, vb + j * D + s);
+          A::deinterleave_segment(kj + s, kb + j * D + s);
+          A::deinterleave_segment(vj + s, vb + j * D + s);
         }
-        continue;
-      }
-#endif
-      for (int64_t d = 0; d < D; ++d) {
-        kb[j * D + d] = kj[a.perm[d]];
-        vb[j * D + d] = vj[a.perm[d]];
+      } else {
+        for (int64_t d = 0; d < D; ++d) {
+          kb[j * D + d] = kj[a.perm[d]];
+          vb[j * D + d] = vj[a.perm[d]];
+        }
       }
     }
     for (int64_t r = 0; r < RT; ++r) {
@@ -247,22 +243,17 @@ void full_precision_task(const Args& a, int64_t bh, Rows& rows) {
       // and the scalar tail begins (another exp, another summation order). `hi` is a
       // function of the row's position alone, so the row's bits are too.
       const float* qr = a.q + (bh * RT + r) * D;
-#ifdef QSPEC_AVX2
-      if constexpr (DT != 0) {
-        scores_avx2<DT>(qr, kb, hi, 0.f, p);
-      }
-#endif
-      if constexpr (DT == 0) scores_portable(qr, kb, hi, D, 0.f, p);
+      if constexpr (FAST)
+        scores_vector<A, DT>(qr, kb, hi, 0.f, p);
+      else
+        scores_portable(qr, kb, hi, D, 0.f, p);
       for (int64_t j = 0; j < lo; ++j) p[j] = NEG_INF;
-#ifdef QSPEC_AVX2
-      if constexpr (DT != 0) {
-        fold_row_fast<DT>(p, hi, vb, nullptr, nullptr, rows.acc + r * D, rows.m[r],
+      if constexpr (FAST)
+        fold_row_vector<A, DT>(p, hi, vb, nullptr, nullptr, rows.acc + r * D, rows.m[r],
+                               rows.l[r], zacc);
+      else
+        fold_row_portable(p, hi, vb, nullptr, nullptr, D, rows.acc + r * D, rows.m[r],
                           rows.l[r], zacc);
-        continue;
-      }
-#endif
-      fold_row_portable(p, hi, vb, nullptr, nullptr, D, rows.acc + r * D, rows.m[r],
-                        rows.l[r], zacc);
     }
   }
 }
@@ -364,17 +355,12 @@ at::Tensor hier_attention_cpu(const at::Tensor& q, const HierLayer& layer, const
       std::fill(rows.acc, rows.acc + RT * D, 0.f);
       std::fill(rows.m, rows.m + RT, NEG_INF);
       std::fill(rows.l, rows.l + RT, 0.f);
-#ifdef QSPEC_AVX2
-      if (D == 64) {
+      if (simd::Attn::kVector && D == 64)
         run_task<64>(a, bh, c, rows);
-        continue;
-      }
-      if (D == 128) {
+      else if (simd::Attn::kVector && D == 128)
         run_task<128>(a, bh, c, rows);
-        continue;
-      }
-#endif
-      run_task<0>(a, bh, c, rows);
+      else
+        run_task<0>(a, bh, c, rows);
     }
   });
   // log-sum-exp merge over tasks, written to [B, T, H, D] with dims re-interleaved

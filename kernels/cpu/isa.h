@@ -10,7 +10,7 @@
 #include <limits>
 #include <type_traits>
 
-#include "simd.h"  // the QSPEC_* paths and the SIMD layer (simd::F8, simd::Dot64)
+#include "simd.h"  // the QSPEC_* paths and the SIMD layer (simd::F8, simd::Dot64, ...)
 
 using simd::hsum;  // (the 8-lane sum in its one fixed order, for the kernels not on simd:: yet)
 
@@ -34,17 +34,7 @@ inline float round_to_codes(const float* x, int64_t n, Code* codes) {
   static_assert(std::is_same_v<Code, int8_t> || std::is_same_v<Code, int16_t>);
   float amax = 0.f;
   bool nan = false;
-  int64_t i = 0;
-#if defined(QSPEC_AVX512_VNNI)  // (max is exact: the vector pass gives the scalar one's amax)
-  __m512 vmax = _mm512_setzero_ps();
-  __mmask16 vnan = 0;
-  for (; i + 16 <= n; i += 16) {
-    const __m512 v = _mm512_loadu_ps(x + i);
-    vmax = _mm512_max_ps(vmax, _mm512_abs_ps(v));
-    vnan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-  }
-  amax = _mm512_reduce_max_ps(vmax), nan = vnan != 0;
-#endif
+  int64_t i = simd::Codes::abs_max(x, n, amax, nan);  // a vector pass's prefix of x, if any
   for (; i < n; ++i) {
     amax = std::max(amax, std::abs(x[i]));
     nan |= std::isnan(x[i]);
@@ -56,17 +46,7 @@ inline float round_to_codes(const float* x, int64_t n, Code* codes) {
     return nan ? std::numeric_limits<float>::quiet_NaN() : 0.f;
   }
   const float inv = levels / amax;
-  i = 0;
-#if defined(QSPEC_AVX512_VNNI)  // cvtps rounds half to even (the default mode), as lrintf does
-  const __m512 vinv = _mm512_set1_ps(inv);
-  for (; i + 16 <= n; i += 16) {
-    const __m512i c = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + i), vinv));
-    if constexpr (std::is_same_v<Code, int8_t>)
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + i), _mm512_cvtsepi32_epi8(c));
-    else
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + i), _mm512_cvtsepi32_epi16(c));
-  }
-#endif
+  i = simd::Codes::round(x, n, inv, codes);
   // lrintf rounds half to even (the default rounding mode), as torch.round does
   for (; i < n; ++i) codes[i] = Code(lrintf(x[i] * inv));
   return amax / levels;

@@ -14,12 +14,24 @@
 //          lanes (Dot64::Acc) that a chunk's step scales and that Dot64::sum reduces in one
 //          fixed order (16 lanes on AVX-512, the F8 order elsewhere); `nr<M>()`: how many
 //          weight rows a pass takes against M activation rows (the registers it has).
+//   Int4   the W4A8 draft's dot (int4_dot.h): 32 packed nibble bytes against a chunk's even and
+//          odd int8 codes per step of kChunks chunks (two on AVX-512), acc += (dot * step) * scale
+//          in float lanes (the portable file: acc + dot * scale * step, its own bits), sum, nr<M>;
+//   Codes  the activations' rounding's vector pass (isa.h's round_to_codes): abs_max and round
+//          over a prefix of x, returning how much they did (0: the scalar loop does all);
+//   Attn   the attention's vector ops (attention_math.h, attention_int.h, hier_attention.cpp):
+//          kVector (false on NEON and portable builds, which run the portable attention kernels),
+//          dot_prefix (a prefix of a fixed-order dot), and where kVector: Scores and Fold (fp32
+//          lanes with set/load/store/add/sub/mul/max/fma, exp (Cephes), sum, max_of; sums8 on
+//          Scores: eight vectors' sums at once), decode_segment / segment_words /
+//          deinterleave_segment (a 64-dim segment into the kernel's deinterleaved order, as
+//          floats or int16), row_dots<DT> (int16 dots of a row against kDotTokens tokens).
 // The order of every reduction is part of a kernel's numerics: a row's bits must not depend
 // on how many rows share a call (batch invariance), so each file fixes its order once here.
 //
 // The QSPEC_* macros name the paths this build compiles (QSPEC_AVX2, QSPEC_AVX512_VNNI,
-// QSPEC_AVX_VNNI, QSPEC_NEON, QSPEC_NEON_DOTPROD): the attention kernels and the W4A8 dot
-// still test them where their code is not on this layer yet.
+// QSPEC_AVX_VNNI, QSPEC_NEON, QSPEC_NEON_DOTPROD): the ISA files test them (the kernels
+// do not: flash_prefill.h aside, they are written on this layer alone).
 #pragma once
 #include <cstdint>
 #include <cstring>
@@ -38,6 +50,9 @@
 #include "simd_avx2.h"
 namespace simd {
 using Dot64 = Dot64Avx2;
+using Codes = CodesScalar;
+using Int4 = Int4Avx2;
+using Attn = AttnAvx2;
 }
 #endif
 #elif defined(__aarch64__) && defined(__ARM_NEON)

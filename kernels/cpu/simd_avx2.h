@@ -3,6 +3,7 @@
 #pragma once
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 
@@ -89,6 +90,210 @@ struct Dot64Avx2 {
   static float sum(Acc v) { return hsum(v); }
   template <int M>
   static constexpr int nr() { return M == 1 ? 4 : M <= 3 ? 2 : 1; }  // 16 ymm registers
+};
+
+
+// The W4A8 draft's dot (int4_dot.h): a 64-input chunk is 32 packed bytes (input 2i in the low
+// nibble of byte i, 2i + 1 in the high one) against the chunk's even and odd int8 codes. Per
+// chunk: acc += (float(lanes) * step) * scale, lanes the exact int32 sums of nibble x code
+// (vpmaddubsw: 32 nibbles (u8) times 32 codes, pairs added, exact: |pair| <= 2 * 15 * 127;
+// AVX-VNNI: vpdpbusd). One chunk a step; sum: hsum.
+struct Int4Avx2 {
+  static constexpr int kChunks = 1;  // chunks a step takes
+  using Acc = __m256;
+  using S = __m256;  // a weight row's group scale
+  using Step = __m256;
+  struct W {
+    __m256i lo, hi;
+  };
+  using X = W;  // even, odd codes
+  static Acc zero() { return _mm256_setzero_ps(); }
+  static W load_w(const uint8_t* p, bool) {
+    const __m256i mask = _mm256_set1_epi8(0x0F);
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return {_mm256_and_si256(b, mask), _mm256_and_si256(_mm256_srli_epi16(b, 4), mask)};
+  }
+  static S scales(const float* s, int64_t g0, int64_t) { return _mm256_set1_ps(s[g0]); }
+  static X load_x(const int8_t* even, const int8_t* odd, bool) {
+    return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(even)),
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(odd))};
+  }
+  // step: the chunk's step (step8: it 8 times, then the next chunk's, for 16-lane files)
+  static Step load_step(const float* step, const float*) { return _mm256_broadcast_ss(step); }
+  static Acc fma_dot(const W& w, const X& x, Step step, S s, Acc acc) {
+#ifdef QSPEC_AVX_VNNI
+    const __m256i lanes = _mm256_dpbusd_avx_epi32(
+        _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w.lo, x.lo), w.hi, x.hi);
+#else
+    const __m256i lanes = _mm256_madd_epi16(
+        _mm256_add_epi16(_mm256_maddubs_epi16(w.lo, x.lo), _mm256_maddubs_epi16(w.hi, x.hi)),
+        _mm256_set1_epi16(1));
+#endif
+    return _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(lanes), step), s, acc);
+  }
+  static float sum(Acc v) { return hsum(v); }
+  template <int M>
+  static constexpr int nr() { return M == 1 ? 4 : M == 2 ? 2 : 1; }
+};
+
+// The activations' rounding (isa.h's round_to_codes) has no vector pass here: the scalar loop
+// does all of x.
+struct CodesScalar {
+  static int64_t abs_max(const float*, int64_t, float&, bool&) { return 0; }
+  template <typename Code>
+  static int64_t round(const float*, int64_t, float, Code*) { return 0; }
+};
+
+// ----------------------------------------------------------- the attention (attention_*.h)
+
+// Eight fp32 lanes with the operations the softmax fold and the scores need.
+struct Lanes8 {
+  using V = __m256;
+  static constexpr int kLanes = 8;
+  static V set(float v) { return _mm256_set1_ps(v); }
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+  static V add(V a, V b) { return _mm256_add_ps(a, b); }
+  static V sub(V a, V b) { return _mm256_sub_ps(a, b); }
+  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static V max(V a, V b) { return _mm256_max_ps(a, b); }
+  static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }  // a * b + c
+  // exp(x) for the softmax (x <= 0), Cephes' polynomial: a few ulp; exp(-inf) = 0.
+  static V exp(V x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-88.3762626647949f)),
+                      _mm256_set1_ps(88.3762626647949f));
+    __m256 fx = _mm256_floor_ps(
+        _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_add_ps(_mm256_fmadd_ps(y, _mm256_mul_ps(x, x), x), _mm256_set1_ps(1.f));
+    const __m256i e = _mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+  }
+  static float sum(V v) { return hsum(v); }
+  static float max_of(V v) {
+    __m128 h4 = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    h4 = _mm_max_ps(h4, _mm_movehl_ps(h4, h4));
+    return std::max(_mm_cvtss_f32(h4), _mm_cvtss_f32(_mm_movehdup_ps(h4)));
+  }
+  // Eight vectors -> the vector of their eight horizontal sums, in order (one transposed
+  // reduction; its own order, not hsum's).
+  static V sums8(const V* v) {
+    const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+    const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
+                         _mm256_permute2f128_ps(u0, u1, 0x31));
+  }
+};
+
+// The attention's vector ops. A 64-dim segment of a token is 32 bytes per nibble plane (byte b:
+// positions b and 32 + b of the kernel's deinterleaved order, attention_math.h).
+struct AttnAvx2 {
+  static constexpr bool kVector = true;
+  using Scores = Lanes8;  // the scores' lanes: eight keys at a time, sums8
+  using Fold = Lanes8;    // the softmax fold's lanes
+
+  // sum_d a_d b_d over the first dims, a multiple of 8 (returned), in lanes then hsum.
+  static int64_t dot_prefix(const float* a, const float* b, int64_t D, float& sum) {
+    int64_t d = 0;
+    __m256 acc = _mm256_setzero_ps();
+    for (; d + 8 <= D; d += 8)
+      acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), acc);
+    sum = hsum(acc);
+    return d;
+  }
+
+  // The segment's bytes u in the kernel's order: the low nibbles (even dims), then the high
+  // ones (odd dims); U (draft) or 16 U + lower (target; lower is L + 8, and the caller folds
+  // the + 8 into the zeros or the scores' bias).
+  template <bool TARGET>
+  static void segment_bytes(const uint8_t* up, const uint8_t* lo, __m256i& even, __m256i& odd) {
+    const __m256i m = _mm256_set1_epi8(0x0F);
+    const __m256i u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(up));
+    if (!TARGET) {
+      even = _mm256_and_si256(u, m);
+      odd = _mm256_and_si256(_mm256_srli_epi16(u, 4), m);
+    } else {
+      const __m256i l = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lo));
+      even = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(u, m), 4), _mm256_and_si256(l, m));
+      odd = _mm256_or_si256(_mm256_andnot_si256(m, u),
+                            _mm256_and_si256(_mm256_srli_epi16(l, 4), m));
+    }
+  }
+  // 32 bytes 0..255 -> 32 floats; out 32-byte aligned.
+  static void bytes_to_floats(__m256i x, float* out) {
+    const __m128i lo = _mm256_castsi256_si128(x), hi = _mm256_extracti128_si256(x, 1);
+    _mm256_store_ps(out, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)));
+    _mm256_store_ps(out + 8, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))));
+    _mm256_store_ps(out + 16, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)));
+    _mm256_store_ps(out + 24, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))));
+  }
+  // The segment's 64 codes as floats [64] (the values' decoder); out 32-byte aligned.
+  template <bool TARGET>
+  static void decode_segment(const uint8_t* up, const uint8_t* lo, float* out) {
+    __m256i even, odd;
+    segment_bytes<TARGET>(up, lo, even, odd);
+    bytes_to_floats(even, out);
+    bytes_to_floats(odd, out + 32);
+  }
+  // The segment's bytes u as int16 [64] (the integer scores' keys).
+  template <bool TARGET>
+  static void segment_words(const uint8_t* up, const uint8_t* lo, int16_t* out) {
+    __m256i even, odd;
+    segment_bytes<TARGET>(up, lo, even, odd);
+    const __m256i bytes[2] = {even, odd};
+    for (int h = 0; h < 2; ++h) {
+      __m256i* o = reinterpret_cast<__m256i*>(out + 32 * h);
+      _mm256_storeu_si256(o, _mm256_cvtepu8_epi16(_mm256_castsi256_si128(bytes[h])));
+      _mm256_storeu_si256(o + 1, _mm256_cvtepu8_epi16(_mm256_extracti128_si256(bytes[h], 1)));
+    }
+  }
+  // 64 fp32 dims in original order -> deinterleaved (even dims, then odd); out 32-byte aligned.
+  static void deinterleave_segment(const float* in, float* out) {
+    for (int i = 0; i < 4; ++i) {
+      const __m256 a = _mm256_loadu_ps(in + 16 * i), b = _mm256_loadu_ps(in + 16 * i + 8);
+      const __m256 ev = _mm256_shuffle_ps(a, b, 0x88), od = _mm256_shuffle_ps(a, b, 0xDD);
+      _mm256_store_ps(out + 8 * i,
+                      _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(ev), 0xD8)));
+      _mm256_store_ps(out + 32 + 8 * i,
+                      _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(od), 0xD8)));
+    }
+  }
+
+  // Integer dots of one row's int16 codes (in Words, the row's DT codes) against kDotTokens
+  // tokens' words w [kDotTokens, DT]: vpmaddwd per token, one transposed reduction; the first
+  // `left` sums go to out.
+  static constexpr int64_t kDotTokens = 8;
+  using Words = __m256i;  // 16 int16
+  template <int64_t DT>
+  static void row_dots(const int16_t* w, const Words* qv, int32_t* out, int64_t left) {
+    constexpr int64_t NV = DT / 16;
+    __m256i acc[8];
+    for (int64_t t = 0; t < 8; ++t) {
+      acc[t] = _mm256_setzero_si256();
+      for (int64_t v = 0; v < NV; ++v)
+        acc[t] = _mm256_add_epi32(
+            acc[t], _mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+                                          w + t * DT + 16 * v)),
+                                      qv[v]));
+    }
+    const __m256i u0 =
+        _mm256_hadd_epi32(_mm256_hadd_epi32(acc[0], acc[1]), _mm256_hadd_epi32(acc[2], acc[3]));
+    const __m256i u1 =
+        _mm256_hadd_epi32(_mm256_hadd_epi32(acc[4], acc[5]), _mm256_hadd_epi32(acc[6], acc[7]));
+    alignas(32) int32_t tmp[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(tmp),
+                       _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20),
+                                        _mm256_permute2x128_si256(u0, u1, 0x31)));
+    std::copy(tmp, tmp + left, out);
+  }
 };
 
 }  // namespace simd

@@ -38,4 +38,175 @@ struct Dot64Avx512 {
 };
 using Dot64 = Dot64Avx512;
 
+// Int4Avx2 with two chunks per 64-byte load: lanes 0-7 hold chunk c's partial dots, lanes 8-15
+// chunk c + 1's (the low nibbles against the even codes, the high against the odd, both in one
+// int32 lane sum, vpdpbusd); an odd last chunk (`two` false) loads half, its upper lanes zero
+// with a zero step (step8's padding). Sum: _mm512_reduce_add_ps's order.
+struct Int4Avx512 {
+  static constexpr int kChunks = 2;
+  using Acc = __m512;
+  using S = __m512;
+  using Step = __m512;
+  struct W {
+    __m512i lo, hi;
+  };
+  using X = W;
+  static __mmask64 bytes(bool two) { return two ? ~__mmask64(0) : __mmask64(0xFFFFFFFFull); }
+  static Acc zero() { return _mm512_setzero_ps(); }
+  static W load_w(const uint8_t* p, bool two) {
+    const __m512i mask = _mm512_set1_epi8(0x0F);
+    const __m512i b = _mm512_maskz_loadu_epi8(bytes(two), p);
+    return {_mm512_and_si512(b, mask), _mm512_and_si512(_mm512_srli_epi16(b, 4), mask)};
+  }
+  static S scales(const float* s, int64_t g0, int64_t g1) {
+    return _mm512_insertf32x8(_mm512_set1_ps(s[g0]), _mm256_set1_ps(s[g1]), 1);
+  }
+  static X load_x(const int8_t* even, const int8_t* odd, bool two) {
+    return {_mm512_maskz_loadu_epi8(bytes(two), even), _mm512_maskz_loadu_epi8(bytes(two), odd)};
+  }
+  static Step load_step(const float*, const float* step8) { return _mm512_loadu_ps(step8); }
+  static Acc fma_dot(const W& w, const X& x, Step step, S s, Acc acc) {
+    const __m512i d =
+        _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w.lo, x.lo), w.hi, x.hi);
+    return _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(d), step), s, acc);
+  }
+  static float sum(Acc v) { return _mm512_reduce_add_ps(v); }
+  template <int M>
+  static constexpr int nr() { return M <= 2 ? 4 : 2; }  // lo, hi, scales, sums: 4 NR + NR M zmm
+};
+using Int4 = Int4Avx512;
+
+// The activations' rounding (isa.h's round_to_codes), 16 at a time over x's first multiple of
+// 16 (returned): max is exact, so the vector pass gives the scalar one's amax; cvtps rounds half
+// to even (the default mode), as the scalar tail's lrintf does.
+struct CodesAvx512 {
+  static int64_t abs_max(const float* x, int64_t n, float& amax, bool& nan) {
+    int64_t i = 0;
+    __m512 vmax = _mm512_setzero_ps();
+    __mmask16 vnan = 0;
+    for (; i + 16 <= n; i += 16) {
+      const __m512 v = _mm512_loadu_ps(x + i);
+      vmax = _mm512_max_ps(vmax, _mm512_abs_ps(v));
+      vnan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    }
+    amax = _mm512_reduce_max_ps(vmax), nan = vnan != 0;
+    return i;
+  }
+  template <typename Code>
+  static int64_t round(const float* x, int64_t n, float inv, Code* codes) {
+    int64_t i = 0;
+    const __m512 vinv = _mm512_set1_ps(inv);
+    for (; i + 16 <= n; i += 16) {
+      const __m512i c = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + i), vinv));
+      if constexpr (sizeof(Code) == 1)
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + i), _mm512_cvtsepi32_epi8(c));
+      else
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + i), _mm512_cvtsepi32_epi16(c));
+    }
+    return i;
+  }
+};
+using Codes = CodesAvx512;
+
+// ----------------------------------------------------------- the attention (attention_*.h)
+
+// Lanes8 with 16 lanes (the same exp polynomial; sums in _mm512_reduce_add_ps's order).
+struct Lanes16 {
+  using V = __m512;
+  static constexpr int kLanes = 16;
+  static V set(float v) { return _mm512_set1_ps(v); }
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+  static V add(V a, V b) { return _mm512_add_ps(a, b); }
+  static V sub(V a, V b) { return _mm512_sub_ps(a, b); }
+  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static V max(V a, V b) { return _mm512_max_ps(a, b); }
+  static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static V exp(V x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-88.3762626647949f)),
+                      _mm512_set1_ps(88.3762626647949f));
+    __m512 fx = _mm512_roundscale_ps(
+        _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
+    x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
+    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
+    y = _mm512_add_ps(_mm512_fmadd_ps(y, _mm512_mul_ps(x, x), x), _mm512_set1_ps(1.f));
+    const __m512i e = _mm512_slli_epi32(
+        _mm512_add_epi32(_mm512_cvttps_epi32(fx), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+  }
+  static float sum(V v) { return _mm512_reduce_add_ps(v); }
+  static float max_of(V v) { return _mm512_reduce_max_ps(v); }
+};
+
+// AttnAvx2 with the fold, the fixed dot and the integer dots in 16 lanes (the scores keep
+// eight keys at a time).
+struct AttnAvx512 : AttnAvx2 {
+  using Fold = Lanes16;  // half the instructions for the same keys (n <= 32)
+
+  static int64_t dot_prefix(const float* a, const float* b, int64_t D, float& sum) {
+    int64_t d = 0;
+    __m512 acc = _mm512_setzero_ps();
+    for (; d + 16 <= D; d += 16)
+      acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + d), _mm512_loadu_ps(b + d), acc);
+    sum = _mm512_reduce_add_ps(acc);
+    return d;
+  }
+
+  static void bytes_to_floats(__m256i x, float* out) {
+    _mm512_storeu_ps(out, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(x))));
+    _mm512_storeu_ps(out + 16,
+                     _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(x, 1))));
+  }
+  template <bool TARGET>
+  static void decode_segment(const uint8_t* up, const uint8_t* lo, float* out) {
+    __m256i even, odd;
+    segment_bytes<TARGET>(up, lo, even, odd);
+    bytes_to_floats(even, out);
+    bytes_to_floats(odd, out + 32);
+  }
+
+  // Eight vectors of [token 2i: 8 partial sums | token 2i + 1: 8] -> the 16 tokens' sums, in
+  // order.
+  static __m512i reduce_pairs(const __m512i* v) {
+    __m512i a[4], b[2];
+    for (int k = 0; k < 4; ++k)  // per 128-bit lane: (x0 + x2, y0 + y2, x1 + x3, y1 + y3)
+      a[k] = _mm512_add_epi32(_mm512_unpacklo_epi32(v[2 * k], v[2 * k + 1]),
+                              _mm512_unpackhi_epi32(v[2 * k], v[2 * k + 1]));
+    for (int k = 0; k < 2; ++k)  // per lane: the lane's sums of v[4k] .. v[4k + 3]
+      b[k] = _mm512_add_epi32(_mm512_unpacklo_epi64(a[2 * k], a[2 * k + 1]),
+                              _mm512_unpackhi_epi64(a[2 * k], a[2 * k + 1]));
+    // lanes 0 + 1 and 2 + 3: tokens 0 2 4 6 | 1 3 5 7 | 8 10 12 14 | 9 11 13 15
+    const __m512i c = _mm512_add_epi32(_mm512_shuffle_i32x4(b[0], b[1], 0x88),
+                                       _mm512_shuffle_i32x4(b[0], b[1], 0xDD));
+    const __m512i order = _mm512_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15);
+    return _mm512_permutexvar_epi32(order, c);
+  }
+  // 16 tokens at a time with vpdpwssd (rows past `left` hold zeros).
+  static constexpr int64_t kDotTokens = 16;
+  using Words = __m512i;  // 32 int16
+  template <int64_t DT>
+  static void row_dots(const int16_t* w, const Words* qv, int32_t* out, int64_t left) {
+    constexpr int64_t NV = DT / 32;
+    __m512i pairs[8];
+    for (int64_t t = 0; t < 16; t += 2) {
+      __m512i a = _mm512_setzero_si512(), b = _mm512_setzero_si512();
+      for (int64_t v = 0; v < NV; ++v) {
+        a = _mm512_dpwssd_epi32(a, _mm512_loadu_si512(w + t * DT + 32 * v), qv[v]);
+        b = _mm512_dpwssd_epi32(b, _mm512_loadu_si512(w + (t + 1) * DT + 32 * v), qv[v]);
+      }  // two tokens' 16 partials -> [8 | 8]
+      pairs[t / 2] = _mm512_add_epi32(_mm512_shuffle_i32x4(a, b, 0x44),
+                                      _mm512_shuffle_i32x4(a, b, 0xEE));
+    }
+    _mm512_mask_storeu_epi32(out, __mmask16((1u << left) - 1), reduce_pairs(pairs));
+  }
+};
+using Attn = AttnAvx512;
+
 }  // namespace simd

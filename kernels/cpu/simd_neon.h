@@ -79,4 +79,65 @@ struct Dot64Neon {
 };
 using Dot64 = Dot64Neon;
 
+// The W4A8 draft's dot (int4_dot.h) as the AVX2 file's: its lanes as two int32x4 (lanes 0-3:
+// packed bytes 0-15 of the chunk, 4-7: bytes 16-31; low nibbles against the even codes, high
+// against the odd, dot16), the same fp32 operations per lane, the same sum.
+struct Int4Neon {
+  static constexpr int kChunks = 1;
+  using Acc = F8;
+  using S = float32x4_t;
+  using Step = float32x4_t;
+  struct W {
+    int8x16_t lo[2], hi[2];
+  };
+  using X = W;
+  static Acc zero() { return zero8(); }
+  static W load_w(const uint8_t* p, bool) {
+    const uint8x16_t mask = vdupq_n_u8(0x0F);
+    W w;
+    for (int h = 0; h < 2; ++h) {
+      const uint8x16_t b = vld1q_u8(p + 16 * h);
+      w.lo[h] = vreinterpretq_s8_u8(vandq_u8(b, mask));
+      w.hi[h] = vreinterpretq_s8_u8(vshrq_n_u8(b, 4));
+    }
+    return w;
+  }
+  static S scales(const float* s, int64_t g0, int64_t) { return vdupq_n_f32(s[g0]); }
+  static X load_x(const int8_t* even, const int8_t* odd, bool) {
+    return {{vld1q_s8(even), vld1q_s8(even + 16)}, {vld1q_s8(odd), vld1q_s8(odd + 16)}};
+  }
+  static Step load_step(const float* step, const float*) { return vdupq_n_f32(*step); }
+  static Acc fma_dot(const W& w, const X& x, Step step, S s, Acc acc) {
+    const int32x4_t none = vdupq_n_s32(0);
+    float32x4_t a[2] = {acc.lo, acc.hi};
+    for (int h = 0; h < 2; ++h) {
+      const int32x4_t lanes = dot16(dot16(none, w.lo[h], x.lo[h]), w.hi[h], x.hi[h]);
+      a[h] = vfmaq_f32(a[h], vmulq_f32(vcvtq_f32_s32(lanes), step), s);
+    }
+    return {a[0], a[1]};
+  }
+  static float sum(Acc v) { return hsum(v); }
+  template <int M>
+  static constexpr int nr() { return M == 1 ? 4 : M == 2 ? 2 : 1; }
+};
+using Int4 = Int4Neon;
+
+// The activations' rounding (isa.h's round_to_codes) has no vector pass here: the scalar loop
+// does all of x.
+struct Codes {
+  static int64_t abs_max(const float*, int64_t, float&, bool&) { return 0; }
+  template <typename Code>
+  static int64_t round(const float*, int64_t, float, Code*) { return 0; }
+};
+
+// The attention has no vector path here (kVector false: attention_math.h's portable kernels,
+// whose bits this build keeps); dot_prefix sums no dims (attention_int.h's scalar loop does).
+struct Attn {
+  static constexpr bool kVector = false;
+  static int64_t dot_prefix(const float*, const float*, int64_t, float& sum) {
+    sum = 0.f;
+    return 0;
+  }
+};
+
 }  // namespace simd

@@ -90,4 +90,54 @@ struct Dot64Portable {
 };
 using Dot64 = Dot64Portable;
 
+// The W4A8 draft's dot (int4_dot.h) per chunk: an exact int dot of the 32 packed bytes' nibbles
+// (low: even inputs, high: odd) with the codes, then acc + dot * scale * step in chunk order;
+// one lane.
+struct Int4Portable {
+  static constexpr int kChunks = 1;
+  using Acc = float;
+  using S = float;
+  using Step = float;
+  using W = const uint8_t*;
+  struct X {
+    const int8_t *even, *odd;
+  };
+  static Acc zero() { return 0.f; }
+  static W load_w(const uint8_t* p, bool) { return p; }
+  static S scales(const float* s, int64_t g0, int64_t) { return s[g0]; }
+  static X load_x(const int8_t* even, const int8_t* odd, bool) { return {even, odd}; }
+  static Step load_step(const float* step, const float*) { return *step; }
+  static Acc fma_dot(W w, const X& x, Step step, S s, Acc acc) {
+    int dot = 0;
+    for (int i = 0; i < 32; ++i) {
+      const uint8_t byte = w[i];
+      dot += (byte & 15) * x.even[i];
+      dot += (byte >> 4) * x.odd[i];
+    }
+    return acc + float(dot) * s * step;
+  }
+  static float sum(Acc v) { return v; }
+  template <int M>
+  static constexpr int nr() { return 1; }
+};
+using Int4 = Int4Portable;
+
+// The activations' rounding (isa.h's round_to_codes) has no vector pass here: the scalar loop
+// does all of x.
+struct Codes {
+  static int64_t abs_max(const float*, int64_t, float&, bool&) { return 0; }
+  template <typename Code>
+  static int64_t round(const float*, int64_t, float, Code*) { return 0; }
+};
+
+// The attention has no vector path here (kVector false: attention_math.h's portable kernels,
+// whose bits this build keeps); dot_prefix sums no dims (attention_int.h's scalar loop does).
+struct Attn {
+  static constexpr bool kVector = false;
+  static int64_t dot_prefix(const float*, const float*, int64_t, float& sum) {
+    sum = 0.f;
+    return 0;
+  }
+};
+
 }  // namespace simd

@@ -96,23 +96,27 @@ class DecoderStack {
   // layer's new K/V into the cache and attends over it, with the step the cache filled.
   at::Tensor run_hier(at::Tensor x, at::Tensor cos, at::Tensor sin, const HierKV& cache,
                       const HierStep& step) {
-    return run(x, cos, sin, [&](int64_t l, const at::Tensor& q, const at::Tensor& k,
-                                const at::Tensor& v) {
-      cache.write(l, k, v, step.lo);
-      return cache.attend(l, q, step);
-    });
+    return run_cached(x, cos, sin, cache, step, step.lo);
   }
 
   at::Tensor run_full(at::Tensor x, at::Tensor cos, at::Tensor sin, const FullKV& cache,
                       const FullStep& step) {
+    return run_cached(x, cos, sin, cache, step, step.start);
+  }
+
+ private:
+  // run over `cache`, each layer's new K/V written from token `first` of its region (the
+  // hierarchical cache's full-precision region, the full cache's rows)
+  template <class Cache, class Step>
+  at::Tensor run_cached(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                        const Cache& cache, const Step& step, int64_t first) {
     return run(x, cos, sin, [&](int64_t l, const at::Tensor& q, const at::Tensor& k,
                                 const at::Tensor& v) {
-      cache.write(l, k, v, step.start);
+      cache.write(l, k, v, first);
       return cache.attend(l, q, step);
     });
   }
 
- private:
   at::Tensor run(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
                     const Attend& attend) {
     TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && x.dim() == 3,
