@@ -100,6 +100,39 @@ def test_w8a8_step_linear_is_batch_invariant_and_exact_in_its_integers(K, N):
     assert ((whole.double() - exact).abs() <= bound).all()
 
 
+@pytest.mark.parametrize("K,N", [(64, 40), (576, 37), (1536, 200)])
+def test_w8a8_prefill_rows_are_their_definition_whatever_the_rows_and_threads(K, N):
+    """A prefill's W8A8 product (more than MAX_ROWS rows, `int_gemm.h`): with AVX-512 VNNI,
+    `w8a8_prefill_ref` bit for bit (each chunk's exact integer dot, one fp32 multiply-add a
+    chunk), the same bits for a row in any call of many rows, at one thread or two, tails of
+    outputs and rows included; elsewhere a decode step's bits for every row."""
+    g = _gen(K * 3 + N)
+    x = torch.randn(300, K, generator=g) * torch.logspace(-3, 2, K)  # chunks of every scale
+    x[3, :64] = 0  # an all-zero chunk: step 0
+    q, scale = quantize_int8(torch.randn(N, K, generator=g) * 0.1)
+    q[0, :64] = -128  # the most negative code: the unsigned-weight trick must survive it
+    bias = torch.randn(N, generator=g)
+    whole = cpu_linear.w8a8_linear(x, q, scale, bias)
+    if cpu_linear.prefill_lanes():
+        assert torch.equal(whole, cpu_linear.w8a8_prefill_ref(x, q, scale, bias))
+        assert torch.equal(
+            cpu_linear.w8a8_linear(x, q, scale, None), cpu_linear.w8a8_prefill_ref(x, q, scale)
+        )
+        steps = torch.cat([cpu_linear.w8a8_linear(x[m : m + 1], q, scale, bias) for m in range(8)])
+        torch.testing.assert_close(whole[:8], steps, rtol=1e-5, atol=1e-5 * steps.abs().max())
+    else:
+        for m in range(0, 300, 37):
+            assert torch.equal(whole[m], cpu_linear.w8a8_linear(x[m : m + 1], q, scale, bias)[0])
+    for a, b in ((0, 18), (5, 31), (131, 300), (17, 150)):  # other calls, other tiles
+        assert torch.equal(cpu_linear.w8a8_linear(x[a:b], q, scale, bias), whole[a:b]), (a, b)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(cpu_linear.w8a8_linear(x, q, scale, bias), whole)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_step_linears_take_low_precision_activations_exactly():
     """bf16 activations are upcast exactly; the result is rounded once to bf16."""
     g = _gen(3)

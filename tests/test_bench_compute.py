@@ -57,8 +57,9 @@ def test_probe_measures_each_element_type_and_the_line_divides_by_the_best():
     assert staged["quantize_s"] == 0.5
 
 
-def test_a_slow_first_product_is_the_measurement(monkeypatch):
-    """bf16 on a CPU without BF16 units: one call, not a timed loop of seconds each."""
+def test_two_slow_first_products_are_the_measurement(monkeypatch):
+    """bf16 on a CPU without BF16 units: two calls (the first may have stalled behind another
+    process), not a timed loop of seconds each."""
     calls = []
     real = compute._operands
 
@@ -69,4 +70,4 @@ def test_a_slow_first_product_is_the_measurement(monkeypatch):
     monkeypatch.setattr(compute, "_operands", counted)
     monkeypatch.setattr(compute, "SLOW_S", 0.0)
     assert compute.gemm_rate("fp32", (32, 64, 64), seconds=5.0) > 0
-    assert len(calls) == 1
+    assert len(calls) == 2

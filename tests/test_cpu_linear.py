@@ -143,14 +143,16 @@ def test_int4_layer_uses_the_kernel_for_a_draft_step_only():
 @pytest.mark.parametrize("weights", ["w8a8", "int8"])
 @pytest.mark.parametrize("rows", [18, 40, 257])
 @pytest.mark.parametrize("out_features", [80, 83])
-def test_a_prefill_through_the_row_kernels_is_bit_for_bit_a_decode(
+def test_a_prefill_through_the_row_kernels_is_bit_for_bit_its_definition(
     weights, rows, out_features, monkeypatch
 ):
     """With the "rows" prefill path (`quant/prefill_choice.py`), the runner runs a prefill's
-    INT8-weight linears through the step kernels (W8A16 a slice at a time, W8A8 in one call on
-    the GEMM schedule): every row equals, bit for bit, that row alone through the same kernel
-    (a decode step). A slice that lost a row, a block or slab of the GEMM computed in another
-    order or skipped (83: a partial slab), or a fallback to another kernel breaks it."""
+    INT8-weight linears through qspec's kernels: W8A16 a slice at a time through the step
+    kernel, W8A8 in one call as a GEMM. Every row equals, bit for bit, that row alone through
+    the step kernel (a decode step), except W8A8 with AVX-512 VNNI, whose GEMM sums each chunk
+    in one lane (`int_gemm.h`): there every row is `w8a8_prefill_ref`'s, bit for bit, and a
+    decode step's to fp32 rounding. A slice that lost a row, a tile computed in another order
+    or skipped (83: a partial slab), or a fallback to another kernel breaks it."""
     from qspec_core.precision import TARGET
     from qspec_core.quant.int8 import Int8Linear
 
@@ -164,7 +166,13 @@ def test_a_prefill_through_the_row_kernels_is_bit_for_bit_a_decode(
         got = ops.linear(outer, x, path)
         alone = torch.cat([ops.linear(outer, x[:, i : i + 1], path) for i in range(rows)], 1)
     assert got.shape == (1, rows, out_features)
-    assert torch.equal(got, alone)
+    if weights == "w8a8" and cpu_linear.prefill_lanes():
+        twin = outer.int8._buffers
+        args = (twin["weight_int8"], twin["weight_scale"], twin["bias"])
+        assert torch.equal(got[0], cpu_linear.w8a8_prefill_ref(x[0], *args))
+        torch.testing.assert_close(got, alone, rtol=1e-5, atol=1e-5 * alone.abs().max().item())
+    else:
+        assert torch.equal(got, alone)
     monkeypatch.setenv("QSPEC_INT8_PREFILL", "int8pack")  # (the bf16 kernel: not the same bits)
     with torch.no_grad():
         assert not torch.equal(CpuOps(cpu_ext.load()).linear(outer, x, path), alone)

@@ -10,6 +10,8 @@ takes another path.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from kernels.cpu import build as cpu_ext
@@ -100,9 +102,52 @@ def prefill_usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     )
 
 
+PRODUCTS_ENV = "QSPEC_PREFILL_PRODUCTS"  # "fp32" or "bf16": the prefill attention's products
+
+
+def prefill_products() -> str:
+    """The element type of the prefill attention's products: "bf16" (`flash_bf16.h`, about
+    1.4x the fp32 kernel's speed on a Zen 4, operands rounded to bf16) only when asked for with
+    QSPEC_PREFILL_PRODUCTS=bf16 on a build that has it (AVX512-BF16); else "fp32"."""
+    asked = os.environ.get(PRODUCTS_ENV, "fp32").strip().lower() or "fp32"
+    if asked not in ("fp32", "bf16"):
+        raise ValueError(f"{PRODUCTS_ENV} is 'fp32' or 'bf16', not {asked!r}")
+    return "bf16" if asked == "bf16" and cpu_ext.load().PREFILL_BF16 else "fp32"
+
+
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int):
     """Causal attention of queries at positions start .. start + T - 1 (q [B, H, T, D]) over
     keys 0 .. start + T - 1 (k/v [B, n_kv, S, D], S >= start + T, GQA by head groups): tiled
     in C++ (`flash_prefill.h`), no [T, S] scores in memory; fp32 -> [B, H, T, D]. Equals
-    `kernels.reference.causal_attention` (SDPA) to rounding, its twin in the tests."""
-    return cpu_ext.load().prefill_attention_cpu(q, k, v, start)
+    `kernels.reference.causal_attention` (SDPA) to rounding, its twin in the tests (with bf16
+    products, `prefill_products()`, to bf16 rounding of the operands)."""
+    bf16 = prefill_products() == "bf16"
+    return cpu_ext.load().prefill_attention_cpu(q, k, v, start, bf16=bf16)
+
+
+def prefill_attention_bf16_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int):
+    """The bf16 products' twin (`flash_bf16.h`): q / sqrt(D), k, v and the probabilities
+    rounded to bf16, the products summed in fp32, the softmax folded over blocks of 64 keys in
+    order as the kernel folds them (each block's probabilities taken against the running max,
+    then rounded). It differs from the kernel by fp32 summation order and its exp polynomial,
+    which may move a probability's bf16 rounding by one step. q [B, H, T, D] at positions
+    start.. over k/v [B, n_kv, S, D]."""
+    B, H, T, D = q.shape
+    S, group, block = start + T, H // k.shape[1], 64
+    scale = torch.tensor(1.0 / D**0.5, dtype=torch.float32)  # (fp32, as the kernel has it)
+    qs = (q.float() * scale).bfloat16().float()
+    keys = k[:, :, :S].repeat_interleave(group, 1).bfloat16().float()
+    values = v[:, :, :S].repeat_interleave(group, 1).bfloat16().float()
+    scores = qs @ keys.transpose(-1, -2)  # [B, H, T, S]
+    visible = torch.arange(start, S)[:, None] >= torch.arange(S)[None, :]
+    scores = scores.masked_fill(~visible, float("-inf"))
+    m = torch.full((B, H, T, 1), float("-inf"))
+    acc, total = torch.zeros(B, H, T, D), torch.zeros(B, H, T, 1)
+    for k0 in range(0, S, block):
+        s_b = scores[..., k0 : k0 + block]
+        new_m = torch.maximum(m, s_b.amax(-1, keepdim=True))
+        alpha, p = (m - new_m).exp(), (s_b - new_m).exp()
+        total = total * alpha + p.sum(-1, keepdim=True)
+        acc = acc * alpha + p.bfloat16().float() @ values[:, :, k0 : k0 + block]
+        m = new_m
+    return acc / total

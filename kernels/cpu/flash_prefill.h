@@ -22,7 +22,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 // (vf by value in inline helpers: GCC's note that such a vector's ABI differs without AVX-512
@@ -112,6 +114,57 @@ inline void transpose_keys(const float* k, int64_t S, int64_t D, float* kt) {
   }
 }
 
+// The online softmax of a score tile's rows t0 .. t0 + ST - 1 (those below `rows`) over the
+// block of keys from k0: masks the keys past each row's position, sets p[r] = exp(s - new max)
+// and rescales the row's running max m, sum l and the factor alpha its accumulator takes.
+inline void fold(vf sc[ST][NV], int64_t t0, int64_t rows, int64_t pos0, int64_t k0,
+                 float (*p)[KB], float* m, float* l, float* alpha) {
+  for (int i = 0; i < ST && t0 + i < rows; ++i) {
+    const int64_t r = t0 + i, last = pos0 + r;  // this row's newest visible key
+    if (k0 + KB - 1 > last) {
+      for (int c = 0; c < NV; ++c)
+        for (int j = 0; j < 16; ++j)
+          if (k0 + 16 * c + j > last) sc[i][c][j] = -INFINITY;
+    }
+    vf top = sc[i][0];
+    for (int c = 1; c < NV; ++c) top = top > sc[i][c] ? top : sc[i][c];
+    const float mx = std::max(m[r], hmax(top));  // (key 0 is always visible: finite)
+    vf sum = vf{};
+    for (int c = 0; c < NV; ++c) {
+      const vf e = exp_nonpositive(sc[i][c] - mx);
+      store(p[r] + 16 * c, e);
+      sum += e;
+    }
+    alpha[r] = std::exp(m[r] - mx);  // 0 for the first block
+    l[r] = l[r] * alpha[r] + hsum(sum);
+    m[r] = mx;
+  }
+}
+
+// A unit's rows: their output sums, the current block's probabilities, each row's running
+// softmax max and sum and the factor its sums take at a block's fold; `write` normalizes.
+template <int64_t D>
+struct Rows {
+  alignas(64) float acc[QB][D];
+  alignas(64) float p[QB + 4][KB];  // (+ 4: a value group of 3 rows may run past QB)
+  float m[QB], l[QB], alpha[QB];
+  Rows() {
+    for (auto& row : p) std::fill(row, row + KB, 0.f);  // (rows past `rows` stay zeros)
+    for (int64_t i = 0; i < QB; ++i) {
+      std::fill(acc[i], acc[i] + D, 0.f);
+      m[i] = -INFINITY;
+      l[i] = 0.f;
+      alpha[i] = 0.f;
+    }
+  }
+  void write(int64_t rows, float* out) const {
+    for (int64_t i = 0; i < rows; ++i) {
+      const float inv = 1.f / l[i];
+      for (int64_t d = 0; d < D; ++d) out[i * D + d] = acc[i][d] * inv;
+    }
+  }
+};
+
 // One unit: query rows [r0, r0 + rows) of a head (rows <= QB) against key blocks up to the
 // last row's position. qs: the rows pre-scaled by 1/sqrt(D) [QB, D] (rows past `rows` zero);
 // kt: its kv head's transposed keys; v: its value rows [S, D]; out rows [rows, D].
@@ -119,16 +172,10 @@ template <int DV>
 void unit(const float* qs, int64_t rows, int64_t pos0, const float* kt, const float* v,
           float* out) {
   constexpr int64_t D = 16 * DV;
-  alignas(64) float acc[QB][D];
-  alignas(64) float p[QB + 4][KB];  // (+ 4: a value group of 3 rows may run past QB)
-  float m[QB], l[QB], alpha[QB];
-  for (auto& row : p) std::fill(row, row + KB, 0.f);  // (rows past `rows` stay zeros)
-  for (int64_t i = 0; i < QB; ++i) {
-    std::fill(acc[i], acc[i] + D, 0.f);
-    m[i] = -INFINITY;
-    l[i] = 0.f;
-    alpha[i] = 0.f;
-  }
+  Rows<D> s;
+  auto& acc = s.acc;
+  auto& p = s.p;
+  float *m = s.m, *l = s.l, *alpha = s.alpha;
   const int64_t end = pos0 + rows;  // keys [0, end) exist; row i sees [0, pos0 + i]
   const int64_t blocks = (end + KB - 1) / KB;
   for (int64_t b = 0; b < blocks; ++b) {
@@ -151,26 +198,7 @@ void unit(const float* qs, int64_t rows, int64_t pos0, const float* kt, const fl
           for (int c = 0; c < NV; ++c) sc[i][c] += qd * kd[c];
         }
       }
-      for (int i = 0; i < ST && t0 + i < rows; ++i) {
-        const int64_t r = t0 + i, last = pos0 + r;  // this row's newest visible key
-        if (k0 + KB - 1 > last) {
-          for (int c = 0; c < NV; ++c)
-            for (int j = 0; j < 16; ++j)
-              if (k0 + 16 * c + j > last) sc[i][c][j] = -INFINITY;
-        }
-        vf top = sc[i][0];
-        for (int c = 1; c < NV; ++c) top = top > sc[i][c] ? top : sc[i][c];
-        const float mx = std::max(m[r], hmax(top));  // (key 0 is always visible: finite)
-        vf sum = vf{};
-        for (int c = 0; c < NV; ++c) {
-          const vf e = exp_nonpositive(sc[i][c] - mx);
-          store(p[r] + 16 * c, e);
-          sum += e;
-        }
-        alpha[r] = std::exp(m[r] - mx);  // 0 for the first block
-        l[r] = l[r] * alpha[r] + hsum(sum);
-        m[r] = mx;
-      }
+      fold(sc, t0, rows, pos0, k0, p, m, l, alpha);
     }
     // acc = alpha acc + p V over the block's keys, G rows at a time (RG for D = 64; fewer
     // for wider heads, whose rows take more registers)
@@ -197,10 +225,7 @@ void unit(const float* qs, int64_t rows, int64_t pos0, const float* kt, const fl
         for (int c = 0; c < DV; ++c) store(acc[r0 + i] + 16 * c, a[i][c]);
     }
   }
-  for (int64_t i = 0; i < rows; ++i) {
-    const float inv = 1.f / l[i];
-    for (int64_t d = 0; d < D; ++d) out[i * D + d] = acc[i][d] * inv;
-  }
+  s.write(rows, out);
 }
 
 // Head dims with a compiled unit (D = 16 DV).
@@ -216,35 +241,67 @@ inline void run_unit(int64_t D, const float* qs, int64_t rows, int64_t pos0, con
   }
 }
 
+}  // namespace flash
+#include "flash_bf16.h"  // (the bf16 unit: after the helpers it shares)
+namespace flash {
+
 // One batch item: q [H, T, D] (contiguous) at positions start .. start + T - 1 over the rows
 // of k/v (kv head g's row j at k + g * head_stride + j D, for j < start + T) -> out [H, T, D].
-// parallel_for(begin, end, grain, fn) as in int_dot.h.
-template <class For>
-void causal(const float* q, int64_t H, int64_t T, int64_t D, const float* k, const float* v,
-            int64_t n_kv, int64_t head_stride, int64_t start, float* out,
-            const For& parallel_for) {
+// BF16: the bf16 dot products of flash_bf16.h (kBf16 builds only). parallel_for(begin, end,
+// grain, fn) as in int_dot.h.
+template <bool BF16, class For>
+void causal_on(const float* q, int64_t H, int64_t T, int64_t D, const float* k, const float* v,
+               int64_t n_kv, int64_t head_stride, int64_t start, float* out,
+               const For& parallel_for) {
+  using E = std::conditional_t<BF16, uint16_t, float>;  // the kernel's keys, values, queries
   const int64_t group = H / n_kv, end = start + T, key_blocks = (end + KB - 1) / KB;
-  std::vector<float> kt(n_kv * key_blocks * D * KB);  // each kv head's keys, transposed once
+  const int64_t per_head = key_blocks * D * KB;
+  // each kv head's keys (and with BF16 its values) laid out for the unit, once per call
+  std::vector<E> kt(n_kv * per_head), vt(BF16 ? n_kv * per_head : 0);
   parallel_for(0, n_kv, 1, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g)
-      transpose_keys(k + g * head_stride, end, D, kt.data() + g * key_blocks * D * KB);
+    for (int64_t g = g0; g < g1; ++g) {
+      if constexpr (BF16) {
+        bf16::pair_keys(k + g * head_stride, end, D, kt.data() + g * per_head);
+        bf16::pair_values(v + g * head_stride, end, D, vt.data() + g * per_head);
+      } else {
+        transpose_keys(k + g * head_stride, end, D, kt.data() + g * per_head);
+      }
+    }
   });
   const float scale = 1.f / std::sqrt(float(D));
   const int64_t q_blocks = (T + QB - 1) / QB;
   // units (head, block of QB rows), head-major: each thread's share holds early and late
   // blocks of a causal chunk alike
   parallel_for(0, H * q_blocks, 1, [&](int64_t u0, int64_t u1) {
-    std::vector<float> qs(QB * D);
+    std::vector<E> qs(QB * D);
     for (int64_t u = u0; u < u1; ++u) {
       const int64_t h = u / q_blocks, r0 = (u % q_blocks) * QB, g = h / group;
       const int64_t rows = std::min(QB, T - r0);
       const float* qp = q + (h * T + r0) * D;
-      std::fill(qs.begin(), qs.end(), 0.f);
-      for (int64_t i = 0; i < rows * D; ++i) qs[i] = qp[i] * scale;
-      run_unit(D, qs.data(), rows, start + r0, kt.data() + g * key_blocks * D * KB,
-               v + g * head_stride, out + (h * T + r0) * D);
+      float* o = out + (h * T + r0) * D;
+      std::fill(qs.begin(), qs.end(), E{});
+      if constexpr (BF16) {
+        for (int64_t i = 0; i < rows * D; ++i) qs[i] = bf16::round(qp[i] * scale);
+        bf16::run_unit(D, qs.data(), rows, start + r0, kt.data() + g * per_head,
+                       vt.data() + g * per_head, o);
+      } else {
+        for (int64_t i = 0; i < rows * D; ++i) qs[i] = qp[i] * scale;
+        run_unit(D, qs.data(), rows, start + r0, kt.data() + g * per_head, v + g * head_stride,
+                 o);
+      }
     }
   });
+}
+
+template <class For>
+void causal(const float* q, int64_t H, int64_t T, int64_t D, const float* k, const float* v,
+            int64_t n_kv, int64_t head_stride, int64_t start, float* out, bool use_bf16,
+            const For& parallel_for) {
+  if (bf16::kAvailable && use_bf16) {
+    causal_on<true>(q, H, T, D, k, v, n_kv, head_stride, start, out, parallel_for);
+  } else {
+    causal_on<false>(q, H, T, D, k, v, n_kv, head_stride, start, out, parallel_for);
+  }
 }
 
 }  // namespace flash

@@ -5,6 +5,7 @@
 #include "kernels.h"  // (the declarations these definitions must match)
 #include "int4_dot.h"
 #include "int_dot.h"
+#include "int_gemm.h"
 #include <ATen/Parallel.h>
 
 namespace {
@@ -40,10 +41,9 @@ at::Tensor w8a8_rows_cpu(at::Tensor x, at::Tensor w, at::Tensor scale,
   at::Tensor keep;
   const float* bias = bias_of(b, &keep, N);
   auto out = at::empty({M, N}, at::kFloat);
-  // (a step's few rows: one pass over the weights per 8 rows; a prefill's many: the GEMM
-  // schedule of the same blocks, the same bits)
+  // (a step's few rows: one pass over the weights per 8 rows; a prefill's many: int_gemm.h)
   const auto run = M <= kMaxStepRows ? intdot::w8a8_rows<TorchParallelFor>
-                                     : intdot::w8a8_gemm<TorchParallelFor>;
+                                     : intgemm::w8a8_prefill<TorchParallelFor>;
   run(x.data_ptr<float>(), M, K, w.data_ptr<int8_t>(), scale.data_ptr<float>(), bias, N,
       out.data_ptr<float>(), TorchParallelFor{});
   return out;

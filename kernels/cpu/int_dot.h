@@ -183,6 +183,7 @@ void w8a8_rows(const float* x, int64_t M, int64_t K, const int8_t* w, const floa
 // The same blocks as w8a8_rows, so every output element is computed by the very instruction
 // sequence a decode step runs for it (its own accumulator lanes, chunks in order, one fixed
 // reduction): a prompt's rows come out bit for bit as decode steps compute them, whatever M.
+// (With AVX-512 VNNI a prefill runs int_gemm.h instead: 3x fewer operations per product.)
 // What changes is the schedule: the rows are rounded once (in parallel), and each thread takes
 // a slab of weight rows and runs every W8_GEMM_ROWS-row block of x against it, so the weights
 // are read once per call (not once per 8 rows) and the x block stays in L1 while the slab

@@ -16,7 +16,13 @@ from __future__ import annotations
 import torch
 
 from kernels.cpu import build as cpu_ext
-from kernels.formats import ACT_CHUNK, dequantize_int4, quantize_activations, unpack_int4
+from kernels.formats import (
+    ACT_CHUNK,
+    dequantize_int4,
+    quantize_activations,
+    round_symmetric,
+    unpack_int4,
+)
 
 MAX_ROWS = 17  # gamma + 1 for gamma <= 16 (`kMaxStepRows` in kernels.h)
 INT4_MAX_ROWS = 8  # the draft's W4A8 kernel: draft steps are one token
@@ -89,10 +95,11 @@ def w8a8_linear(x, weight_int8, scale, bias=None) -> torch.Tensor:
     """x [..., K] (K % 64 == 0) rounded to int8 per 64 inputs, through int8 weights [N, K] with
     an fp32 scale per row: integer dot products per 64 inputs, summed with the activations'
     steps, then scale and bias; in x.dtype. Batch-invariant. Any number of rows: beyond
-    MAX_ROWS (a prefill) the C++ runs the same blocks on a GEMM schedule (`w8a8_gemm` in
-    int_dot.h: the weights read once per call, the rows rounded in parallel), so a prompt's
-    rows come out bit for bit as decode steps compute them (`w8a8_usable` checks a step's
-    size; callers check a prefill's on one of its rows)."""
+    MAX_ROWS (a prefill) the C++ runs `int_gemm.h`: with AVX-512 VNNI a GEMM that sums each
+    chunk in one lane (`w8a8_prefill_ref` bit for bit: a decode step's result to fp32
+    rounding, itself batch-invariant), else the step's blocks on a GEMM schedule (a decode
+    step's bits); `prefill_lanes()` says which (`w8a8_usable` checks a step's size; callers
+    check a prefill's on one of its rows)."""
     flat = x.reshape(-1, x.shape[-1]).float()
     out = _module().w8a8_rows_cpu(flat, weight_int8, scale, bias)
     return out.to(x.dtype).view(*x.shape[:-1], weight_int8.shape[0])
@@ -119,6 +126,32 @@ def w8a8_linear_ref(x, weight_int8, scale, bias=None) -> torch.Tensor:
     w = weight_int8.float() * scale.float()[:, None]
     out = torch.nn.functional.linear(quantize_activations(x), w, bias)
     return out.to(x.dtype)
+
+
+def prefill_lanes() -> bool:
+    """Whether this build's W8A8 products of more than MAX_ROWS rows (a prefill) sum each
+    64-input chunk's integer dot in one lane (`int_gemm.h`, `w8a8_prefill_ref` bit for bit);
+    False: they run the step kernels' blocks, a decode step's bits for every row."""
+    return bool(_module().W8A8_PREFILL_LANES)
+
+
+def w8a8_prefill_ref(x, weight_int8, scale, bias=None) -> torch.Tensor:
+    """The prefill product's definition (`int_gemm.h`), bit for bit: per 64-input chunk c the
+    exact integer dot I = sum w codes, then F = fma(I, step_c, F) in fp32, chunk after chunk,
+    then F * scale + bias (fused). fp32 x [M, K] -> [M, N]. (An fp32 fused multiply-add is
+    the fp64 sum of its exact product, rounded to fp32: exact but for double rounding, which
+    needs an fp64 result exactly halfway between two fp32 values, ~2^-29 of them.)"""
+    codes, step = round_symmetric(x.float())  # [M, C, 64], [M, C, 1]
+    M, C = codes.shape[:2]
+    w = weight_int8.long().reshape(weight_int8.shape[0], C, ACT_CHUNK)
+    dots = torch.einsum("mck,nck->mnc", codes.long(), w).double()  # exact: |I| < 2^24
+    acc = torch.zeros(M, w.shape[0], dtype=torch.float32)
+    for c in range(C):
+        acc = (dots[:, :, c] * step[:, c].double() + acc.double()).float()
+    scale = scale.double()
+    if bias is None:
+        return (acc.double() * scale).float()
+    return (acc.double() * scale + bias.double()).float()
 
 
 def int4_usable(x: torch.Tensor, in_features: int, group_size: int) -> bool:

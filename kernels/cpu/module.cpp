@@ -2,6 +2,8 @@
 #include <torch/extension.h>
 
 #include "kernels.h"
+#include "flash_prefill.h"  // (bf16::kAvailable)
+#include "int_gemm.h"  // (kAvailable)
 
 namespace py = pybind11;
 
@@ -58,11 +60,15 @@ void bind_kv_cache(py::module& m) {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("prefill_attention_cpu", &prefill_attention_cpu, "tiled causal prefill attention (CPU)");
+  m.def("prefill_attention_cpu", &prefill_attention_cpu, "tiled causal prefill attention (CPU)",
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("start"), py::arg("bf16") = false);
+  m.attr("PREFILL_BF16") = flash::bf16::kAvailable;  // whether bf16=True changes anything
   m.def("dequantize_planes_cpu", &dequantize_planes_cpu, "KV planes -> fp32 rows (CPU)");
   m.def("linear_rows_cpu", &linear_rows_cpu, "x W^T + b for a step's rows (CPU, fp32 x)");
   m.def("int8_rows_cpu", &int8_rows_cpu, "x (s q)^T + b, int8 weights, fp32 x (CPU)");
   m.attr("MAX_STEP_ROWS") = kMaxStepRows;
+  // whether a prefill's W8A8 rows sum each chunk in one lane (int_gemm.h), not as a step does
+  m.attr("W8A8_PREFILL_LANES") = intgemm::kAvailable;
   m.def("w8a8_rows_cpu", &w8a8_rows_cpu, "x (s q)^T + b, int8 weights, x rounded to int8 (CPU)");
   m.def("int4_rows_cpu", &int4_rows_cpu, "4-bit weights x int8-quantized rows (CPU, W4A8)");
   m.def("rms_norm_cpu", &rms_norm_cpu, "RMSNorm over the last dim (CPU, fp32)");

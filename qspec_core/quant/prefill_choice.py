@@ -2,10 +2,11 @@
 
 Three paths compute x W^T for W = q * scale (per output channel), x [M, K] with M in the
 hundreds:
-- "rows": qspec's own step kernels (`kernels/cpu/linear.py`: `w8a8_linear` for the W8A8
-  target, all rows in one call on a GEMM schedule; `int8_linear` for W8A16, `SLICE_ROWS` rows
-  a call). They are batch-invariant, so the prompt's linears come out bit for bit as decode
-  steps compute them. Only where the C++ kernels run;
+- "rows": qspec's own kernels (`kernels/cpu/linear.py`: `w8a8_linear` for the W8A8 target,
+  all rows in one call as a GEMM, `kernels/cpu/int_gemm.h`: with AVX-512 VNNI each chunk's
+  integer dot in one lane, a decode step's result to fp32 rounding, else the step's blocks
+  and bits; `int8_linear` for W8A16, `SLICE_ROWS` rows a call, a decode step's bits). Each
+  row's result is independent of the other rows. Only where the C++ kernels run;
 - "int8pack": torch's int8 weight kernel `torch._weight_int8pack_mm`, fast only with bf16
   activations: x is rounded to bf16 and the sum to bf16 (`quant/int8.py` bounds the error);
 - "fp32": W dequantized to fp32, then torch's fp32 GEMM: fp32 rounding only.
@@ -47,9 +48,10 @@ ENV = "QSPEC_INT8_PREFILL"
 PREFILL_ROWS = 64  # from here on a product is a prefill's (decode and verify stay under it)
 PROBE = (256, 1024, 1024)  # M, K, N: a prefill chunk's rows through a mid-sized linear
 FILE = "int8-prefill.json"
-# bumped when the "rows" path's speed changes (2: W8A8 on a GEMM schedule), so every machine
-# measures again rather than keep a choice made against the old kernels
-ROWS_VERSION = "rows-gemm-2"
+# bumped when the "rows" path's speed changes (2: W8A8 on a GEMM schedule; 3: with AVX-512
+# VNNI, the lane-per-chunk GEMM of int_gemm.h), so every machine measures again rather than
+# keep a choice made against the old kernels
+ROWS_VERSION = "rows-gemm-3"
 
 try:
     import fcntl

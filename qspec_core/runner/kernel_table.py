@@ -110,7 +110,8 @@ def _int8_row_slices(layer, twin, x, layouts):
 
 
 def _w8a8_gemm(layer, twin, x, layouts):
-    """A W8A8 prefill in one call: the C++ schedules its rows as a GEMM, a decode's bits."""
+    """A W8A8 prefill in one call, as a GEMM (`int_gemm.h`: one lane per chunk's integer dot
+    with AVX-512 VNNI, else a decode step's blocks and bits)."""
     if rows_kernels.w8a8_usable(x[..., :1, :], twin._buffers["weight_int8"]):
         return rows_kernels.w8a8_linear(x, *_int8_args(twin))
     return None
