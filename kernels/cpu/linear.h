@@ -91,10 +91,25 @@ inline void rows_block(const float* __restrict x, const W* __restrict w, int64_t
   }
 }
 
+// Weight rows per block against M rows of x. With 32 registers (AVX-512VL: ymm16-31) and at
+// most 4 rows, as many as leave room for the weights, an x vector and a few temporaries (at
+// most 8): a verify of 2-4 rows ran at a third of the FMA rate with 8 accumulator chains, and
+// at 1.2-1.5x that with 15-16 (Zen 4, fp32 weights from memory and from L2); from 5 rows on,
+// and with 16 registers, the table measured before (more chains ran slower there). The
+// order of each output's sum, hence its bits, does not depend on NR.
+template <int M>
+constexpr int block_rows() {
+  if constexpr (simd::kF8Registers >= 32 && M <= 4) {
+    constexpr int fit = (simd::kF8Registers - 6) / (M + 1);
+    return fit > 8 ? 8 : fit;
+  }
+  return M == 1 ? 8 : M == 2 ? 4 : M == 3 ? 3 : M <= 6 ? 2 : 1;
+}
+
 template <int M, typename W, class For>
 void block_vector(const float* x, const W* w, const float* scale, const float* bias, float* out,
                   int64_t K, int64_t N, const For& parallel_for) {
-  constexpr int NR = M == 1 ? 8 : M == 2 ? 4 : M == 3 ? 3 : M <= 6 ? 2 : 1;
+  constexpr int NR = block_rows<M>();
   const int64_t row_bytes = int64_t(sizeof(W)) * K * NR;
   parallel_for(0, (N + NR - 1) / NR, grain_rows(row_bytes), [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {

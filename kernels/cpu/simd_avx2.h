@@ -10,6 +10,13 @@
 namespace simd {
 
 constexpr bool kVectorF8 = true;  // F8 is a register (linear.h takes its vector path)
+// F8 registers a kernel may fill with accumulators and operands: 16 ymm, or 32 where AVX-512VL
+// adds ymm16-31 (linear.h sizes its blocks by it; the bits do not depend on it)
+#if defined(__AVX512VL__)
+constexpr int kF8Registers = 32;
+#else
+constexpr int kF8Registers = 16;
+#endif
 using F8 = __m256;
 inline F8 zero8() { return _mm256_setzero_ps(); }
 inline F8 set8(float v) { return _mm256_set1_ps(v); }

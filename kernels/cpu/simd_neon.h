@@ -10,6 +10,7 @@
 namespace simd {
 
 constexpr bool kVectorF8 = true;  // F8 is a pair of vector registers
+constexpr int kF8Registers = 16;  // (32 q registers, two an F8)
 struct F8 {
   float32x4_t lo, hi;
 };

@@ -11,6 +11,7 @@ namespace simd {
 // F8 in lanes of an array: the kernels' vector paths compile here, but the few-row linear keeps
 // its own scalar loop on portable builds (kVectorF8 false: linear.h), whose bits differ.
 constexpr bool kVectorF8 = false;
+constexpr int kF8Registers = 16;  // (unused: linear.h's portable loop)
 struct F8 {
   float v[8];
 };
