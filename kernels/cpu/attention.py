@@ -111,7 +111,7 @@ def prefill_products() -> str:
     QSPEC_PREFILL_PRODUCTS=bf16 on a build that has it (AVX512-BF16); else "fp32"."""
     asked = os.environ.get(PRODUCTS_ENV, "fp32").strip().lower() or "fp32"
     if asked not in ("fp32", "bf16"):
-        raise ValueError(f"{PRODUCTS_ENV} is 'fp32' or 'bf16', not {asked!r}")
+        raise cpu_ext.BuildSettingError(f"{PRODUCTS_ENV} is 'fp32' or 'bf16', not {asked!r}")
     return "bf16" if asked == "bf16" and cpu_ext.load().PREFILL_BF16 else "fp32"
 
 
