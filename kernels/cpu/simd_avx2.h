@@ -3,6 +3,8 @@
 #pragma once
 #include <immintrin.h>
 
+#include "simd_common.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -143,13 +145,7 @@ struct Int4Avx2 {
   static constexpr int nr() { return M == 1 ? 4 : M == 2 ? 2 : 1; }
 };
 
-// The activations' rounding (isa.h's round_to_codes) has no vector pass here: the scalar loop
-// does all of x.
-struct CodesScalar {
-  static int64_t abs_max(const float*, int64_t, float&, bool&) { return 0; }
-  template <typename Code>
-  static int64_t round(const float*, int64_t, float, Code*) { return 0; }
-};
+// (The activations' rounding has no AVX2 vector pass: CodesScalar, simd_common.h.)
 
 // ----------------------------------------------------------- the attention (attention_*.h)
 
@@ -165,25 +161,14 @@ struct Lanes8 {
   static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
   static V max(V a, V b) { return _mm256_max_ps(a, b); }
   static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }  // a * b + c
-  // exp(x) for the softmax (x <= 0), Cephes' polynomial: a few ulp; exp(-inf) = 0.
-  static V exp(V x) {
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-88.3762626647949f)),
-                      _mm256_set1_ps(88.3762626647949f));
-    __m256 fx = _mm256_floor_ps(
-        _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
-    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
-    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
-    y = _mm256_add_ps(_mm256_fmadd_ps(y, _mm256_mul_ps(x, x), x), _mm256_set1_ps(1.f));
-    const __m256i e = _mm256_slli_epi32(
-        _mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+  static V min(V a, V b) { return _mm256_min_ps(a, b); }
+  static V floor(V a) { return _mm256_floor_ps(a); }
+  static V fnma(V a, V b, V c) { return _mm256_fnmadd_ps(a, b, c); }  // c - a * b
+  static V pow2(V n) {
+    return _mm256_castsi256_ps(
+        _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23));
   }
+  static V exp(V x) { return cephes_exp<Lanes8>(x); }  // (simd_common.h)
   static float sum(V v) { return hsum(v); }
   static float max_of(V v) {
     __m128 h4 = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));

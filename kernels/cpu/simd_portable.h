@@ -4,6 +4,8 @@
 // the target has a fused multiply-add (-ffast-math), as it does the scalar code around it.
 #pragma once
 #include <cstdint>
+
+#include "simd_common.h"
 #include <cstring>
 
 namespace simd {
@@ -123,22 +125,8 @@ struct Int4Portable {
 };
 using Int4 = Int4Portable;
 
-// The activations' rounding (isa.h's round_to_codes) has no vector pass here: the scalar loop
-// does all of x.
-struct Codes {
-  static int64_t abs_max(const float*, int64_t, float&, bool&) { return 0; }
-  template <typename Code>
-  static int64_t round(const float*, int64_t, float, Code*) { return 0; }
-};
-
-// The attention has no vector path here (kVector false: attention_math.h's portable kernels,
-// whose bits this build keeps); dot_prefix sums no dims (attention_int.h's scalar loop does).
-struct Attn {
-  static constexpr bool kVector = false;
-  static int64_t dot_prefix(const float*, const float*, int64_t, float& sum) {
-    sum = 0.f;
-    return 0;
-  }
-};
+// No vector pass for the activations' rounding, no vector attention (simd_common.h).
+using Codes = CodesScalar;
+using Attn = AttnScalar;
 
 }  // namespace simd

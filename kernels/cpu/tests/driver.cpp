@@ -126,7 +126,7 @@ Case w8a8_case(const char* name, uint32_t seed, int64_t M, int64_t K, int64_t N,
   std::vector<float> scale = floats(g, N, 1, 64), b = floats(g, N, -256, 256);
   Case c{name, std::vector<float>(M * N), 2e-5, 1e-5};
   const auto run = gemm ? intdot::w8a8_gemm<SerialFor> : intdot::w8a8_rows<SerialFor>;
-  run(x.data(), M, K, w.data(), scale.data(), bias ? b.data() : nullptr, N, c.out.data(), false,
+  run(x.data(), M, K, w.data(), scale.data(), bias ? b.data() : nullptr, N, c.out.data(),
       SerialFor{});
   return c;
 }
