@@ -90,10 +90,12 @@ def round_symmetric(
     """x rounded to integers in -levels..levels per `chunk` entries of the last dim (symmetric,
     step max|x| / levels, ties to even): (codes [..., n / chunk, chunk] as fp32 integers, step
     [..., n / chunk, 1]). levels 127: int8 codes (activations); 32767: int16 (the attention's
-    queries). A chunk with max |x| below ACT_MIN_AMAX gets zeros and step 0; a NaN gives a NaN
-    code and step. The twin of the C++ kernels' `round_to_codes` (`kernels/cpu/kernels.h`)."""
+    queries). A chunk with max |x| below ACT_MIN_AMAX gets zeros and step 0; a NaN or an
+    infinity gives a NaN step (and NaN codes where x is NaN or infinite). The twin of the C++
+    kernels' `round_to_codes` (`kernels/cpu/isa.h`)."""
     chunks = x.float().reshape(*x.shape[:-1], -1, chunk)
     amax = chunks.abs().amax(-1, keepdim=True)
+    amax = torch.where(amax.isinf(), float("nan"), amax)  # (an infinity is treated as a NaN)
     # L / amax divided once (as the C++ kernels do): `127.0 / tensor` is reciprocal-then-
     # multiply in PyTorch, an ulp off at times, which moved a near-tie code by one
     small = ~(amax >= ACT_MIN_AMAX)  # (NaN included: its chunk's x * 0 stays NaN below)

@@ -140,6 +140,22 @@ def test_int4_layer_uses_the_kernel_for_a_draft_step_only():
         torch.testing.assert_close(got, exact, rtol=2e-2, atol=2e-2)  # bf16 kernel
 
 
+@pytest.mark.parametrize("rows", [3, 40])  # a step's kernel; a prefill's GEMM
+def test_infinite_or_nan_activations_give_nan_rows_in_every_w8a8_kernel(rows):
+    """A chunk holding an infinity rounds like one holding a NaN (codes 0, a NaN step), so its
+    row comes out NaN whichever kernel sums it: the GEMM once returned a finite-looking
+    infinity of the wrong sign there, where the step kernels returned NaN."""
+    g = torch.Generator().manual_seed(rows)
+    q, scale = quantize_int8(torch.randn(16, 128, generator=g))
+    x = torch.randn(rows, 128, generator=g)
+    x[0, 3], x[1, 70], x[2, 5] = float("nan"), float("inf"), float("-inf")
+    got = cpu_linear.w8a8_linear(x, q, scale)
+    assert got[:3].isnan().all() and got[3:].isfinite().all()
+    want = cpu_linear.w8a8_linear_ref(x, q, scale)
+    assert want[:3].isnan().all()
+    torch.testing.assert_close(got[3:], want[3:], rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("weights", ["w8a8", "int8"])
 @pytest.mark.parametrize("rows", [18, 40, 257])
 @pytest.mark.parametrize("out_features", [80, 83])

@@ -42,7 +42,7 @@ bf16 = pytest.mark.skipif(
 
 
 @bf16
-@pytest.mark.parametrize("D", [64, 80, 128])
+@pytest.mark.parametrize("D", [64, 80, 96, 128])
 @pytest.mark.parametrize(
     ("H", "n_kv", "start", "T"), [(9, 3, 0, 45), (6, 1, 70, 33), (4, 2, 5, 130)]
 )

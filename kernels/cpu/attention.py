@@ -134,7 +134,7 @@ def prefill_attention_bf16_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     start.. over k/v [B, n_kv, S, D]."""
     B, H, T, D = q.shape
     S, group, block = start + T, H // k.shape[1], 64
-    scale = torch.tensor(1.0 / D**0.5, dtype=torch.float32)  # (fp32, as the kernel has it)
+    scale = 1 / torch.tensor(float(D)).sqrt()  # (1.f / sqrt(float(D)), as the kernel has it)
     qs = (q.float() * scale).bfloat16().float()
     keys = k[:, :, :S].repeat_interleave(group, 1).bfloat16().float()
     values = v[:, :, :S].repeat_interleave(group, 1).bfloat16().float()

@@ -25,10 +25,11 @@ constexpr bool kAvailable = true;
 constexpr bool kAvailable = false;
 #endif
 
-// x to bf16, rounded to nearest even (finite x; what vcvtne2ps2bf16 does).
+// x to bf16, rounded to nearest even, a NaN kept a (quiet) NaN: what vcvtne2ps2bf16 does.
 inline uint16_t round(float x) {
   uint32_t bits;
   std::memcpy(&bits, &x, 4);
+  if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return uint16_t((bits >> 16) | 0x40u);
   bits += 0x7FFFu + ((bits >> 16) & 1u);
   return uint16_t(bits >> 16);
 }

@@ -297,11 +297,11 @@ template <class For>
 void causal(const float* q, int64_t H, int64_t T, int64_t D, const float* k, const float* v,
             int64_t n_kv, int64_t head_stride, int64_t start, float* out, bool use_bf16,
             const For& parallel_for) {
-  if (bf16::kAvailable && use_bf16) {
-    causal_on<true>(q, H, T, D, k, v, n_kv, head_stride, start, out, parallel_for);
-  } else {
-    causal_on<false>(q, H, T, D, k, v, n_kv, head_stride, start, out, parallel_for);
+  if constexpr (bf16::kAvailable) {
+    if (use_bf16) return causal_on<true>(q, H, T, D, k, v, n_kv, head_stride, start, out,
+                                         parallel_for);
   }
+  causal_on<false>(q, H, T, D, k, v, n_kv, head_stride, start, out, parallel_for);
 }
 
 }  // namespace flash

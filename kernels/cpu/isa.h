@@ -26,7 +26,9 @@ inline int64_t grain_rows(int64_t row_bytes) {
 // for int8 codes, 32767 for int16; returns the step. The integer-dot linears round
 // activations to int8 per 64 inputs, the attention its queries to int16 per head. Below
 // kMinAmax (L / amax would overflow near 4e-37 for int8) x counts as zero: codes 0, step 0;
-// a NaN anywhere gives a NaN step, so the NaN reaches the output. The twin:
+// a NaN or an infinity anywhere gives codes 0 and a NaN step, so a NaN reaches the output
+// whatever kernel sums the codes (an infinity's L / amax = 0 made NaN codes, which rounded to
+// -128 and gave a GEMM a finite-looking infinity of either sign). The twin:
 // `kernels.formats.round_symmetric`, which rounds the same way.
 constexpr float kMinAmax = 1e-30f;
 template <typename Code>
@@ -41,6 +43,7 @@ inline float round_to_codes(const float* x, int64_t n, Code* codes) {
   }
   // (volatile: -ffast-math would turn amax / L into amax * (1 / L), an ulp off the twin's)
   volatile float levels = std::is_same_v<Code, int8_t> ? 127.f : 32767.f;
+  nan |= std::isinf(amax);
   if (nan || !(amax >= kMinAmax)) {
     for (int64_t k = 0; k < n; ++k) codes[k] = 0;
     return nan ? std::numeric_limits<float>::quiet_NaN() : 0.f;
