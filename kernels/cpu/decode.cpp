@@ -31,7 +31,7 @@ at::Tensor rms_norm_cpu(at::Tensor x, at::Tensor w, double eps) {
   auto y = at::empty_like(x);
   const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  for (int64_t m = 0; m < M; ++m) norm_row(xp + m * H, wp, yp + m * H, H, float(eps));
+  norm_rows(xp, wp, yp, M, H, float(eps));
   return y;
 }
 
@@ -45,10 +45,7 @@ at::Tensor add_rms_norm_cpu(at::Tensor x, at::Tensor h, at::Tensor w, double eps
   const float *hp = h.data_ptr<float>(), *wp = w.data_ptr<float>();
   auto y = at::empty_like(x);
   float* yp = y.data_ptr<float>();
-  for (int64_t m = 0; m < M; ++m) {
-    for (int64_t i = 0; i < H; ++i) xp[m * H + i] += hp[m * H + i];
-    norm_row(xp + m * H, wp, yp + m * H, H, float(eps));
-  }
+  add_norm_rows(xp, hp, wp, yp, M, H, float(eps));
   return y;
 }
 

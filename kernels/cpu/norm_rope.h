@@ -13,6 +13,20 @@ inline void norm_row(const float* __restrict x, const float* __restrict w, float
   for (int64_t i = 0; i < H; ++i) y[i] = w[i] * (x[i] * r);
 }
 
+// RMSNorm of M rows [M, H]: y = norm(x).
+inline void norm_rows(const float* x, const float* w, float* y, int64_t M, int64_t H, float eps) {
+  for (int64_t m = 0; m < M; ++m) norm_row(x + m * H, w, y + m * H, H, eps);
+}
+
+// x += h in place, then y = norm(x), row by row [M, H] (the residual add before a norm).
+inline void add_norm_rows(float* x, const float* h, const float* w, float* y, int64_t M,
+                          int64_t H, float eps) {
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t i = 0; i < H; ++i) x[m * H + i] += h[m * H + i];
+    norm_row(x + m * H, w, y + m * H, H, eps);
+  }
+}
+
 // Rotate-half RoPE in place on one head's row r [D] with the position's cos/sin [D].
 inline void rope_row(float* r, const float* c, const float* s, int64_t D) {
   const int64_t half = D / 2;

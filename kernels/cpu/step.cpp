@@ -3,10 +3,11 @@
 // A 135M-parameter model makes about 25 PyTorch calls per layer in a decode step; from Python
 // each costs 3-15 us on this class of CPU, which adds up to as much as the arithmetic of the
 // step (a draft step at short context spent half its time between kernels). `DecoderStack`
-// holds one path's weights (fp32, or the draft's 4-bit twins) and runs the same kernels in
-// the same order as `CpuBackend._layers` (qspec_core/backend/cpu.py), so the two give the
-// same bits (`tests/test_cpu_step.py`); the embedding, the final norm and the LM head stay in
-// Python.
+// holds one path's weights (fp32, the INT8 target's or the draft's 4-bit twins) and runs the
+// kernels the model's layer loop runs through the CPU runner's ops, so the two give the same
+// bits (`tests/test_cpu_step.py`); the embedding, the final norm and the LM head stay in
+// Python. Between two attentions, the layers' kernels run on one team of threads (team.h),
+// not one thread-pool region each.
 //
 // Shapes: x [B, T, hidden] fp32 contiguous, updated in place (the residual stream); cos/sin
 // [T, D]. Per layer: q/k/v [B, T, n, D] from the projections, RoPE in place, then attention
@@ -19,27 +20,49 @@
 #include <functional>
 #include <vector>
 
+#include "int4_dot.h"
+#include "int_dot.h"
 #include "kernels.h"
+#include "linear.h"
+#include "norm_rope.h"
+#include "team.h"
 
 namespace {
 
 // One linear layer, x [M, K] -> [M, N]: fp32 weight [N, K]; or the W4A8 draft twin (packed
 // [N, K/2], scale/zero [N, K/G]); or the INT8 target twin (int8 [N, K], fp32 scale [N]), run
-// as `Int8Linear` runs a step's rows: `int8_rows_cpu` (W8A32) or, with int8 activations
-// (`a8`), `w8a8_rows_cpu`.
+// as `Int8Linear` runs a step's rows: W8A32 (linear.h) or, with int8 activations (`a8`),
+// W8A8 (int_dot.h). The cores the entry points (`linear_rows_cpu`, `int4_rows_cpu`, ...) call,
+// on the team's threads; the tensors are checked and made contiguous fp32 when added.
 struct Projection {
-  at::Tensor weight, packed, scale, zero, int8;
-  c10::optional<at::Tensor> bias;
-  int64_t group_size = 0;
+  at::Tensor weight, packed, scale, zero, int8, bias;
+  int64_t group_size = 0, N = 0, K = 0;
   bool a8 = false;
 
-  at::Tensor operator()(const at::Tensor& x) const {
-    if (packed.defined()) return int4_rows_cpu(x, packed, scale, zero, group_size, bias);
-    if (int8.defined() && a8) return w8a8_rows_cpu(x, int8, scale, bias);
-    if (int8.defined()) return int8_rows_cpu(x, int8, scale, bias);
-    return linear_rows_cpu(x, weight, bias);
+  const float* bias_ptr() const { return bias.defined() ? bias.data_ptr<float>() : nullptr; }
+
+  // out [M, N] = x [M, K] through this layer: this thread's share of the outputs
+  template <class For>
+  void run(const float* x, int64_t M, float* out, const For& f) const {
+    if (packed.defined()) {
+      intdot::int4_rows(x, M, K, packed.data_ptr<uint8_t>(), scale.data_ptr<float>(),
+                        zero.data_ptr<float>(), group_size, bias_ptr(), N, out, f);
+    } else if (int8.defined() && a8) {
+      intdot::w8a8_rows(x, M, K, int8.data_ptr<int8_t>(), scale.data_ptr<float>(), bias_ptr(),
+                        N, out, f);
+    } else if (int8.defined()) {
+      rowlinear::rows(x, int8.data_ptr<int8_t>(), scale.data_ptr<float>(), bias_ptr(), out, M,
+                      K, N, f);
+    } else {
+      rowlinear::rows(x, weight.data_ptr<float>(), nullptr, bias_ptr(), out, M, K, N, f);
+    }
   }
 };
+
+at::Tensor fp32_or_undefined(const c10::optional<at::Tensor>& t) {
+  if (!t.has_value() || !t->defined()) return at::Tensor();
+  return t->to(at::kFloat).contiguous();
+}
 
 struct Layer {
   at::Tensor input_norm, post_norm;
@@ -62,14 +85,25 @@ class DecoderStack {
     TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous(),
                 "fp32 contiguous weights only");
     Projection p;
-    p.weight = weight, p.bias = bias;
+    p.weight = weight, p.bias = fp32_or_undefined(bias);
+    p.N = weight.size(0), p.K = weight.size(1);
     pending_.push_back(p);
   }
 
   void add_int4_linear(at::Tensor packed, at::Tensor scale, at::Tensor zero,
                        int64_t group_size, c10::optional<at::Tensor> bias) {
+    const int64_t N = packed.size(0), K = packed.size(1) * 2;
+    TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous(),
+                "packed uint8 contiguous [N, K/2]");
+    TORCH_CHECK(group_size > 0 && K % intdot::CHUNK == 0 && group_size % intdot::CHUNK == 0 &&
+                    K % group_size == 0,
+                "K and the group size must be multiples of 64");
+    TORCH_CHECK(scale.numel() == N * (K / group_size) && zero.numel() == N * (K / group_size),
+                "scale and zero [N, K/G]");
     Projection p;
-    p.packed = packed, p.scale = scale, p.zero = zero, p.group_size = group_size, p.bias = bias;
+    p.packed = packed, p.scale = scale.to(at::kFloat).contiguous();
+    p.zero = zero.to(at::kFloat).contiguous(), p.group_size = group_size;
+    p.bias = fp32_or_undefined(bias), p.N = N, p.K = K;
     pending_.push_back(p);
   }
 
@@ -77,14 +111,26 @@ class DecoderStack {
   void add_int8_linear(at::Tensor weight_int8, at::Tensor weight_scale,
                        c10::optional<at::Tensor> bias, bool int8_activations) {
     TORCH_CHECK(weight_scale.scalar_type() == at::kFloat, "fp32 INT8 scales only");
+    TORCH_CHECK(weight_int8.scalar_type() == at::kChar && weight_int8.is_contiguous() &&
+                    weight_scale.numel() == weight_int8.size(0),
+                "int8 contiguous [N, K] with a scale [N]");
+    TORCH_CHECK(!int8_activations || weight_int8.size(1) % intdot::CHUNK == 0,
+                "W8A8: K must be a multiple of 64");
     Projection p;
-    p.int8 = weight_int8, p.scale = weight_scale, p.bias = bias, p.a8 = int8_activations;
+    p.int8 = weight_int8, p.scale = weight_scale.contiguous(), p.a8 = int8_activations;
+    p.bias = fp32_or_undefined(bias), p.N = weight_int8.size(0), p.K = weight_int8.size(1);
     pending_.push_back(p);
   }
 
   // Closes a layer: its two norms and the seven projections added since the last one.
   void add_layer(at::Tensor input_norm, at::Tensor post_norm) {
     TORCH_CHECK(pending_.size() == 7, "a layer takes 7 projections, got ", pending_.size());
+    const Projection &q = pending_[0], &k = pending_[1], &v = pending_[2], &o = pending_[3];
+    const Projection &gate = pending_[4], &up = pending_[5], &down = pending_[6];
+    TORCH_CHECK(q.N == H_ * D_ && k.N == n_kv_ * D_ && v.N == n_kv_ * D_ && o.K == H_ * D_ &&
+                    q.K == o.N && k.K == q.K && v.K == q.K && gate.K == q.K && up.K == q.K &&
+                    gate.N == up.N && down.K == gate.N && down.N == q.K,
+                "the projections' shapes do not make a decoder layer");
     layers_.push_back(Layer{input_norm, post_norm, pending_[0], pending_[1], pending_[2],
                             pending_[3], pending_[4], pending_[5], pending_[6]});
     pending_.clear();
@@ -124,21 +170,69 @@ class DecoderStack {
     TORCH_CHECK(x.size(0) * x.size(1) <= kMaxStepRows, "a decode step: at most ", kMaxStepRows,
                 " tokens");
     TORCH_CHECK(pending_.empty(), "a layer is half built");
-    const int64_t B = x.size(0), T = x.size(1), M = B * T;
-    auto rows = x.view({M, x.size(2)});  // the residual stream, updated in place
+    const int64_t B = x.size(0), T = x.size(1), M = B * T, hidden = x.size(2);
+    TORCH_CHECK(size() == 0 || layers_[0].q.K == hidden, "x [B, T, hidden] of the layers' size");
+    int64_t inter = 0;
+    for (const Layer& L : layers_) {
+      TORCH_CHECK(!L.q.packed.defined() || M <= 8, "the W4A8 draft layers take at most 8 rows");
+      inter = std::max(inter, L.gate.N);
+    }
+    // every buffer the team writes, made before it starts (its threads only run kernels)
+    auto h = at::empty({M, hidden}, at::kFloat), y = at::empty({M, hidden}, at::kFloat);
+    auto proj = at::empty({M, hidden}, at::kFloat);  // the output projection, then the MLP's
+    auto q = at::empty({B, T, H_, D_}, at::kFloat);
+    auto k = at::empty({B, T, n_kv_, D_}, at::kFloat), v = at::empty({B, T, n_kv_, D_}, at::kFloat);
+    auto gate = at::empty({M * inter}, at::kFloat), up = at::empty({M * inter}, at::kFloat);
+    auto act = at::empty({M * inter}, at::kFloat);  // (a layer of N outputs: views [M, N])
+    float* rows = x.data_ptr<float>();  // the residual stream [M, hidden], updated in place
+    const float eps = float(eps_);
+
+    // layer l's input norm, q/k/v projections and RoPE
+    auto before_attention = [&](const team::Member& t, const Layer& L) {
+      t.single([&] { norm_rows(rows, L.input_norm.data_ptr<float>(), h.data_ptr<float>(), M,
+                               hidden, eps); });
+      L.q.run(h.data_ptr<float>(), M, q.data_ptr<float>(), t);
+      L.k.run(h.data_ptr<float>(), M, k.data_ptr<float>(), t);
+      L.v.run(h.data_ptr<float>(), M, v.data_ptr<float>(), t);
+      t.barrier();
+      t.single([&] {
+        rope_cpu(q, cos, sin);
+        rope_cpu(k, cos, sin);
+      });
+    };
+    // layer l's output projection of the attention's `out` [M, H * D], then its MLP
+    auto after_attention = [&](const team::Member& t, const Layer& L, const float* out) {
+      L.o.run(out, M, proj.data_ptr<float>(), t);
+      t.barrier();
+      t.single([&] {  // rows += o(out), y = norm(rows)
+        add_norm_rows(rows, proj.data_ptr<float>(), L.post_norm.data_ptr<float>(),
+                      y.data_ptr<float>(), M, hidden, eps);
+      });
+      const int64_t I = L.gate.N;
+      auto g = gate.narrow(0, 0, M * I).view({M, I}), u = up.narrow(0, 0, M * I).view({M, I});
+      auto a = act.narrow(0, 0, M * I).view({M, I});
+      L.up.run(y.data_ptr<float>(), M, u.data_ptr<float>(), t);
+      L.gate.run(y.data_ptr<float>(), M, g.data_ptr<float>(), t);
+      t.barrier();
+      t.single([&] { at::silu_out(a, g).mul_(u); });
+      L.down.run(a.data_ptr<float>(), M, proj.data_ptr<float>(), t);
+      t.barrier();
+      t.single([&] { x.view({M, hidden}).add_(proj); });
+    };
+
+    // One team from each attention to the next: the attention itself runs outside, on the
+    // pool (it reads the cache through the cache's object, which writes k/v first).
+    const int threads = at::get_num_threads();
+    if (size() > 0) team::run(threads, [&](const team::Member& t) {
+      before_attention(t, layers_[0]);
+    });
     for (int64_t l = 0; l < size(); ++l) {
-      const Layer& L = layers_[l];
-      auto h = rms_norm_cpu(rows, L.input_norm, eps_);
-      auto q = L.q(h).view({B, T, H_, D_});
-      auto k = L.k(h).view({B, T, n_kv_, D_});
-      auto v = L.v(h).view({B, T, n_kv_, D_});
-      rope_cpu(q, cos, sin);  // in place, on the projections' fresh outputs
-      rope_cpu(k, cos, sin);
       auto out = attend(l, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2));
-      h = L.o(out.transpose(1, 2).reshape({M, H_ * D_}));
-      auto y = add_rms_norm_cpu(rows, h, L.post_norm, eps_);  // rows += h
-      auto up = L.up(y);
-      rows.add_(L.down(at::silu(L.gate(y)).mul_(up)));
+      const auto o_in = out.transpose(1, 2).reshape({M, H_ * D_}).contiguous();
+      team::run(threads, [&](const team::Member& t) {
+        after_attention(t, layers_[l], o_in.data_ptr<float>());
+        if (l + 1 < size()) before_attention(t, layers_[l + 1]);
+      });
     }
     return x;
   }
