@@ -279,12 +279,23 @@ at::Tensor dense(const at::Tensor& x) { return x.is_contiguous() ? x : x.contigu
 
 }  // namespace
 
-// Returns [B, H, T, D] fp32 (a view of a [B, T, H, D] buffer, so that the caller's
-// transpose(1, 2).reshape(B, T, H * D) for the output projection is free).
+// The queries reordered, the views' pointers and the tasks' partials of one call.
+struct HierAttention::State {
+  at::Tensor k_upper, k_lower, v_upper, v_lower, k_scale, k_zero, v_scale, v_zero;
+  at::Tensor n_quant_q, fp_lo, input_pos, fp_k, fp_v;  // (kept alive: Args points into them)
+  std::vector<int64_t> perm;
+  std::unique_ptr<float[]> qd, acc, ml;
+  Args a;
+  int64_t B, H, T, D, tasks, n_tasks;
+};
+
 // step.n_quant_q/shift/input_pos: integer [T]. layer.fp_k/fp_v: fp32, stride 1 along D.
-at::Tensor hier_attention_cpu(const at::Tensor& q, const HierLayer& layer, const HierStep& step,
-                              int64_t group_size, int64_t chunk) {
-  const at::Tensor &fp_k = layer.fp_k, &fp_v = layer.fp_v;
+HierAttention::HierAttention(const at::Tensor& q, const HierLayer& layer, const HierStep& step,
+                             int64_t group_size, int64_t chunk)
+    : s_(std::make_unique<State>()) {
+  State& s = *s_;
+  s.fp_k = layer.fp_k, s.fp_v = layer.fp_v;
+  const at::Tensor &fp_k = s.fp_k, &fp_v = s.fp_v;
   const int64_t fp_pos0 = step.n_quant;
   const bool target = step.int8, int_queries = step.int_queries;
   const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3);
@@ -294,18 +305,18 @@ at::Tensor hier_attention_cpu(const at::Tensor& q, const HierLayer& layer, const
   TORCH_CHECK(fp_k.scalar_type() == at::kFloat && fp_v.scalar_type() == at::kFloat,
               "fp_k/fp_v must be fp32");
   TORCH_CHECK(fp_k.stride(3) == 1 && fp_v.stride(3) == 1, "fp_k/fp_v need stride 1 along D");
-  const auto k_upper = dense(layer.k_upper), k_lower = dense(layer.k_lower);
-  const auto v_upper = dense(layer.v_upper), v_lower = dense(layer.v_lower);
-  const auto k_scale = dense(layer.k_scale), k_zero = dense(layer.k_zero);
-  const auto v_scale = dense(layer.v_scale), v_zero = dense(layer.v_zero);
-  const auto n_quant_q = as_long(step.n_quant_q), fp_lo = as_long(step.shift);
-  const auto input_pos = as_long(step.input_pos);
+  s.k_upper = dense(layer.k_upper), s.k_lower = dense(layer.k_lower);
+  s.v_upper = dense(layer.v_upper), s.v_lower = dense(layer.v_lower);
+  s.k_scale = dense(layer.k_scale), s.k_zero = dense(layer.k_zero);
+  s.v_scale = dense(layer.v_scale), s.v_zero = dense(layer.v_zero);
+  s.n_quant_q = as_long(step.n_quant_q), s.fp_lo = as_long(step.shift);
+  s.input_pos = as_long(step.input_pos);
   auto q32 = q.scalar_type() == at::kFloat ? q : q.to(at::kFloat);
 
-  std::vector<int64_t> perm(D);
-  for (int64_t d = 0; d < D; ++d) perm[d] = original_dim(d, D);
+  s.perm.resize(D);
+  for (int64_t d = 0; d < D; ++d) s.perm[d] = original_dim(d, D);
   // q [B, H, T, D] (any strides) -> [B, n_kv, R*T, D], scaled, deinterleaved
-  std::unique_ptr<float[]> qd(new float[B * H * T * D]);
+  s.qd.reset(new float[B * H * T * D]);
   {
     const float* qp = q32.data_ptr<float>();
     const int64_t sb = q32.stride(0), sh = q32.stride(1), st = q32.stride(2), sd = q32.stride(3);
@@ -314,58 +325,73 @@ at::Tensor hier_attention_cpu(const at::Tensor& q, const HierLayer& layer, const
       for (int64_t h = 0; h < H; ++h)
         for (int64_t t = 0; t < T; ++t) {
           const int64_t kv = h / R, r = (h % R) * T + t;
-          float* o = qd.get() + ((b * n_kv + kv) * RT + r) * D;
+          float* o = s.qd.get() + ((b * n_kv + kv) * RT + r) * D;
           const float* in = qp + b * sb + h * sh + t * st;
-          for (int64_t d = 0; d < D; ++d) o[d] = in[perm[d] * sd] * scale;
+          for (int64_t d = 0; d < D; ++d) o[d] = in[s.perm[d] * sd] * scale;
         }
   }
-  Args a;
-  a.q = qd.get();
-  a.ku = k_upper.data_ptr<uint8_t>();
-  a.kl = k_lower.data_ptr<uint8_t>();
-  a.vu = v_upper.data_ptr<uint8_t>();
-  a.vl = v_lower.data_ptr<uint8_t>();
-  a.ks = k_scale.data_ptr<float>();
-  a.kz = k_zero.data_ptr<float>();
-  a.vs = v_scale.data_ptr<float>();
-  a.vz = v_zero.data_ptr<float>();
+  Args& a = s.a;
+  a.q = s.qd.get();
+  a.ku = s.k_upper.data_ptr<uint8_t>();
+  a.kl = s.k_lower.data_ptr<uint8_t>();
+  a.vu = s.v_upper.data_ptr<uint8_t>();
+  a.vl = s.v_lower.data_ptr<uint8_t>();
+  a.ks = s.k_scale.data_ptr<float>();
+  a.kz = s.k_zero.data_ptr<float>();
+  a.vs = s.v_scale.data_ptr<float>();
+  a.vz = s.v_zero.data_ptr<float>();
   a.fk = fp_k.data_ptr<float>();
   a.fv = fp_v.data_ptr<float>();
   a.fk_b = fp_k.stride(0), a.fk_h = fp_k.stride(1), a.fk_t = fp_k.stride(2);
   a.fv_b = fp_v.stride(0), a.fv_h = fp_v.stride(1), a.fv_t = fp_v.stride(2);
-  a.nq = n_quant_q.data_ptr<int64_t>();
-  a.fp_lo = fp_lo.data_ptr<int64_t>();
-  a.pos = input_pos.data_ptr<int64_t>();
-  a.perm = perm.data();
-  a.B = B, a.n_kv = n_kv, a.R = R, a.T = T, a.D = D, a.S = k_upper.size(2);
+  a.nq = s.n_quant_q.data_ptr<int64_t>();
+  a.fp_lo = s.fp_lo.data_ptr<int64_t>();
+  a.pos = s.input_pos.data_ptr<int64_t>();
+  a.perm = s.perm.data();
+  a.B = B, a.n_kv = n_kv, a.R = R, a.T = T, a.D = D, a.S = s.k_upper.size(2);
   a.G = group_size, a.n_fp = fp_k.size(2), a.fp_pos0 = fp_pos0;
   a.chunk = chunk, a.target = target, a.int_queries = int_queries;
   a.max_nq = *std::max_element(a.nq, a.nq + T);
   a.n_chunks = (a.max_nq + chunk - 1) / chunk;
-  const int64_t tasks = a.n_chunks + 1;  // + the full-precision region
-  const int64_t n_tasks = B * n_kv * tasks;
-  std::unique_ptr<float[]> acc(new float[n_tasks * RT * D]);
-  std::unique_ptr<float[]> ml(new float[n_tasks * 2 * RT]);
-  float* acc_p = acc.get();
-  float* ml_p = ml.get();
-  at::parallel_for(0, n_tasks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t bh = i / tasks, c = i % tasks;
-      Rows rows{RT, D, acc_p + i * RT * D, ml_p + i * 2 * RT, ml_p + i * 2 * RT + RT};
-      std::fill(rows.acc, rows.acc + RT * D, 0.f);
-      std::fill(rows.m, rows.m + RT, NEG_INF);
-      std::fill(rows.l, rows.l + RT, 0.f);
-      if (simd::Attn::kVector && D == 64)
-        run_task<64>(a, bh, c, rows);
-      else if (simd::Attn::kVector && D == 128)
-        run_task<128>(a, bh, c, rows);
-      else
-        run_task<0>(a, bh, c, rows);
-    }
-  });
-  // log-sum-exp merge over tasks, written to [B, T, H, D] with dims re-interleaved
-  auto out = at::empty({B, T, H, D}, at::kFloat);
-  float* out_p = out.data_ptr<float>();
+  s.B = B, s.H = H, s.T = T, s.D = D;
+  s.tasks = a.n_chunks + 1;  // + the full-precision region
+  s.n_tasks = B * n_kv * s.tasks;
+  s.acc.reset(new float[s.n_tasks * RT * D]);
+  s.ml.reset(new float[s.n_tasks * 2 * RT]);
+}
+
+HierAttention::HierAttention(HierAttention&&) noexcept = default;
+HierAttention& HierAttention::operator=(HierAttention&&) noexcept = default;
+HierAttention::~HierAttention() = default;
+
+int64_t HierAttention::tasks() const { return s_->n_tasks; }
+
+void HierAttention::run(int64_t begin, int64_t end) const {
+  const State& s = *s_;
+  const Args& a = s.a;
+  const int64_t RT = a.R * a.T, D = a.D;
+  for (int64_t i = begin; i < end; ++i) {
+    const int64_t bh = i / s.tasks, c = i % s.tasks;
+    Rows rows{RT, D, s.acc.get() + i * RT * D, s.ml.get() + i * 2 * RT,
+              s.ml.get() + i * 2 * RT + RT};
+    std::fill(rows.acc, rows.acc + RT * D, 0.f);
+    std::fill(rows.m, rows.m + RT, NEG_INF);
+    std::fill(rows.l, rows.l + RT, 0.f);
+    if (simd::Attn::kVector && D == 64)
+      run_task<64>(a, bh, c, rows);
+    else if (simd::Attn::kVector && D == 128)
+      run_task<128>(a, bh, c, rows);
+    else
+      run_task<0>(a, bh, c, rows);
+  }
+}
+
+// log-sum-exp merge over tasks, written to out_p [B, T, H, D] with dims re-interleaved
+void HierAttention::finish_into(float* out_p) const {
+  const State& s = *s_;
+  const int64_t H = s.H, T = s.T, D = s.D, n_kv = s.a.n_kv, R = s.a.R, RT = R * T;
+  const int64_t B = s.B, tasks = s.tasks;
+  const float *acc_p = s.acc.get(), *ml_p = s.ml.get();
   std::vector<float> o(D);
   for (int64_t bh = 0; bh < B * n_kv; ++bh) {
     const int64_t b = bh / n_kv, kv = bh % n_kv;
@@ -387,8 +413,26 @@ at::Tensor hier_attention_cpu(const at::Tensor& q, const HierLayer& layer, const
         }
         for (int64_t d = 0; d < D; ++d) o[d] /= denom;
       }
-      for (int64_t d = 0; d < D; ++d) dst[perm[d]] = o[d];
+      for (int64_t d = 0; d < D; ++d) dst[s.perm[d]] = o[d];
     }
   }
+}
+
+at::Tensor HierAttention::finish() const {
+  auto out = at::empty({s_->B, s_->T, s_->H, s_->D}, at::kFloat);
+  finish_into(out.data_ptr<float>());
   return out.permute({0, 2, 1, 3});
+}
+
+at::Tensor run_on_pool(const HierAttention& attention) {
+  at::parallel_for(0, attention.tasks(), 1,
+                   [&](int64_t begin, int64_t end) { attention.run(begin, end); });
+  return attention.finish();
+}
+
+// Returns [B, H, T, D] fp32 (a view of a [B, T, H, D] buffer, so that the caller's
+// transpose(1, 2).reshape(B, T, H * D) for the output projection is free).
+at::Tensor hier_attention_cpu(const at::Tensor& q, const HierLayer& layer, const HierStep& step,
+                              int64_t group_size, int64_t chunk) {
+  return run_on_pool(HierAttention(q, layer, step, group_size, chunk));
 }

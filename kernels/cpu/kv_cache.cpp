@@ -32,7 +32,8 @@ void HierKV::write(int64_t layer, const at::Tensor& k, const at::Tensor& v, int6
   all_.fp_v.select(0, layer).narrow(2, lo, T).copy_(v);
 }
 
-at::Tensor HierKV::attend(int64_t layer, const at::Tensor& q, const HierStep& step) const {
+HierAttention HierKV::attention(int64_t layer, const at::Tensor& q,
+                                const HierStep& step) const {
   const HierLayer& a = all_;
   const HierLayer one{a.k_upper.select(0, layer),
                       a.k_lower.select(0, layer),
@@ -44,7 +45,11 @@ at::Tensor HierKV::attend(int64_t layer, const at::Tensor& q, const HierStep& st
                       a.v_zero.select(0, layer),
                       a.fp_k.select(0, layer).narrow(2, 0, step.n_fp),
                       a.fp_v.select(0, layer).narrow(2, 0, step.n_fp)};
-  return hier_attention_cpu(q, one, step, group_size_, chunk_);
+  return HierAttention(q, one, step, group_size_, chunk_);
+}
+
+at::Tensor HierKV::attend(int64_t layer, const at::Tensor& q, const HierStep& step) const {
+  return run_on_pool(attention(layer, q, step));
 }
 
 FullKV::FullKV(at::Tensor k, at::Tensor v) : k_(k), v_(v) {

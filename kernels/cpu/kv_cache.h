@@ -8,6 +8,8 @@
 #pragma once
 #include <ATen/ATen.h>
 
+#include <memory>
+
 // One layer of the hierarchical cache as the attention reads it (slices, no copies): planes
 // [B, n_kv, S, D/2] uint8; k_scale/k_zero [B, n_kv, S/G, D] fp32; v_scale/v_zero
 // [B, n_kv, S, D/G] fp32; fp_k/fp_v [B, n_kv, n_fp, D] fp32, stride 1 along D.
@@ -30,6 +32,31 @@ struct HierStep {
   bool int_queries = false;  // queries rounded to int16, integer-dot scores (attention_int.h)
 };
 
+// One layer's attention over the hierarchical cache in three phases, so that a team of
+// threads (step.cpp) can share the middle one: the construction reorders the queries and
+// makes the buffers (one thread), `run` computes tasks [begin, end) of [0, tasks()) (any
+// split over threads: a task's partials do not depend on it), `finish` merges the tasks'
+// partials in a fixed order (one thread) -> [B, H, T, D] fp32, a view of a [B, T, H, D] buffer.
+class HierAttention {
+ public:
+  HierAttention(const at::Tensor& q, const HierLayer& layer, const HierStep& step,
+                int64_t group_size, int64_t chunk);
+  HierAttention(HierAttention&&) noexcept;
+  HierAttention& operator=(HierAttention&&) noexcept;
+  ~HierAttention();
+  int64_t tasks() const;
+  void run(int64_t begin, int64_t end) const;
+  at::Tensor finish() const;
+  void finish_into(float* out) const;  // into out [B, T, H, D] (contiguous)
+
+ private:
+  struct State;
+  std::unique_ptr<State> s_;
+};
+
+// Every task on torch's thread pool, then the merge.
+at::Tensor run_on_pool(const HierAttention& attention);
+
 // The hierarchical cache's buffers, all layers: planes [L, B, n_kv, S, D/2] uint8, K metadata
 // [L, B, n_kv, S/G, D], V metadata [L, B, n_kv, S, D/G], fp_k/fp_v [L, B, n_kv, 3G, D] fp32.
 class HierKV {
@@ -41,6 +68,8 @@ class HierKV {
   void write(int64_t layer, const at::Tensor& k, const at::Tensor& v, int64_t lo) const;
   // q [B, H, T, D] over the layer's planes and region [0, step.n_fp) -> [B, H, T, D] fp32
   at::Tensor attend(int64_t layer, const at::Tensor& q, const HierStep& step) const;
+  // the same, in phases (on torch's pool, `attend` runs the tasks and finishes)
+  HierAttention attention(int64_t layer, const at::Tensor& q, const HierStep& step) const;
   int64_t group_size() const { return group_size_; }
   int64_t chunk() const { return chunk_; }
 
@@ -65,6 +94,9 @@ class FullKV {
   void write(int64_t layer, const at::Tensor& k, const at::Tensor& v, int64_t start) const;
   // q [B, H, T, D] over keys [0, step.end) -> [B, H, T, D]
   at::Tensor attend(int64_t layer, const at::Tensor& q, const FullStep& step) const;
+  at::Tensor attention(int64_t layer, const at::Tensor& q, const FullStep& step) const {
+    return attend(layer, q, step);  // (SDPA: no phases to share out)
+  }
 
  private:
   at::Tensor k_, v_;

@@ -17,7 +17,8 @@
 // [0, end) with the cache's mask or is_causal).
 #include <torch/extension.h>  // (the stack is a pybind11 class)
 
-#include <functional>
+#include <optional>
+#include <type_traits>
 #include <vector>
 
 #include "int4_dot.h"
@@ -68,10 +69,6 @@ struct Layer {
   at::Tensor input_norm, post_norm;
   Projection q, k, v, o, gate, up, down;
 };
-
-// (layer, q [B, H, T, D], k/v [B, n_kv, T, D]) -> attention output [B, H, T, D]
-using Attend = std::function<at::Tensor(int64_t, const at::Tensor&, const at::Tensor&,
-                                           const at::Tensor&)>;
 
 }  // namespace
 
@@ -156,15 +153,6 @@ class DecoderStack {
   template <class Cache, class Step>
   at::Tensor run_cached(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                         const Cache& cache, const Step& step, int64_t first) {
-    return run(x, cos, sin, [&](int64_t l, const at::Tensor& q, const at::Tensor& k,
-                                const at::Tensor& v) {
-      cache.write(l, k, v, first);
-      return cache.attend(l, q, step);
-    });
-  }
-
-  at::Tensor run(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
-                    const Attend& attend) {
     TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && x.dim() == 3,
                 "x must be contiguous fp32 [B, T, hidden]");
     TORCH_CHECK(x.size(0) * x.size(1) <= kMaxStepRows, "a decode step: at most ", kMaxStepRows,
@@ -180,7 +168,7 @@ class DecoderStack {
     // every buffer the team writes, made before it starts (its threads only run kernels)
     auto h = at::empty({M, hidden}, at::kFloat), y = at::empty({M, hidden}, at::kFloat);
     auto proj = at::empty({M, hidden}, at::kFloat);  // the output projection, then the MLP's
-    auto q = at::empty({B, T, H_, D_}, at::kFloat);
+    auto q = at::empty({B, T, H_, D_}, at::kFloat), out = at::empty({B, T, H_, D_}, at::kFloat);
     auto k = at::empty({B, T, n_kv_, D_}, at::kFloat), v = at::empty({B, T, n_kv_, D_}, at::kFloat);
     auto gate = at::empty({M * inter}, at::kFloat), up = at::empty({M * inter}, at::kFloat);
     auto act = at::empty({M * inter}, at::kFloat);  // (a layer of N outputs: views [M, N])
@@ -200,9 +188,9 @@ class DecoderStack {
         rope_cpu(k, cos, sin);
       });
     };
-    // layer l's output projection of the attention's `out` [M, H * D], then its MLP
-    auto after_attention = [&](const team::Member& t, const Layer& L, const float* out) {
-      L.o.run(out, M, proj.data_ptr<float>(), t);
+    // layer l's output projection of the attention's output `out` [B, T, H, D], then its MLP
+    auto after_attention = [&](const team::Member& t, const Layer& L) {
+      L.o.run(out.data_ptr<float>(), M, proj.data_ptr<float>(), t);
       t.barrier();
       t.single([&] {  // rows += o(out), y = norm(rows)
         add_norm_rows(rows, proj.data_ptr<float>(), L.post_norm.data_ptr<float>(),
@@ -219,20 +207,41 @@ class DecoderStack {
       t.barrier();
       t.single([&] { x.view({M, hidden}).add_(proj); });
     };
+    // the cache's object writes layer l's k/v, then attends [B, H, T, D]
+    auto attend = [&](int64_t l) {
+      cache.write(l, k.transpose(1, 2), v.transpose(1, 2), first);
+      return cache.attention(l, q.transpose(1, 2), step);
+    };
 
-    // One team from each attention to the next: the attention itself runs outside, on the
-    // pool (it reads the cache through the cache's object, which writes k/v first).
     const int threads = at::get_num_threads();
-    if (size() > 0) team::run(threads, [&](const team::Member& t) {
-      before_attention(t, layers_[0]);
-    });
-    for (int64_t l = 0; l < size(); ++l) {
-      auto out = attend(l, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2));
-      const auto o_in = out.transpose(1, 2).reshape({M, H_ * D_}).contiguous();
+    if constexpr (std::is_same_v<Cache, HierKV>) {
+      // one team for the whole forward: the attention's tasks are shared out like a kernel's
+      // outputs, between its set-up and its merge on thread 0
+      std::optional<HierAttention> attention;
       team::run(threads, [&](const team::Member& t) {
-        after_attention(t, layers_[l], o_in.data_ptr<float>());
-        if (l + 1 < size()) before_attention(t, layers_[l + 1]);
+        for (int64_t l = 0; l < size(); ++l) {
+          if (l == 0) before_attention(t, layers_[0]);
+          t.single([&] { attention.emplace(attend(l)); });
+          if (!t.failed())
+            t(0, attention->tasks(), 1, [&](int64_t b0, int64_t b1) { attention->run(b0, b1); });
+          t.barrier();
+          t.single([&] { attention->finish_into(out.data_ptr<float>()); });
+          after_attention(t, layers_[l]);
+          if (l + 1 < size()) before_attention(t, layers_[l + 1]);
+        }
       });
+    } else {
+      // a team from each attention to the next; the attention (SDPA) runs on torch's pool
+      if (size() > 0) team::run(threads, [&](const team::Member& t) {
+        before_attention(t, layers_[0]);
+      });
+      for (int64_t l = 0; l < size(); ++l) {
+        out = attend(l).transpose(1, 2).contiguous();  // [B, T, H, D]
+        team::run(threads, [&](const team::Member& t) {
+          after_attention(t, layers_[l]);
+          if (l + 1 < size()) before_attention(t, layers_[l + 1]);
+        });
+      }
     }
     return x;
   }

@@ -52,11 +52,17 @@ class Barrier {
   std::atomic<int> arrived_{0}, gen_{0};
 };
 
+// What a `single` threw, kept for the caller; `failed` for the other threads.
+struct Failure {
+  std::exception_ptr error;       // (thread 0's only)
+  std::atomic<bool> failed{false};
+};
+
 // One thread's view of the team: its index, the team size and the shared barrier.
 class Member {
  public:
-  Member(int id, int size, Barrier& barrier, std::exception_ptr& error)
-      : id_(id), size_(size), barrier_(barrier), error_(error) {}
+  Member(int id, int size, Barrier& barrier, Failure& failure)
+      : id_(id), size_(size), barrier_(barrier), failure_(failure) {}
 
   // the kernels' parallel_for(begin, end, grain, fn): this thread's share of [begin, end)
   template <class F>
@@ -75,45 +81,49 @@ class Member {
   // fn() on thread 0 (the caller's thread: ATen ops run where they would outside the team),
   // then a barrier. An exception is kept for the caller and later `single`s are skipped, so
   // every thread still meets every barrier (the kernels between them only read and write
-  // buffers allocated before the team started).
+  // buffers allocated before the team started; what a `single` makes, check `failed` first).
   template <class F>
   void single(const F& fn) const {
-    if (id_ == 0 && !error_) {
+    if (id_ == 0 && !failed()) {
       try {
         fn();
       } catch (...) {
-        error_ = std::current_exception();
+        failure_.error = std::current_exception();
+        failure_.failed.store(true, std::memory_order_release);
       }
     }
     barrier();
   }
 
+  // whether a `single` threw: what it was to make is not there (the rest of the team's work
+  // is skipped; the caller rethrows)
+  bool failed() const { return failure_.failed.load(std::memory_order_acquire); }
   int id() const { return id_; }
 
  private:
   int id_, size_;
   Barrier& barrier_;
-  std::exception_ptr& error_;
+  Failure& failure_;
 };
 
 // body(member) on `threads` threads (one OpenMP region; the team is as large as OpenMP gives),
 // then rethrows what a `single` caught.
 template <class Body>
 void run(int threads, const Body& body) {
-  std::exception_ptr error;
+  Failure failure;
   if (threads <= 1 || omp_in_parallel()) {
     Barrier barrier(1);
-    body(Member(0, 1, barrier, error));
+    body(Member(0, 1, barrier, failure));
   } else {
     Barrier barrier(threads);
 #pragma omp parallel num_threads(threads)
     {
 #pragma omp single
       barrier.resize(omp_get_num_threads());  // (implicit barrier after: all see the size)
-      body(Member(omp_get_thread_num(), omp_get_num_threads(), barrier, error));
+      body(Member(omp_get_thread_num(), omp_get_num_threads(), barrier, failure));
     }
   }
-  if (error) std::rethrow_exception(error);
+  if (failure.error) std::rethrow_exception(failure.error);
 }
 
 }  // namespace team
