@@ -341,16 +341,10 @@ def hier_attention_launcher(
     return run
 
 
-def hier_attention_triton(
-    q: torch.Tensor,
-    view: HierLayerView,
-    rows: QueryRows,
-    kv: str,
-    chunk_size: int | None = None,
-    dot_precision: str | None = None,
-) -> torch.Tensor:
-    """One Triton call: attention over the hierarchical cache -> [B, H, T, D] in q's dtype."""
-    return hier_attention_launcher(q, view, rows, kv, chunk_size, dot_precision)()
+def hier_attention_triton(*args, **kwargs) -> torch.Tensor:
+    """One Triton call: attention over the hierarchical cache -> [B, H, T, D] in q's dtype.
+    `hier_attention_launcher` run once: its arguments, passed through (one parameter list)."""
+    return hier_attention_launcher(*args, **kwargs)()
 
 
 def triton_usable(q: torch.Tensor) -> bool:

@@ -1,9 +1,10 @@
 """What the Triton kernel modules share: whether a kernel can run for a tensor here, and
-the rows a matmul kernel (W4A16, W8A16) takes."""
+the launch around a matmul kernel (W4A16, W8A16): its rows in, its output back."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 
@@ -17,8 +18,14 @@ def kernel_runs_on(kernel, x: torch.Tensor) -> bool:
     return interpreted and os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def matmul_rows(x: torch.Tensor, k: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., K] as the kernel's rows [M, K], and the output y [M, N] it fills (uninitialized,
-    in x's dtype and on its device)."""
-    x2 = x.reshape(-1, k)
-    return x2, torch.empty((x2.shape[0], n), dtype=x.dtype, device=x.device)
+def launch_matmul(
+    x: torch.Tensor, k: int, n: int, fill: Callable[[torch.Tensor, torch.Tensor], None]
+) -> torch.Tensor:
+    """A matmul kernel's launch around `fill(x2, y)`: x [..., K] as the kernel's rows x2 [M, K],
+    y [M, N] uninitialized in x's dtype and on its device for `fill` to write, returned as
+    [..., N]. `fill` is not called when y is empty (M = 0 or N = 0: nothing to launch)."""
+    x2 = x.reshape(-1, k)  # [M, K]
+    y = torch.empty((x2.shape[0], n), dtype=x.dtype, device=x.device)  # [M, N]
+    if y.numel():
+        fill(x2, y)
+    return y.reshape(*x.shape[:-1], n)

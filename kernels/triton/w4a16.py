@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from kernels.formats import unpack_int4
-from kernels.triton.runs import kernel_runs_on, matmul_rows
+from kernels.triton.runs import kernel_runs_on, launch_matmul
 
 GROUP_SIZES = (32, 64, 128, 256)
 
@@ -194,19 +194,18 @@ def _launch(
     if group_size not in GROUP_SIZES:
         raise ValueError(f"group_size must be one of {GROUP_SIZES}, got {group_size}")
     n, k = _check(x, packed, scale, zero, group_size)
-    lead = x.shape[:-1]
-    x2, y = matmul_rows(x, k, n)  # [M, K], [M, N]
-    m = x2.shape[0]
-    if m == 0 or n == 0:
-        return y.reshape(*lead, n)
-    config = _launch_config(m, n, group_size, x.is_cuda)
-    grid = (triton.cdiv(m, config["BLOCK_M"]), triton.cdiv(n, config["BLOCK_N"]))
-    _w4a16_kernel[grid](
-        x2, packed, scale, zero, y, m, n, k,
-        *x2.stride(), *packed.stride(), *scale.stride(), *zero.stride(), *y.stride(),
-        GROUP_SIZE=group_size, **config,
-    )  # fmt: skip
-    return y.reshape(*lead, n)
+
+    def fill(x2: torch.Tensor, y: torch.Tensor) -> None:  # rows [M, K] -> y [M, N]
+        m = x2.shape[0]
+        config = _launch_config(m, n, group_size, x.is_cuda)
+        grid = (triton.cdiv(m, config["BLOCK_M"]), triton.cdiv(n, config["BLOCK_N"]))
+        _w4a16_kernel[grid](
+            x2, packed, scale, zero, y, m, n, k,
+            *x2.stride(), *packed.stride(), *scale.stride(), *zero.stride(), *y.stride(),
+            GROUP_SIZE=group_size, **config,
+        )  # fmt: skip
+
+    return launch_matmul(x, k, n, fill)
 
 
 def triton_usable(x: torch.Tensor) -> bool:

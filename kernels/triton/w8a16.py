@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from kernels.formats import dequantize_int8
-from kernels.triton.runs import kernel_runs_on, matmul_rows
+from kernels.triton.runs import kernel_runs_on, launch_matmul
 from kernels.triton.w4a16 import _round_to_bf16_grid
 
 # ---------------------------------------------------------------------------------------------
@@ -158,24 +158,24 @@ def _launch(
 ) -> torch.Tensor:
     """Run the Triton kernel on x [..., K] -> y [..., N] (no fallback: the caller chose Triton)."""
     n, k = _check(x, w_int8, scale, bias)
-    lead = x.shape[:-1]
-    x2, y = matmul_rows(x, k, n)  # [M, K], [M, N]
-    m = x2.shape[0]
-    if m == 0 or n == 0:
-        return y.reshape(*lead, n)
-    if k == 0:
-        return (y.zero_() if bias is None else y.copy_(bias.expand(m, n))).reshape(*lead, n)
-    config = _launch_config(m, n, x.is_cuda)
-    grid = (triton.cdiv(m, config["BLOCK_M"]), triton.cdiv(n, config["BLOCK_N"]))
     scale = scale.contiguous()  # [N], read with unit stride
     bias = None if bias is None else bias.contiguous()
-    _w8a16_kernel[grid](
-        x2, w_int8, scale,
-        scale if bias is None else bias,  # any valid pointer: the kernel skips it
-        y, m, n, k, *x2.stride(), *w_int8.stride(), *y.stride(),
-        HAS_BIAS=bias is not None, **config,
-    )  # fmt: skip
-    return y.reshape(*lead, n)
+
+    def fill(x2: torch.Tensor, y: torch.Tensor) -> None:  # rows [M, K] -> y [M, N]
+        m = x2.shape[0]
+        if k == 0:  # an empty sum: y is the bias, or zeros
+            y.zero_() if bias is None else y.copy_(bias.expand(m, n))
+            return
+        config = _launch_config(m, n, x.is_cuda)
+        grid = (triton.cdiv(m, config["BLOCK_M"]), triton.cdiv(n, config["BLOCK_N"]))
+        _w8a16_kernel[grid](
+            x2, w_int8, scale,
+            scale if bias is None else bias,  # any valid pointer: the kernel skips it
+            y, m, n, k, *x2.stride(), *w_int8.stride(), *y.stride(),
+            HAS_BIAS=bias is not None, **config,
+        )  # fmt: skip
+
+    return launch_matmul(x, k, n, fill)
 
 
 def triton_usable(x: torch.Tensor) -> bool:
