@@ -3,7 +3,8 @@
 //                   operations, so each ISA's bits are the ones its own copy gave;
 //   dot_prefix_lanes<L>   a fixed-order dot's whole vectors of L's lanes (the attention's
 //                   dot_prefix on x86: Lanes8 on AVX2, Lanes16 on AVX-512);
-//   DotLanes<L>     an integer dot's float side in L's lanes (Dot64, Int4 on x86);
+//   DotLanes<L>     an integer dot's float side in L's lanes (Dot64, Int4: Lanes8, Lanes16 on
+//                   x86, F8Lanes on NEON, OneLane on portable builds);
 //   CodesScalar, AttnScalar   the "no vector pass" halves of the layer (CodesScalar: AVX2,
 //                   NEON, portable; AttnScalar: NEON, portable).
 #pragma once
@@ -41,8 +42,9 @@ inline int64_t dot_prefix_lanes(const float* a, const float* b, int64_t D, float
   return d;
 }
 
-// The float side of an integer dot (Dot64, Int4) whose accumulators are L's lanes: a chunk's
-// exact int32 lanes, converted, are multiply-added into Acc; sum reduces in L's fixed order.
+// The float side of an integer dot (Dot64, Int4) whose accumulators are L's lanes (L: V, set,
+// sum): a chunk's exact int32 lanes, converted, are multiply-added into Acc; sum reduces in L's
+// fixed order.
 template <class L>
 struct DotLanes {
   using Acc = typename L::V;
