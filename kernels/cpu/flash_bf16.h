@@ -13,7 +13,8 @@
 // so that one 64-byte load is 16 keys x 2 dims (scores) or 16 dims x 2 keys (values), and the
 // other operand, 2 query dims or 2 probabilities, is one broadcast 32-bit pair.
 //
-// Included by flash_prefill.h after its tile helpers (vf, KB, ST, NV, RG, QB, fold).
+// Included by flash_prefill.h after its tile helpers (vf, KB, ST, NV, QB) and its unit, which
+// runs on these products (Products: the unit's P, as flash_prefill.h's Fp32).
 #pragma once
 
 namespace flash {
@@ -68,90 +69,60 @@ inline __m512bh broadcast_pair(const uint16_t* p) {
   return (__m512bh)_mm512_set1_epi32(pair);
 }
 
-// flash_prefill.h's unit, on bf16 products: qs [QB][D] bf16 (rows past `rows` zero), kt and
-// vt one kv head's paired keys and values.
-template <int DV>
-void unit(const uint16_t* qs, int64_t rows, int64_t pos0, const uint16_t* kt, const uint16_t* vt,
-          float* out) {
-  constexpr int64_t D = 16 * DV;
-  Rows<D> s;
-  auto& acc = s.acc;
-  auto& p = s.p;
-  float *m = s.m, *l = s.l, *alpha = s.alpha;
+// flash_prefill.h's unit's products in bf16 (its P): the queries qs [QB][D] bf16, kt and vt
+// one kv head's paired keys and values, and the block's probabilities rounded to bf16 pairs.
+struct Products {
+  using E = uint16_t;
   alignas(64) uint16_t pb[QB + 4][KB];  // p in bf16: pairs of keys for the value products
-  for (auto& row : pb) std::fill(row, row + KB, uint16_t(0));  // (rows past `rows` stay zeros)
-  const int64_t end = pos0 + rows;
-  const int64_t blocks = (end + KB - 1) / KB;
-  for (int64_t b = 0; b < blocks; ++b) {
-    const uint16_t* kb = kt + b * D * KB;
-    const uint16_t* vb = vt + b * D * KB;
-    const int64_t k0 = b * KB;
-    for (int64_t t0 = 0; t0 < rows; t0 += ST) {
-      vf sc[ST][NV];
+
+  Products() {
+    for (auto& row : pb) std::fill(row, row + KB, uint16_t(0));  // (rows past `rows` stay zeros)
+  }
+  // A score tile's sc[i] += q_i . keys of the block kb, two dims a product: q the tile's rows.
+  template <int64_t D>
+  static void scores(const uint16_t* q, const uint16_t* kb, vf (&sc)[ST][NV]) {
+    for (int64_t d2 = 0; d2 < D / 2; ++d2) {
+      __m512bh kd[NV];
 #pragma GCC unroll 8
-      for (int i = 0; i < ST; ++i)
+      for (int c = 0; c < NV; ++c) kd[c] = load_pairs(kb + (d2 * KB + 16 * c) * 2);
 #pragma GCC unroll 8
-        for (int c = 0; c < NV; ++c) sc[i][c] = vf{};
-      for (int64_t d2 = 0; d2 < D / 2; ++d2) {
-        __m512bh kd[NV];
+      for (int i = 0; i < ST; ++i) {
+        const __m512bh qd = broadcast_pair(q + i * D + 2 * d2);
 #pragma GCC unroll 8
-        for (int c = 0; c < NV; ++c) kd[c] = load_pairs(kb + (d2 * KB + 16 * c) * 2);
-#pragma GCC unroll 8
-        for (int i = 0; i < ST; ++i) {
-          const __m512bh qd = broadcast_pair(qs + (t0 + i) * D + 2 * d2);
-#pragma GCC unroll 8
-          for (int c = 0; c < NV; ++c) sc[i][c] = _mm512_dpbf16_ps(sc[i][c], kd[c], qd);
-        }
+        for (int c = 0; c < NV; ++c) sc[i][c] = _mm512_dpbf16_ps(sc[i][c], kd[c], qd);
       }
-      fold(sc, t0, rows, pos0, k0, p, m, l, alpha);
     }
+  }
+  // The block's probabilities p [rows][KB] -> pb.
+  void probabilities(const float (*p)[KB], int64_t rows) {
     for (int64_t r = 0; r < rows; ++r)
       for (int c = 0; c < NV; c += 2)
         _mm512_storeu_si512(pb[r] + 16 * c, (__m512i)_mm512_cvtne2ps_pbh(
                                                 _mm512_loadu_ps(p[r] + 16 * c + 16),
                                                 _mm512_loadu_ps(p[r] + 16 * c)));
-    // acc = alpha acc + p V, a pair of keys per product (a pair past the block's last key has
-    // p = 0 there and zero values)
-    constexpr int G = RG * 4 / DV > 0 ? RG * 4 / DV : 1;
-    const int64_t pairs = (std::min(KB, end - k0) + 1) / 2;
-    for (int64_t r0 = 0; r0 < rows; r0 += G) {
-      vf a[G][DV];
-      for (int i = 0; i < G; ++i)
-        for (int c = 0; c < DV; ++c)
-          a[i][c] = r0 + i < rows ? load(acc[r0 + i] + 16 * c) * alpha[r0 + i] : vf{};
-      for (int64_t j2 = 0; j2 < pairs; ++j2) {
-        __m512bh vv[DV];
+  }
+  // A value group's a[i] += p_{r0 + i} V over the block's nk keys, a pair of keys a product
+  // (a pair past the block's last key has p = 0 there and zero values); vb: the block's values.
+  template <int64_t D, int G>
+  void values(vf (&a)[G][D / 16], int64_t r0, int64_t nk, const uint16_t* vb,
+              const float (*)[KB]) const {
+    constexpr int DV = D / 16;
+    const int64_t pairs = (nk + 1) / 2;
+    for (int64_t j2 = 0; j2 < pairs; ++j2) {
+      __m512bh vv[DV];
 #pragma GCC unroll 8
-        for (int c = 0; c < DV; ++c) vv[c] = load_pairs(vb + (j2 * D + 16 * c) * 2);
+      for (int c = 0; c < DV; ++c) vv[c] = load_pairs(vb + (j2 * D + 16 * c) * 2);
 #pragma GCC unroll 8
-        for (int i = 0; i < G; ++i) {
-          const __m512bh pij = broadcast_pair(pb[r0 + i] + 2 * j2);
+      for (int i = 0; i < G; ++i) {
+        const __m512bh pij = broadcast_pair(pb[r0 + i] + 2 * j2);
 #pragma GCC unroll 8
-          for (int c = 0; c < DV; ++c) a[i][c] = _mm512_dpbf16_ps(a[i][c], vv[c], pij);
-        }
+        for (int c = 0; c < DV; ++c) a[i][c] = _mm512_dpbf16_ps(a[i][c], vv[c], pij);
       }
-      for (int i = 0; i < G && r0 + i < rows; ++i)
-        for (int c = 0; c < DV; ++c) store(acc[r0 + i] + 16 * c, a[i][c]);
     }
   }
-  s.write(rows, out);
-}
-
-inline void run_unit(int64_t D, const uint16_t* qs, int64_t rows, int64_t pos0,
-                     const uint16_t* kt, const uint16_t* vt, float* out) {
-  switch (D) {
-    case 64: unit<4>(qs, rows, pos0, kt, vt, out); break;
-    case 80: unit<5>(qs, rows, pos0, kt, vt, out); break;
-    case 96: unit<6>(qs, rows, pos0, kt, vt, out); break;
-    default: unit<8>(qs, rows, pos0, kt, vt, out); break;
-  }
-}
+};
 #else
-// (never called: causal() takes this path only where kAvailable)
-inline void run_unit(int64_t, const uint16_t*, int64_t, int64_t, const uint16_t*,
-                     const uint16_t*, float*) {
-  std::abort();
-}
+struct Products;  // (none: causal() takes the bf16 path only where kAvailable)
 #endif
 
 }  // namespace bf16

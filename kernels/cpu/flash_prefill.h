@@ -165,21 +165,67 @@ struct Rows {
   }
 };
 
+// The fp32 products: keys [blocks][D][KB] (transpose_keys), values the rows [S, D] as they
+// are (a block's: D KB floats from key k0's row).
+struct Fp32 {
+  using E = float;  // the queries', keys' and values' element type
+  // A score tile's sc[i] += q_i . keys of the block kb: q the tile's rows [ST, D].
+  template <int64_t D>
+  static void scores(const float* q, const float* kb, vf (&sc)[ST][NV]) {
+    for (int64_t d = 0; d < D; ++d) {
+      vf kd[NV];
+#pragma GCC unroll 8
+      for (int c = 0; c < NV; ++c) kd[c] = in_register(load(kb + d * KB + 16 * c));
+#pragma GCC unroll 8
+      for (int i = 0; i < ST; ++i) {
+        const float qd = q[i * D + d];
+#pragma GCC unroll 8
+        for (int c = 0; c < NV; ++c) sc[i][c] += qd * kd[c];
+      }
+    }
+  }
+  void probabilities(const float (*)[KB], int64_t) {}  // (the values take p as it is)
+  // A value group's a[i] += p_{r0 + i} V over the block's nk keys vb [nk, D].
+  template <int64_t D, int G>
+  void values(vf (&a)[G][D / 16], int64_t r0, int64_t nk, const float* vb,
+              const float (*p)[KB]) const {
+    constexpr int DV = D / 16;
+    for (int64_t j = 0; j < nk; ++j) {
+      const float* vj = vb + j * D;
+      vf vv[DV];
+#pragma GCC unroll 8
+      for (int c = 0; c < DV; ++c) vv[c] = in_register(load(vj + 16 * c));
+#pragma GCC unroll 8
+      for (int i = 0; i < G; ++i) {
+        const float pij = p[r0 + i][j];  // (rows past `rows`: zeros, never stored)
+#pragma GCC unroll 8
+        for (int c = 0; c < DV; ++c) a[i][c] += pij * vv[c];
+      }
+    }
+  }
+};
+
 // One unit: query rows [r0, r0 + rows) of a head (rows <= QB) against key blocks up to the
-// last row's position. qs: the rows pre-scaled by 1/sqrt(D) [QB, D] (rows past `rows` zero);
-// kt: its kv head's transposed keys; v: its value rows [S, D]; out rows [rows, D].
-template <int DV>
-void unit(const float* qs, int64_t rows, int64_t pos0, const float* kt, const float* v,
-          float* out) {
+// last row's position, on the products P (Fp32, or bf16::Products of flash_bf16.h): P gives
+// the element type E of the queries, keys and values as laid out for it, a score tile's dot
+// products, the block's probabilities as its value products take them, and a value group's
+// sums; the tiles, the fold and the fp32 accumulators are the same for both. qs: the rows
+// pre-scaled by 1/sqrt(D) [QB, D] (rows past `rows` zero); kt, v: its kv head's keys and
+// values as P lays them out, D KB entries a block of KB keys; out rows [rows, D].
+template <int DV, class P>
+void unit(const typename P::E* qs, int64_t rows, int64_t pos0, const typename P::E* kt,
+          const typename P::E* v, float* out) {
+  using E = typename P::E;
   constexpr int64_t D = 16 * DV;
   Rows<D> s;
   auto& acc = s.acc;
-  auto& p = s.p;
-  float *m = s.m, *l = s.l, *alpha = s.alpha;
+  float* alpha = s.alpha;
+  P products;
   const int64_t end = pos0 + rows;  // keys [0, end) exist; row i sees [0, pos0 + i]
   const int64_t blocks = (end + KB - 1) / KB;
   for (int64_t b = 0; b < blocks; ++b) {
-    const float* kb = kt + b * D * KB;
+    const E* kb = kt + b * D * KB;
+    const E* vb = v + b * D * KB;
     const int64_t k0 = b * KB;
     for (int64_t t0 = 0; t0 < rows; t0 += ST) {
       vf sc[ST][NV];
@@ -187,19 +233,10 @@ void unit(const float* qs, int64_t rows, int64_t pos0, const float* kt, const fl
       for (int i = 0; i < ST; ++i)
 #pragma GCC unroll 8
         for (int c = 0; c < NV; ++c) sc[i][c] = vf{};
-      for (int64_t d = 0; d < D; ++d) {
-        vf kd[NV];
-#pragma GCC unroll 8
-        for (int c = 0; c < NV; ++c) kd[c] = in_register(load(kb + d * KB + 16 * c));
-#pragma GCC unroll 8
-        for (int i = 0; i < ST; ++i) {
-          const float qd = qs[(t0 + i) * D + d];
-#pragma GCC unroll 8
-          for (int c = 0; c < NV; ++c) sc[i][c] += qd * kd[c];
-        }
-      }
-      fold(sc, t0, rows, pos0, k0, p, m, l, alpha);
+      P::template scores<D>(qs + t0 * D, kb, sc);
+      fold(sc, t0, rows, pos0, k0, s.p, s.m, s.l, alpha);
     }
+    products.probabilities(s.p, rows);
     // acc = alpha acc + p V over the block's keys, G rows at a time (RG for D = 64; fewer
     // for wider heads, whose rows take more registers)
     constexpr int G = RG * 4 / DV > 0 ? RG * 4 / DV : 1;  // (DV = 4 for D = 64)
@@ -209,18 +246,7 @@ void unit(const float* qs, int64_t rows, int64_t pos0, const float* kt, const fl
       for (int i = 0; i < G; ++i)
         for (int c = 0; c < DV; ++c)
           a[i][c] = r0 + i < rows ? load(acc[r0 + i] + 16 * c) * alpha[r0 + i] : vf{};
-      for (int64_t j = 0; j < nk; ++j) {
-        const float* vj = v + (k0 + j) * D;
-        vf vv[DV];
-#pragma GCC unroll 8
-        for (int c = 0; c < DV; ++c) vv[c] = in_register(load(vj + 16 * c));
-#pragma GCC unroll 8
-        for (int i = 0; i < G; ++i) {
-          const float pij = p[r0 + i][j];  // (rows past `rows`: zeros, never stored)
-#pragma GCC unroll 8
-          for (int c = 0; c < DV; ++c) a[i][c] += pij * vv[c];
-        }
-      }
+      products.template values<D, G>(a, r0, nk, vb, s.p);
       for (int i = 0; i < G && r0 + i < rows; ++i)
         for (int c = 0; c < DV; ++c) store(acc[r0 + i] + 16 * c, a[i][c]);
     }
@@ -231,18 +257,19 @@ void unit(const float* qs, int64_t rows, int64_t pos0, const float* kt, const fl
 // Head dims with a compiled unit (D = 16 DV).
 inline bool supported(int64_t D) { return D == 64 || D == 80 || D == 96 || D == 128; }
 
-inline void run_unit(int64_t D, const float* qs, int64_t rows, int64_t pos0, const float* kt,
-                     const float* v, float* out) {
+template <class P>
+inline void run_unit(int64_t D, const typename P::E* qs, int64_t rows, int64_t pos0,
+                     const typename P::E* kt, const typename P::E* v, float* out) {
   switch (D) {
-    case 64: unit<4>(qs, rows, pos0, kt, v, out); break;
-    case 80: unit<5>(qs, rows, pos0, kt, v, out); break;
-    case 96: unit<6>(qs, rows, pos0, kt, v, out); break;
-    default: unit<8>(qs, rows, pos0, kt, v, out); break;
+    case 64: unit<4, P>(qs, rows, pos0, kt, v, out); break;
+    case 80: unit<5, P>(qs, rows, pos0, kt, v, out); break;
+    case 96: unit<6, P>(qs, rows, pos0, kt, v, out); break;
+    default: unit<8, P>(qs, rows, pos0, kt, v, out); break;
   }
 }
 
 }  // namespace flash
-#include "flash_bf16.h"  // (the bf16 unit: after the helpers it shares)
+#include "flash_bf16.h"  // (the bf16 products: after the helpers they share)
 namespace flash {
 
 // One batch item: q [H, T, D] (contiguous) at positions start .. start + T - 1 over the rows
@@ -253,7 +280,8 @@ template <bool BF16, class For>
 void causal_on(const float* q, int64_t H, int64_t T, int64_t D, const float* k, const float* v,
                int64_t n_kv, int64_t head_stride, int64_t start, float* out,
                const For& parallel_for) {
-  using E = std::conditional_t<BF16, uint16_t, float>;  // the kernel's keys, values, queries
+  using P = std::conditional_t<BF16, bf16::Products, Fp32>;
+  using E = typename P::E;  // the kernel's keys, values, queries
   const int64_t group = H / n_kv, end = start + T, key_blocks = (end + KB - 1) / KB;
   const int64_t per_head = key_blocks * D * KB;
   // each kv head's keys (and with BF16 its values) laid out for the unit, once per call
@@ -280,15 +308,15 @@ void causal_on(const float* q, int64_t H, int64_t T, int64_t D, const float* k, 
       const float* qp = q + (h * T + r0) * D;
       float* o = out + (h * T + r0) * D;
       std::fill(qs.begin(), qs.end(), E{});
+      const E* values;  // (bf16: paired; fp32: the rows as they are)
       if constexpr (BF16) {
         for (int64_t i = 0; i < rows * D; ++i) qs[i] = bf16::round(qp[i] * scale);
-        bf16::run_unit(D, qs.data(), rows, start + r0, kt.data() + g * per_head,
-                       vt.data() + g * per_head, o);
+        values = vt.data() + g * per_head;
       } else {
         for (int64_t i = 0; i < rows * D; ++i) qs[i] = qp[i] * scale;
-        run_unit(D, qs.data(), rows, start + r0, kt.data() + g * per_head, v + g * head_stride,
-                 o);
+        values = v + g * head_stride;
       }
+      run_unit<P>(D, qs.data(), rows, start + r0, kt.data() + g * per_head, values, o);
     }
   });
 }

@@ -8,20 +8,36 @@
 
 namespace simd {
 
+typedef float f32x16 __attribute__((vector_size(64)));  // (f32x8's and the rest's 512-bit kin)
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+typedef long long i64x8 __attribute__((vector_size(64)));
+
+// Sixteen fp32 lanes (LanesX86 and Lanes8's operations in zmm registers; sum in
+// _mm512_reduce_add_ps's order): the integer dots' accumulators and the attention's fold.
+struct Lanes16 : LanesX86<Lanes16, f32x16, i32x16> {
+  static V set(float v) { return _mm512_set1_ps(v); }
+  static V max(V a, V b) { return _mm512_max_ps(a, b); }
+  static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static V min(V a, V b) { return _mm512_min_ps(a, b); }
+  static V floor(V a) {
+    return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  }
+  static V fnma(V a, V b, V c) { return _mm512_fnmadd_ps(a, b, c); }
+  static float sum(V v) { return _mm512_reduce_add_ps(v); }
+  static float max_of(V v) { return _mm512_reduce_max_ps(v); }
+};
+
 // 64 int8 weights . 64 int8 codes in 16 int32 lanes (vpdpbusd: u8 x s8, four products per
 // lane), then as floats. The weights are made unsigned by flipping the top bit (w + 128) and
 // each lane starts at -128 times the sum of its four codes (the caller's offsets), so the lane
-// is exactly sum w x. Sum: _mm512_reduce_add_ps's fixed order.
-struct Dot64Avx512 {
-  using Acc = __m512;
+// is exactly sum w x. Acc: Lanes16 (sum: _mm512_reduce_add_ps's fixed order).
+struct Dot64Avx512 : DotLanes<Lanes16> {
   struct W {
     __m512i u;
   };
   struct X {
     __m512i codes, start;
   };
-  static Acc zero() { return _mm512_setzero_ps(); }
-  static Acc set1(float v) { return _mm512_set1_ps(v); }
   static W load_w(const int8_t* p) {
     return {_mm512_xor_si512(_mm512_loadu_si512(p), _mm512_set1_epi8(char(0x80)))};
   }
@@ -32,7 +48,6 @@ struct Dot64Avx512 {
     const __m512i d = _mm512_dpbusd_epi32(x.start, w.u, x.codes);
     return _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), step, acc);
   }
-  static float sum(Acc v) { return _mm512_reduce_add_ps(v); }
   template <int M>
   static constexpr int nr() { return M == 1 ? 8 : M <= 4 ? 4 : 2; }  // NR * M accumulators <= 20
 };
@@ -41,18 +56,10 @@ using Dot64 = Dot64Avx512;
 // Int4Avx2 with two chunks per 64-byte load: lanes 0-7 hold chunk c's partial dots, lanes 8-15
 // chunk c + 1's (the low nibbles against the even codes, the high against the odd, both in one
 // int32 lane sum, vpdpbusd); an odd last chunk (`two` false) loads half, its upper lanes zero
-// with a zero step (step8's padding). Sum: _mm512_reduce_add_ps's order.
-struct Int4Avx512 {
+// with a zero step (step8's padding). Sum: Lanes16's, _mm512_reduce_add_ps's order.
+struct Int4Avx512 : Int4Lanes<Lanes16, i64x8> {
   static constexpr int kChunks = 2;
-  using Acc = __m512;
-  using S = __m512;
-  using Step = __m512;
-  struct W {
-    __m512i lo, hi;
-  };
-  using X = W;
   static __mmask64 bytes(bool two) { return two ? ~__mmask64(0) : __mmask64(0xFFFFFFFFull); }
-  static Acc zero() { return _mm512_setzero_ps(); }
   static W load_w(const uint8_t* p, bool two) {
     const __m512i mask = _mm512_set1_epi8(0x0F);
     const __m512i b = _mm512_maskz_loadu_epi8(bytes(two), p);
@@ -70,7 +77,6 @@ struct Int4Avx512 {
         _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w.lo, x.lo), w.hi, x.hi);
     return _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(d), step), s, acc);
   }
-  static float sum(Acc v) { return _mm512_reduce_add_ps(v); }
   template <int M>
   static constexpr int nr() { return M <= 2 ? 4 : 2; }  // lo, hi, scales, sums: 4 NR + NR M zmm
 };
@@ -110,57 +116,16 @@ using Codes = CodesAvx512;
 
 // ----------------------------------------------------------- the attention (attention_*.h)
 
-// Lanes8 with 16 lanes (the same exp polynomial; sums in _mm512_reduce_add_ps's order).
-struct Lanes16 {
-  using V = __m512;
-  static constexpr int kLanes = 16;
-  static V set(float v) { return _mm512_set1_ps(v); }
-  static V load(const float* p) { return _mm512_loadu_ps(p); }
-  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
-  static V add(V a, V b) { return _mm512_add_ps(a, b); }
-  static V sub(V a, V b) { return _mm512_sub_ps(a, b); }
-  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
-  static V max(V a, V b) { return _mm512_max_ps(a, b); }
-  static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
-  static V min(V a, V b) { return _mm512_min_ps(a, b); }
-  static V floor(V a) {
-    return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  }
-  static V fnma(V a, V b, V c) { return _mm512_fnmadd_ps(a, b, c); }  // c - a * b
-  static V pow2(V n) {
-    return _mm512_castsi512_ps(
-        _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23));
-  }
-  static V exp(V x) { return cephes_exp<Lanes16>(x); }  // (simd_common.h)
-  static float sum(V v) { return _mm512_reduce_add_ps(v); }
-  static float max_of(V v) { return _mm512_reduce_max_ps(v); }
-};
-
 // AttnAvx2 with the fold, the fixed dot and the integer dots in 16 lanes (the scores keep
-// eight keys at a time).
-struct AttnAvx512 : AttnAvx2 {
+// eight keys at a time): AttnX86's ops on these pieces.
+struct AttnAvx512 : AttnX86<AttnAvx512> {
   using Fold = Lanes16;  // half the instructions for the same keys (n <= 32)
 
-  static int64_t dot_prefix(const float* a, const float* b, int64_t D, float& sum) {
-    int64_t d = 0;
-    __m512 acc = _mm512_setzero_ps();
-    for (; d + 16 <= D; d += 16)
-      acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + d), _mm512_loadu_ps(b + d), acc);
-    sum = _mm512_reduce_add_ps(acc);
-    return d;
-  }
-
+  // 32 bytes 0..255 -> 32 floats.
   static void bytes_to_floats(__m256i x, float* out) {
     _mm512_storeu_ps(out, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(x))));
     _mm512_storeu_ps(out + 16,
                      _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(x, 1))));
-  }
-  template <bool TARGET>
-  static void decode_segment(const uint8_t* up, const uint8_t* lo, float* out) {
-    __m256i even, odd;
-    segment_bytes<TARGET>(up, lo, even, odd);
-    bytes_to_floats(even, out);
-    bytes_to_floats(odd, out + 32);
   }
 
   // Eight vectors of [token 2i: 8 partial sums | token 2i + 1: 8] -> the 16 tokens' sums, in

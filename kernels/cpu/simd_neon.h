@@ -55,16 +55,20 @@ inline int32x4_t dot16(int32x4_t acc, int8x16_t w, int8x16_t x) {
 #endif
 }
 
+// F8 as the integer dots' float lanes (DotLanes, simd_common.h: Acc, zero, set1, sum).
+struct F8Lanes {
+  using V = F8;
+  static V set(float v) { return set8(v); }
+  static float sum(V v) { return hsum(v); }
+};
+
 // The AVX2 file's eight int32 lanes of a 64-byte dot as two int32x4 (lanes 0-3: bytes 0-15 and
 // 32-47, four per lane; lanes 4-7: bytes 16-31 and 48-63), then the same float operations.
-struct Dot64Neon {
-  using Acc = F8;
+struct Dot64Neon : DotLanes<F8Lanes> {
   struct W {
     int8x16_t v[4];
   };
   using X = W;
-  static Acc zero() { return zero8(); }
-  static Acc set1(float v) { return set8(v); }
   static W load_w(const int8_t* p) {
     return {{vld1q_s8(p), vld1q_s8(p + 16), vld1q_s8(p + 32), vld1q_s8(p + 48)}};
   }
@@ -76,7 +80,6 @@ struct Dot64Neon {
     return {vfmaq_f32(acc.lo, vcvtq_f32_s32(lo), step.lo),
             vfmaq_f32(acc.hi, vcvtq_f32_s32(hi), step.hi)};
   }
-  static float sum(Acc v) { return hsum(v); }
   template <int M>
   static constexpr int nr() { return M == 1 ? 4 : M <= 3 ? 2 : 1; }  // as AVX2 (32 q registers)
 };
@@ -85,16 +88,14 @@ using Dot64 = Dot64Neon;
 // The W4A8 draft's dot (int4_dot.h) as the AVX2 file's: its lanes as two int32x4 (lanes 0-3:
 // packed bytes 0-15 of the chunk, 4-7: bytes 16-31; low nibbles against the even codes, high
 // against the odd, dot16), the same fp32 operations per lane, the same sum.
-struct Int4Neon {
+struct Int4Neon : DotLanes<F8Lanes> {
   static constexpr int kChunks = 1;
-  using Acc = F8;
   using S = float32x4_t;
   using Step = float32x4_t;
   struct W {
     int8x16_t lo[2], hi[2];
   };
   using X = W;
-  static Acc zero() { return zero8(); }
   static W load_w(const uint8_t* p, bool) {
     const uint8x16_t mask = vdupq_n_u8(0x0F);
     W w;
@@ -119,7 +120,6 @@ struct Int4Neon {
     }
     return {a[0], a[1]};
   }
-  static float sum(Acc v) { return hsum(v); }
   template <int M>
   static constexpr int nr() { return M == 1 ? 4 : M == 2 ? 2 : 1; }
 };

@@ -73,13 +73,18 @@ inline float hsum(F8 x) {  // the vector files' order
   return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
 }
 
+// One float lane: the integer dots' accumulators (DotLanes, simd_common.h: Acc, zero, set1,
+// sum).
+struct OneLane {
+  using V = float;
+  static V set(float v) { return v; }
+  static float sum(V v) { return v; }
+};
+
 // Per chunk an exact int dot, then a float multiply-add in chunk order; one lane.
-struct Dot64Portable {
-  using Acc = float;
+struct Dot64Portable : DotLanes<OneLane> {
   using W = const int8_t*;
   using X = const int8_t*;
-  static Acc zero() { return 0.f; }
-  static Acc set1(float v) { return v; }
   static W load_w(const int8_t* p) { return p; }
   static X load_x(const int8_t* codes, const int32_t*) { return codes; }
   static Acc fma_dot(W w, X x, Acc step, Acc acc) {
@@ -87,7 +92,6 @@ struct Dot64Portable {
     for (int i = 0; i < 64; ++i) dot += int32_t(w[i]) * int32_t(x[i]);
     return acc + float(dot) * step;
   }
-  static float sum(Acc v) { return v; }
   template <int M>
   static constexpr int nr() { return 1; }
 };
@@ -96,16 +100,14 @@ using Dot64 = Dot64Portable;
 // The W4A8 draft's dot (int4_dot.h) per chunk: an exact int dot of the 32 packed bytes' nibbles
 // (low: even inputs, high: odd) with the codes, then acc + dot * scale * step in chunk order;
 // one lane.
-struct Int4Portable {
+struct Int4Portable : DotLanes<OneLane> {
   static constexpr int kChunks = 1;
-  using Acc = float;
   using S = float;
   using Step = float;
   using W = const uint8_t*;
   struct X {
     const int8_t *even, *odd;
   };
-  static Acc zero() { return 0.f; }
   static W load_w(const uint8_t* p, bool) { return p; }
   static S scales(const float* s, int64_t g0, int64_t) { return s[g0]; }
   static X load_x(const int8_t* even, const int8_t* odd, bool) { return {even, odd}; }
@@ -119,7 +121,6 @@ struct Int4Portable {
     }
     return acc + float(dot) * s * step;
   }
-  static float sum(Acc v) { return v; }
   template <int M>
   static constexpr int nr() { return 1; }
 };

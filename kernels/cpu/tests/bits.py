@@ -9,7 +9,8 @@ A refactor of the kernels' SIMD code (simd.h and its ISA files) must not change 
 
 Covers the step linears (fp32, int8, W8A8 on 1..17 rows and on the GEMM schedule, W4A8), the
 hierarchical attention (int8 and int4 views, fp32 and int16 queries), RMSNorm, the residual
-add, RoPE and the prefill attention.
+add, RoPE and the prefill attention (fp32 products, and bf16 ones where the build has
+them).
 """
 
 from __future__ import annotations
@@ -114,6 +115,10 @@ def _small_ops(ext, g, out):
             k = torch.randn(1, 2, start + T + 5, D, generator=g)
             v = torch.randn(1, 2, start + T + 5, D, generator=g)
             out[f"prefill D{D} T{T} s{start}"] = ext.prefill_attention_cpu(q, k, v, start)
+            if ext.PREFILL_BF16:  # (builds with AVX512-BF16: flash_bf16.h's unit)
+                out[f"prefill bf16 D{D} T{T} s{start}"] = ext.prefill_attention_cpu(
+                    q, k, v, start, True
+                )
 
 
 def save(path: str) -> None:
