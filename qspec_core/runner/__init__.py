@@ -26,40 +26,17 @@ with no runner), which is what tests and calibration pass.
 
 from __future__ import annotations
 
-from typing import Protocol
-
-import torch
-
 from kernels.cpu import build
-from qspec_core.config import ModelConfig
-from qspec_core.precision import FP, Precision
+from qspec_core.model.transformer import Transformer
 from qspec_core.runner.cpu import CpuRunner
-from qspec_core.runner.reference import TorchRunner
+from qspec_core.runner.reference import OfModel, TorchRunner
 
 __all__ = ["CpuRunner", "Runner", "TorchRunner", "build_runner"]
 
 
-class Runner(Protocol):
-    """What runs forwards: a `CpuRunner`, a `TorchRunner`, or a `Transformer` itself."""
-
-    config: ModelConfig
-
-    @property
-    def device(self) -> torch.device: ...
-
-    @property
-    def dtype(self) -> torch.dtype: ...
-
-    def __call__(
-        self,
-        tokens: torch.Tensor,
-        input_pos: torch.Tensor,
-        cache,
-        path: Precision = FP,
-        last_only: bool = False,
-    ) -> torch.Tensor:
-        """tokens [B, T] at input_pos [T] -> logits [B, T, V] ([B, 1, V]: last_only)."""
-        ...
+# What runs forwards: a `CpuRunner`, a `TorchRunner` (both `OfModel`: the call, config,
+# device and dtype), or a `Transformer` itself.
+Runner = OfModel | Transformer
 
 
 def build_runner(model) -> CpuRunner | TorchRunner:

@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 
 from qspec_core.model.ops import LayerOps
-from qspec_core.precision import FP, Precision
+from qspec_core.precision import Precision
 from qspec_core.quant.int4 import CpuLayouts
 from qspec_core.quant.prefill_choice import prefill_path
 from qspec_core.runner import kernel_table
@@ -117,14 +117,7 @@ class CpuRunner(OfModel):
             self._stacks[weights] = build_stack(self.model, weights, self.ext)
         return self._stacks[weights]
 
-    def __call__(
-        self,
-        tokens: torch.Tensor,
-        input_pos: torch.Tensor,
-        cache,
-        path: Precision = FP,
-        last_only: bool = False,
-    ) -> torch.Tensor:
+    def forward(self, tokens, input_pos, cache, path, last_only) -> torch.Tensor:
         """`model(tokens, input_pos, cache, path, last_only)`, run on the C++ kernels."""
         model = self.model
         if torch.is_grad_enabled() or tokens.device.type != "cpu":

@@ -18,7 +18,9 @@ from qspec_core.quant.int4 import CpuLayouts, Int4Linear
 
 
 class OfModel:
-    """What every runner reports of the model it runs: its config, device and dtype."""
+    """What every runner shares: the model it runs (its config, device and dtype) and the
+    call, `runner(tokens, input_pos, cache, path, last_only)`, which each runner's `forward`
+    answers with its kernels."""
 
     model: torch.nn.Module
 
@@ -33,6 +35,21 @@ class OfModel:
     @property
     def dtype(self) -> torch.dtype:
         return self.model.dtype
+
+    def __call__(
+        self,
+        tokens: torch.Tensor,
+        input_pos: torch.Tensor,
+        cache,
+        path: Precision = FP,
+        last_only: bool = False,
+    ) -> torch.Tensor:
+        """tokens [B, T] at input_pos [T] -> logits [B, T, V] ([B, 1, V]: last_only), as the
+        model's own call computes them."""
+        return self.forward(tokens, input_pos, cache, path, last_only)
+
+    def forward(self, tokens, input_pos, cache, path, last_only) -> torch.Tensor:
+        raise NotImplementedError
 
 
 class TorchOps(LayerOps):
@@ -64,12 +81,5 @@ class TorchRunner(OfModel):
     def close(self) -> None:
         self.ops.layouts.clear()
 
-    def __call__(
-        self,
-        tokens: torch.Tensor,
-        input_pos: torch.Tensor,
-        cache,
-        path: Precision = FP,
-        last_only: bool = False,
-    ) -> torch.Tensor:
+    def forward(self, tokens, input_pos, cache, path, last_only) -> torch.Tensor:
         return self.model(tokens, input_pos, cache, path, last_only, ops=self.ops)
