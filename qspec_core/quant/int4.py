@@ -22,6 +22,7 @@ from torch import nn
 from kernels.formats import dequantize_int4 as dequantize
 from kernels.formats import pack_int4, unpack_int4
 from kernels.triton.w4a16 import w4a16_matmul, w4a16_ref
+from qspec_core.quant import filled
 
 CPU_INT4_GROUPS = (32, 64, 128, 256)
 
@@ -90,12 +91,8 @@ class Int4Linear(nn.Module):
         """From unpacked q uint8 [N, K] and fp32 scale/zero [N, ceil(K/G)]."""
         N, K = q.shape
         layer = cls(K, N, group_size, bias is not None)
-        layer.packed.copy_(pack_int4(layer._padded(q, zero)))
-        layer.scale.copy_(scale)
-        layer.zero.copy_(zero)
-        if bias is not None:
-            layer.bias.copy_(bias)
-        return layer
+        packed = pack_int4(layer._padded(q, zero))
+        return filled(layer, bias, packed=packed, scale=scale, zero=zero)
 
     @classmethod
     def from_int4_weight(cls, w, bias=None) -> Int4Linear:

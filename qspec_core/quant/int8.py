@@ -59,6 +59,7 @@ from torch import nn
 
 from kernels.formats import dequantize_int8, quantize_int8
 from kernels.triton.w8a16 import w8a16_matmul, w8a16_ref
+from qspec_core.quant import filled
 from qspec_core.quant.prefill_choice import PREFILL_ROWS, prefill_path
 
 # torch._weight_int8pack_mm walks K in vector steps of 8 (AVX2) or 16 (AVX-512) bf16 values.
@@ -95,12 +96,7 @@ class Int8Linear(nn.Module):
     ) -> Int8Linear:
         """From int8 [N, K] weights and their fp32 scale [N] (and an optional bias [N])."""
         N, K = w_int8.shape
-        layer = cls(K, N, bias is not None)
-        layer.weight_int8.copy_(w_int8)
-        layer.weight_scale.copy_(scale)
-        if bias is not None:
-            layer.bias.copy_(bias)
-        return layer
+        return filled(cls(K, N, bias is not None), bias, weight_int8=w_int8, weight_scale=scale)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> Int8Linear:
