@@ -9,10 +9,10 @@
 // layer's norm, q/k/v and RoPE) and its threads meet at a spinning barrier between the
 // kernels instead.
 //
-// `TeamFor` is the kernels' parallel_for inside a team: every thread calls it with the same
-// range and takes its own static share, as at::parallel_for splits a range (the same pieces
-// for the same number of threads); which thread computes an output never changes its bits.
-// It does not wait: the caller puts `barrier()` where a later step reads what others wrote.
+// `Member` is the kernels' parallel_for inside a team: every thread calls it with the same
+// range and takes pieces of it as it gets to them; which thread computes an output never
+// changes its bits. It does not wait: the caller puts `barrier()` where a later step reads
+// what others wrote.
 #pragma once
 #include <omp.h>
 
@@ -52,31 +52,60 @@ class Barrier {
   std::atomic<int> arrived_{0}, gen_{0};
 };
 
-// What a `single` threw, kept for the caller; `failed` for the other threads.
-struct Failure {
-  std::exception_ptr error;       // (thread 0's only)
+// What the team's threads share: the barrier, what a `single` threw, and one slot per
+// recent parallel_for call for handing out its pieces.
+struct Shared {
+  explicit Shared(int threads) : barrier(threads) {}
+  Barrier barrier;
+  std::exception_ptr error;  // (thread 0's only)
   std::atomic<bool> failed{false};
+  // slot[call % kCalls]: (call number << 32) | pieces handed out. Threads run the same calls
+  // in the same order and meet at a barrier at least every kCalls calls (a verify's q, k and
+  // v take at most 9), so a slot is never wanted by two calls at once.
+  static constexpr int kCalls = 64;
+  std::atomic<uint64_t> slot[kCalls] = {};
 };
 
-// One thread's view of the team: its index, the team size and the shared barrier.
+// One thread's view of the team: its index and what the team shares.
 class Member {
  public:
-  Member(int id, int size, Barrier& barrier, Failure& failure)
-      : id_(id), size_(size), barrier_(barrier), failure_(failure) {}
+  Member(int id, int size, Shared& shared) : id_(id), size_(size), shared_(shared) {}
 
-  // the kernels' parallel_for(begin, end, grain, fn): this thread's share of [begin, end)
+  // The kernels' parallel_for(begin, end, grain, fn): pieces of [begin, end) handed out as
+  // threads ask, about 4 per thread and none under a 16th of the pool's grain. Dynamic, so that
+  // a thread that shares its core with another process (a browser, a build) does less of the
+  // work instead of holding up the others at the next barrier. Each call is met by every
+  // thread; the first to finish its pieces leaves at once.
   template <class F>
   void operator()(int64_t begin, int64_t end, int64_t grain, const F& fn) const {
+    const uint64_t call = ++calls_;  // (from 1: an untouched slot reads as call 0)
     const int64_t n = end - begin;
     if (n <= 0) return;
     const int64_t g = std::max<int64_t>(1, grain / kGrainDivisor);
-    const int64_t parts = std::min<int64_t>(size_, (n + g - 1) / g);
-    const int64_t chunk = (n + parts - 1) / parts;
-    const int64_t b0 = begin + id_ * chunk, b1 = std::min(end, b0 + chunk);
-    if (id_ < parts && b0 < b1) fn(b0, b1);
+    const int64_t piece = std::max<int64_t>(g, (n + 4 * size_ - 1) / (4 * size_));
+    const uint64_t pieces = uint64_t((n + piece - 1) / piece);
+    if (size_ == 1 || pieces == 1) {
+      if (id_ == 0) fn(begin, end);
+      return;
+    }
+    std::atomic<uint64_t>& slot = shared_.slot[call % Shared::kCalls];
+    uint64_t v = slot.load(std::memory_order_acquire);
+    for (;;) {
+      if (v >> 32 != call) {  // an older call's count: start this call's at 0
+        if (!slot.compare_exchange_weak(v, call << 32, std::memory_order_acq_rel)) continue;
+        v = call << 32;
+      }
+      const uint64_t next = v & 0xFFFFFFFFu;
+      if (next >= pieces) return;
+      if (slot.compare_exchange_weak(v, v + 1, std::memory_order_acq_rel)) {
+        const int64_t b0 = begin + int64_t(next) * piece;
+        fn(b0, std::min(end, b0 + piece));
+        v = slot.load(std::memory_order_acquire);
+      }
+    }
   }
 
-  void barrier() const { barrier_.wait(); }
+  void barrier() const { shared_.barrier.wait(); }
 
   // fn() on thread 0 (the caller's thread: ATen ops run where they would outside the team),
   // then a barrier. An exception is kept for the caller and later `single`s are skipped, so
@@ -88,8 +117,8 @@ class Member {
       try {
         fn();
       } catch (...) {
-        failure_.error = std::current_exception();
-        failure_.failed.store(true, std::memory_order_release);
+        shared_.error = std::current_exception();
+        shared_.failed.store(true, std::memory_order_release);
       }
     }
     barrier();
@@ -97,33 +126,33 @@ class Member {
 
   // whether a `single` threw: what it was to make is not there (the rest of the team's work
   // is skipped; the caller rethrows)
-  bool failed() const { return failure_.failed.load(std::memory_order_acquire); }
+  bool failed() const { return shared_.failed.load(std::memory_order_acquire); }
   int id() const { return id_; }
 
  private:
   int id_, size_;
-  Barrier& barrier_;
-  Failure& failure_;
+  Shared& shared_;
+  mutable uint64_t calls_ = 0;  // parallel_for calls this thread has made
 };
 
 // body(member) on `threads` threads (one OpenMP region; the team is as large as OpenMP gives),
 // then rethrows what a `single` caught.
 template <class Body>
 void run(int threads, const Body& body) {
-  Failure failure;
   if (threads <= 1 || omp_in_parallel()) {
-    Barrier barrier(1);
-    body(Member(0, 1, barrier, failure));
-  } else {
-    Barrier barrier(threads);
-#pragma omp parallel num_threads(threads)
-    {
-#pragma omp single
-      barrier.resize(omp_get_num_threads());  // (implicit barrier after: all see the size)
-      body(Member(omp_get_thread_num(), omp_get_num_threads(), barrier, failure));
-    }
+    Shared shared(1);
+    body(Member(0, 1, shared));
+    if (shared.error) std::rethrow_exception(shared.error);
+    return;
   }
-  if (failure.error) std::rethrow_exception(failure.error);
+  Shared shared(threads);
+#pragma omp parallel num_threads(threads)
+  {
+#pragma omp single
+    shared.barrier.resize(omp_get_num_threads());  // (implicit barrier after: all see the size)
+    body(Member(omp_get_thread_num(), omp_get_num_threads(), shared));
+  }
+  if (shared.error) std::rethrow_exception(shared.error);
 }
 
 }  // namespace team
