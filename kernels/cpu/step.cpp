@@ -17,6 +17,7 @@
 // [0, end) with the cache's mask or is_causal).
 #include <torch/extension.h>  // (the stack is a pybind11 class)
 
+#include <cstring>
 #include <optional>
 #include <type_traits>
 #include <vector>
@@ -51,11 +52,22 @@ struct Projection {
     } else if (int8.defined() && a8) {
       intdot::w8a8_rows(x, M, K, int8.data_ptr<int8_t>(), scale.data_ptr<float>(), bias_ptr(),
                         N, out, f);
-    } else if (int8.defined()) {
-      rowlinear::rows(x, int8.data_ptr<int8_t>(), scale.data_ptr<float>(), bias_ptr(), out, M,
-                      K, N, f);
-    } else {
-      rowlinear::rows(x, weight.data_ptr<float>(), nullptr, bias_ptr(), out, M, K, N, f);
+    } else if constexpr (simd::kVectorF8) {
+      if (int8.defined())
+        rowlinear::rows(x, int8.data_ptr<int8_t>(), scale.data_ptr<float>(), bias_ptr(), out, M,
+                        K, N, f);
+      else
+        rowlinear::rows(x, weight.data_ptr<float>(), nullptr, bias_ptr(), out, M, K, N, f);
+    } else if (f.id() == 0) {
+      // Portable builds: the few-row linear's loop is vectorized by the compiler its own way,
+      // which may differ between translation units, so the layer loop's bits come from its
+      // own entry point (linear.cpp), on one thread (these builds are the slow fallback).
+      const auto xt = at::from_blob(const_cast<float*>(x), {M, K}, at::kFloat);
+      const c10::optional<at::Tensor> b = bias.defined() ? c10::optional<at::Tensor>(bias)
+                                                          : c10::nullopt;
+      const auto y = int8.defined() ? int8_rows_cpu(xt, int8, scale, b)
+                                    : linear_rows_cpu(xt, weight, b);
+      std::memcpy(out, y.data_ptr<float>(), sizeof(float) * M * N);
     }
   }
 };
