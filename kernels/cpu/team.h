@@ -5,9 +5,9 @@
 // threads through the kernel: tens of microseconds on a small VM. A decode step of a 30-layer
 // model opened 4-8 regions a layer, and on 2 cores a draft step ran no faster on 2 threads
 // than on 1 (SmolLM2 at 256 tokens, Zen 4: 11.5-12.2 vs 10.9-14.3 ms). A team opens one region
-// for the stretch between two attentions (a layer's output projection and MLP, then the next
-// layer's norm, q/k/v and RoPE) and its threads meet at a spinning barrier between the
-// kernels instead.
+// for a whole forward over the hierarchical cache (for the stretch between two attentions over
+// the full-precision one, whose SDPA runs on the pool), and its threads meet at a spinning
+// barrier between the kernels instead.
 //
 // `Member` is the kernels' parallel_for inside a team: every thread calls it with the same
 // range and takes pieces of it as it gets to them; which thread computes an output never
@@ -42,8 +42,11 @@ class Barrier {
       gen_.store(gen + 1, std::memory_order_release);
       return;
     }
-    for (int spins = 0; gen_.load(std::memory_order_acquire) == gen; ++spins)
-      if (spins > kSpins) std::this_thread::yield();
+    for (int spins = 0; gen_.load(std::memory_order_acquire) == gen;)
+      if (spins < kSpins)
+        ++spins;
+      else
+        std::this_thread::yield();
   }
 
  private:
