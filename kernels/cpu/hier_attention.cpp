@@ -67,15 +67,16 @@ inline int64_t original_dim(int64_t p, int64_t D) {
 
 // ------------------------------------------------------------------------------ tasks
 
-// Asks for `bytes` of each plane the view reads, from token row `row` on.
+// Asks for `bytes` of each plane the view reads, from token row `row` on (into L2, as
+// isa.h's prefetch_ahead does, for the same reason).
 inline void prefetch_block(const Args& a, int64_t row, int64_t bytes, bool target) {
   const int64_t at = row * (a.D / 2);
   for (int64_t o = 0; o < bytes; o += 64) {
-    __builtin_prefetch(a.ku + at + o, 0, 3);
-    __builtin_prefetch(a.vu + at + o, 0, 3);
+    __builtin_prefetch(a.ku + at + o, 0, 1);
+    __builtin_prefetch(a.vu + at + o, 0, 1);
     if (target) {
-      __builtin_prefetch(a.kl + at + o, 0, 3);
-      __builtin_prefetch(a.vl + at + o, 0, 3);
+      __builtin_prefetch(a.kl + at + o, 0, 1);
+      __builtin_prefetch(a.vl + at + o, 0, 1);
     }
   }
 }

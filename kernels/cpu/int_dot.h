@@ -42,14 +42,6 @@ namespace intdot {
 
 constexpr int64_t CHUNK = 64;  // inputs per activation step
 
-// Asks for the cache line at p + 2 * block_bytes: the same column of the weight rows two blocks
-// of NR rows ahead. The hardware prefetchers see NR interleaved streams of K bytes each, too
-// short to train on, and a pass from cold memory ran at a third of the bandwidth without this.
-// (A prefetch never faults, past the end of the weights included.)
-inline void prefetch_ahead(const void* p, int64_t block_bytes) {
-  __builtin_prefetch(static_cast<const char*>(p) + 2 * block_bytes, 0, 3);
-}
-
 // Rounds x[0, 64) to int8 codes; returns the step (kernels.h: round_to_codes).
 inline float quantize_chunk(const float* x, int8_t* codes) {
   return round_to_codes(x, CHUNK, codes);
