@@ -49,7 +49,7 @@ struct Dot64Avx512 : DotLanes<Lanes16> {
     return _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), step, acc);
   }
   template <int M>
-  static constexpr int nr() { return M == 1 ? 8 : M <= 4 ? 4 : 2; }  // NR * M accumulators <= 20
+  static constexpr int nr() { return M == 1 ? 8 : M <= 5 ? 4 : 2; }  // NR * M accumulators <= 20
 };
 using Dot64 = Dot64Avx512;
 
