@@ -67,16 +67,15 @@ inline int64_t original_dim(int64_t p, int64_t D) {
 
 // ------------------------------------------------------------------------------ tasks
 
-// Asks for `bytes` of each plane the view reads, from token row `row` on (into L2, as
-// isa.h's prefetch_ahead does, for the same reason).
+// Asks for `bytes` of each plane the view reads, from token row `row` on (isa.h: into L2).
 inline void prefetch_block(const Args& a, int64_t row, int64_t bytes, bool target) {
   const int64_t at = row * (a.D / 2);
   for (int64_t o = 0; o < bytes; o += 64) {
-    __builtin_prefetch(a.ku + at + o, 0, 1);
-    __builtin_prefetch(a.vu + at + o, 0, 1);
+    prefetch_l2(a.ku + at + o);
+    prefetch_l2(a.vu + at + o);
     if (target) {
-      __builtin_prefetch(a.kl + at + o, 0, 1);
-      __builtin_prefetch(a.vl + at + o, 0, 1);
+      prefetch_l2(a.kl + at + o);
+      prefetch_l2(a.vl + at + o);
     }
   }
 }

@@ -22,15 +22,18 @@ inline int64_t grain_rows(int64_t row_bytes) {
   return std::max<int64_t>(1, MIN_BYTES_PER_THREAD / std::max<int64_t>(row_bytes, 1));
 }
 
+// Asks for the cache line at p, into L2, not L1 (locality 1: prefetcht2): a core has few L1
+// miss buffers, and prefetches into L1 filled them (perf on Zen 4: a fifth of a W4A8 pass's
+// samples stalled on its prefetcht0); into L2, one-row passes from memory went from 10.7 to
+// 23-24 GB/s (W8A8) and from 14.5 to 21-25 GB/s (W4A8) on two cores. Every prefetch of the
+// kernels goes through here. (A prefetch never faults, past the end of a buffer included.)
+inline void prefetch_l2(const void* p) { __builtin_prefetch(p, 0, 1); }
+
 // Asks for the cache line at p + 2 * block_bytes: the same column of the weight rows two blocks
 // of NR rows ahead. The hardware prefetchers see NR interleaved streams of K bytes each, too
 // short to train on, and a pass from cold memory ran at a third of the bandwidth without this.
-// Into L2, not L1 (locality 1: prefetcht2): a core has few L1 miss buffers, and prefetches into
-// L1 filled them (perf on Zen 4: a fifth of a W4A8 pass's samples stalled on its prefetcht0);
-// into L2, one-row passes from memory went from 10.7 to 23-24 GB/s (W8A8) and from 14.5 to
-// 21-25 GB/s (W4A8) on two cores. (A prefetch never faults, past the end of the weights too.)
 inline void prefetch_ahead(const void* p, int64_t block_bytes) {
-  __builtin_prefetch(static_cast<const char*>(p) + 2 * block_bytes, 0, 1);
+  prefetch_l2(static_cast<const char*>(p) + 2 * block_bytes);
 }
 
 // Rounds x[0, n) to integer codes in -L..L (symmetric: step max|x| / L, ties to even), L = 127
