@@ -115,20 +115,22 @@ inline void scores_vector(const float* __restrict qr, const float* __restrict kb
   }
 }
 
-// fold_row_portable in A's fold lanes (n <= BLOCK): whole vectors of keys, the tail scalar.
-template <class A, int64_t D>
-inline void fold_row_vector(float* __restrict p, int64_t n, const float* __restrict vb,
-                            const float* vscale, const float* vzero, float* __restrict acc,
-                            float& m, float& l, float& zacc) {
+// The softmax half of fold_row_portable in A's fold lanes (n <= BLOCK): p [n] scores ->
+// weights (times the values' scales where given); updates (m, l, zacc) and returns the factor
+// the row's acc must be multiplied by first, or -1 when every key is hidden (nothing changes).
+// Whole vectors of keys, the tail scalar.
+template <class A>
+inline float fold_weights(float* __restrict p, int64_t n, const float* vscale,
+                          const float* vzero, float& m, float& l, float& zacc) {
   using F = typename A::Fold;
   using V = typename F::V;
-  constexpr int64_t L = F::kLanes, NV = D / L, R = 64 / L;  // R vectors: 64 dims
+  constexpr int64_t L = F::kLanes;
   const int64_t nv = n & ~int64_t(L - 1);  // whole vectors; the tail goes scalar
   V vm = F::set(m);
   for (int64_t j = 0; j < nv; j += L) vm = F::max(vm, F::load(p + j));
   float mx = F::max_of(vm);
   for (int64_t j = nv; j < n; ++j) mx = std::max(mx, p[j]);
-  if (mx == NEG_INF) return;
+  if (mx == NEG_INF) return -1.f;
   const float corr = std::exp(m - mx);  // 0 while m was -inf
   const V vmx = F::set(mx);
   V vsum = F::set(0.f), vz = F::set(0.f);
@@ -152,19 +154,76 @@ inline void fold_row_vector(float* __restrict p, int64_t n, const float* __restr
     p[j] = e;
   }
   zacc = z;
-  const V vc = F::set(corr);
-  for (int64_t h = 0; h < NV; h += R) {  // 64 dims at a time: the accumulators stay in registers
-    V r[R];
-    for (int i = 0; i < R; ++i) r[i] = F::mul(F::load(acc + L * (h + i)), vc);
-    for (int64_t j = 0; j < n; ++j) {
-      const V w = F::set(p[j]);
-      const float* vj = vb + j * D + L * h;
-      for (int i = 0; i < R; ++i) r[i] = F::fma(w, F::load(vj + L * i), r[i]);
-    }
-    for (int i = 0; i < R; ++i) F::store(acc + L * (h + i), r[i]);
-  }
   l = l * corr + sum;
   m = mx;
+  return corr;
+}
+
+// The values' half for K rows at once: acc_k = acc_k * corr_k + sum_j w_k[j] vb[j] over the
+// same n tokens vb [n, D], 64 dims at a time. Each accumulator sees the same operations in the
+// same order as with K = 1 (a row's bits do not depend on its companions); the K rows share
+// each loaded value vector, and their K * 64 / L independent FMA chains hide the FMA latency
+// that one row's 64 / L chains (4 with 16 lanes) wait on.
+template <class A, int64_t D, int K>
+inline void fold_values(const float* const* w, const float* corr, int64_t n,
+                        const float* __restrict vb, float* const* acc) {
+  using F = typename A::Fold;
+  using V = typename F::V;
+  constexpr int64_t L = F::kLanes, NV = D / L, R = 64 / L;  // R vectors: 64 dims
+  for (int64_t h = 0; h < NV; h += R) {  // the accumulators stay in registers
+    V r[K][R];
+    for (int k = 0; k < K; ++k)
+      for (int i = 0; i < R; ++i) r[k][i] = F::mul(F::load(acc[k] + L * (h + i)), F::set(corr[k]));
+    for (int64_t j = 0; j < n; ++j) {
+      const float* vj = vb + j * D + L * h;
+      if constexpr (K == 1) {
+        const V wk = F::set(w[0][j]);
+        for (int i = 0; i < R; ++i) r[0][i] = F::fma(wk, F::load(vj + L * i), r[0][i]);
+      } else {
+        V v[R];
+        for (int i = 0; i < R; ++i) v[i] = F::load(vj + L * i);
+        for (int k = 0; k < K; ++k) {
+          const V wk = F::set(w[k][j]);
+          for (int i = 0; i < R; ++i) r[k][i] = F::fma(wk, v[i], r[k][i]);
+        }
+      }
+    }
+    for (int k = 0; k < K; ++k)
+      for (int i = 0; i < R; ++i) F::store(acc[k] + L * (h + i), r[k][i]);
+  }
+}
+
+// fold_row_portable in A's fold lanes (n <= BLOCK): one row's weights, then its values.
+template <class A, int64_t D>
+inline void fold_row_vector(float* __restrict p, int64_t n, const float* __restrict vb,
+                            const float* vscale, const float* vzero, float* __restrict acc,
+                            float& m, float& l, float& zacc) {
+  const float corr = fold_weights<A>(p, n, vscale, vzero, m, l, zacc);
+  if (corr < 0.f) return;
+  const float* w[1] = {p};
+  float* out[1] = {acc};
+  fold_values<A, D, 1>(w, &corr, n, vb, out);
+}
+
+// fold_values over any number of rows, A::kFoldRows (the registers' worth) at a time.
+template <class A, int64_t D>
+inline void fold_values_rows(const float* const* w, const float* corr, int64_t rows, int64_t n,
+                             const float* __restrict vb, float* const* acc) {
+  constexpr int KR = A::kFoldRows;
+  static_assert(KR >= 1 && KR <= 6, "fold_values_rows instantiates 1..6 rows");
+  for (int64_t k0 = 0; k0 < rows; k0 += KR) {
+    const int64_t k = std::min<int64_t>(KR, rows - k0);
+    const float* const* wk = w + k0;
+    float* const* ak = acc + k0;
+    switch (k) {
+      case 1: fold_values<A, D, 1>(wk, corr + k0, n, vb, ak); break;
+      case 2: if constexpr (KR >= 2) fold_values<A, D, 2>(wk, corr + k0, n, vb, ak); break;
+      case 3: if constexpr (KR >= 3) fold_values<A, D, 3>(wk, corr + k0, n, vb, ak); break;
+      case 4: if constexpr (KR >= 4) fold_values<A, D, 4>(wk, corr + k0, n, vb, ak); break;
+      case 5: if constexpr (KR >= 5) fold_values<A, D, 5>(wk, corr + k0, n, vb, ak); break;
+      default: if constexpr (KR >= 6) fold_values<A, D, 6>(wk, corr + k0, n, vb, ak); break;
+    }
+  }
 }
 
 }  // namespace attn

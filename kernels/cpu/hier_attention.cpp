@@ -108,8 +108,11 @@ void quantized_task(const Args& a, int64_t bh, int64_t c, Rows& rows) {
     big.resize(2 * BLOCK * D);
     kbp = big.data(), vbp = big.data() + BLOCK * D;
   }
-  alignas(32) float p[BLOCK], vscale[BLOCK], vzero[BLOCK];
-  std::vector<float> qs(INTQ ? 0 : RT * D), kbias(RT), zacc(RT, 0.f);
+  alignas(32) float vscale[BLOCK], vzero[BLOCK];
+  // per row: the block's scores, then its weights (a row's own BLOCK floats)
+  std::vector<float> pw(RT * BLOCK), qs(INTQ ? 0 : RT * D), kbias(RT), zacc(RT, 0.f), corr(RT);
+  std::vector<const float*> wrow(RT);
+  std::vector<float*> arow(RT);
   IntQueries iq;
   std::vector<int32_t> dots(INTQ ? RT * BLOCK : 0);
   std::vector<char> sees(RT);
@@ -128,6 +131,12 @@ void quantized_task(const Args& a, int64_t bh, int64_t c, Rows& rows) {
       group = g;
       const float* ks = a.ks + (bh * (a.S / G) + g) * D;
       const float* kz = a.kz + (bh * (a.S / G) + g) * D;
+      if ((g + 1) * G < stop) {  // the next group's scales and zeros, asked for a group ahead:
+        for (int64_t d = 0; d < D; d += 16) {  // (perf: rounding the queries waited on them)
+          prefetch_l2(ks + D + d);
+          prefetch_l2(kz + D + d);
+        }
+      }
       if constexpr (INTQ) {
         round_queries(q, ks, kz, a.perm, RT, D, TARGET, iq);
       } else {
@@ -179,22 +188,27 @@ void quantized_task(const Args& a, int64_t bh, int64_t c, Rows& rows) {
         }
       }
     }
+    int64_t live = 0;  // rows with a weight to fold: the vector path folds their values at once
     for (int64_t r = 0; r < RT; ++r) {
       if (!sees[r]) continue;
+      float* p = pw.data() + r * BLOCK;
       if constexpr (INTQ) {
         const float step = iq.step[r], bias = iq.bias[r];
         for (int64_t j = 0; j < n; ++j) p[j] = std::fma(float(dots[r * n + j]), step, bias);
       }
       if constexpr (FAST) {
         if (!INTQ) scores_vector<A, DT>(qs.data() + r * D, kbp, n, kbias[r], p);
-        fold_row_vector<A, DT>(p, n, vbp, ws, wz, rows.acc + r * D, rows.m[r], rows.l[r],
-                               zacc[r]);
+        const float c = fold_weights<A>(p, n, ws, wz, rows.m[r], rows.l[r], zacc[r]);
+        if (c < 0.f) continue;
+        wrow[live] = p, arow[live] = rows.acc + r * D, corr[live] = c, ++live;
       } else {
         if (!INTQ) scores_portable(qs.data() + r * D, kbp, n, D, kbias[r], p);
         fold_row_portable(p, n, vbp, ws, wz, D, rows.acc + r * D, rows.m[r], rows.l[r],
                           zacc[r]);
       }
     }
+    if constexpr (FAST)
+      fold_values_rows<A, DT>(wrow.data(), corr.data(), live, n, vbp, arow.data());
   }
   for (int64_t r = 0; r < RT; ++r) {  // the values' zeros, sum_j p_j z_j, reach every dim
     float* __restrict ar = rows.acc + r * D;

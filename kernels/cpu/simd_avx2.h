@@ -217,6 +217,9 @@ template <class Self>
 struct AttnX86 {
   static constexpr bool kVector = true;
   using Scores = Lanes8;  // the scores' lanes: eight keys at a time, sums8
+  // Rows whose values' fold shares one pass (attention_math.h fold_values): 1 where a row's
+  // 64 dims already fill eight FMA chains (eight lanes), more in AttnAvx512
+  static constexpr int kFoldRows = 1;
 
   // sum_d a_d b_d over the first dims, a multiple of Fold's lanes (returned), then Fold's sum.
   static int64_t dot_prefix(const float* a, const float* b, int64_t D, float& sum) {

@@ -120,6 +120,9 @@ using Codes = CodesAvx512;
 // eight keys at a time): AttnX86's ops on these pieces.
 struct AttnAvx512 : AttnX86<AttnAvx512> {
   using Fold = Lanes16;  // half the instructions for the same keys (n <= 32)
+  // A row's 64 dims are 4 vectors, 4 FMA chains: too few for the FMA latency; 6 rows are 24
+  // accumulators + 4 values + a weight in the 32 zmm registers (attention_math.h fold_values)
+  static constexpr int kFoldRows = 6;
 
   // 32 bytes 0..255 -> 32 floats.
   static void bytes_to_floats(__m256i x, float* out) {
