@@ -10,6 +10,7 @@ import torch
 
 from qspec_core.cache.full import FullPrecisionCache
 from qspec_core.cache.hierarchical import HierarchicalKVCache
+from qspec_core.engine.draft_vocab import COMMON_IDS, DraftVocab
 from qspec_core.engine.generate import decode
 from qspec_core.engine.lookup import DocumentLookup
 from qspec_core.engine.planner import RoundPlanner
@@ -22,12 +23,15 @@ from qspec_core.timing import StageTimer
 @dataclass(frozen=True)
 class DecodePlan:
     """Autoregressive on `target` (draft None), or speculative: drafts on the `draft` path
-    (and from the prompt, with `lookup`), `gamma` a round or "auto", verified on `target`."""
+    (and from the prompt, with `lookup`), `gamma` a round or "auto", verified on `target`.
+    `draft_common`: the draft scores the prompt's ids and the ids below it only
+    (`draft_vocab.py`); None: the whole vocabulary."""
 
     target: Precision
     draft: Precision | None = None
     gamma: int | str = "auto"
     lookup: bool = True
+    draft_common: int | None = COMMON_IDS
 
     @property
     def speculative(self) -> bool:
@@ -68,9 +72,13 @@ class DecodePlan:
         if self.lookup:
             with timer.stage("lookup"):  # (indexing a 32k-token prompt: about 0.1 s)
                 index = DocumentLookup(prompt)
+        vocab = None
+        if self.draft_common is not None:
+            model = getattr(runner, "model", runner)  # (slicing the head: a few ms, once)
+            vocab = DraftVocab.build(model, prompt, self.draft, self.draft_common)
         stats = stats if stats is not None else SpecStats()
         tokens = speculative_decode(
             *common, stop_ids, self.gamma, timer, stats, draft_path=self.draft,
-            target_path=self.target, lookup=index, planner=planner,
+            target_path=self.target, lookup=index, planner=planner, draft_vocab=vocab,
         )  # fmt: skip
         return tokens, stats

@@ -21,6 +21,7 @@ from typing import Protocol
 
 import torch
 
+from qspec_core.engine.draft_vocab import DraftVocab
 from qspec_core.engine.lookup import DocumentLookup
 from qspec_core.engine.sampling import SamplingParams, probabilities
 from qspec_core.precision import Precision
@@ -55,11 +56,15 @@ class Proposer(Protocol):
         ...
 
 
-def forward(runner, cache, tokens: list[int], position: int, path: Precision) -> torch.Tensor:
+def forward(
+    runner, cache, tokens: list[int], position: int, path: Precision, head=None
+) -> torch.Tensor:
     """Feed `tokens` at `position`, ... on `path` through `runner` (a `qspec_core.runner.Runner`):
-    their logits [len(tokens), V]."""
+    their logits [len(tokens), V] (through `head` when given: [len(tokens), its rows])."""
     ids = torch.tensor([tokens], device=runner.device)
     positions = torch.arange(position, position + len(tokens), device=runner.device)
+    if head is not None:
+        return runner(ids, positions, cache, path, head=head)[0]
     return runner(ids, positions, cache, path)[0]
 
 
@@ -74,7 +79,8 @@ def move_rotation_time(cache, timer: StageTimer, stage: str, before: float) -> N
 class SelfDraft:
     """QuantSpec's draft: the same model on the draft path (4-bit weights over the INT4 KV
     view by default), one forward pass per token, sampling g_i ~ q_i. Its KV goes into the
-    shared cache; the verify overwrites it and the rollback drops the rejected tail."""
+    shared cache; the verify overwrites it and the rollback drops the rejected tail.
+    `vocab`: the slice of the vocabulary it scores (`draft_vocab.py`); None: all of it."""
 
     name = "draft"
 
@@ -86,9 +92,11 @@ class SelfDraft:
         params: SamplingParams,
         generator: torch.Generator | None,
         timer: StageTimer,
+        vocab: DraftVocab | None = None,
     ):
         self.runner, self.cache, self.path = runner, cache, path
         self.params, self.generator, self.timer = params, generator, timer
+        self.vocab = vocab
 
     def offer(self, k: int) -> int:
         return k  # (any length: a forward pass per token)
@@ -98,13 +106,18 @@ class SelfDraft:
         probs = []
         rotated = getattr(self.cache, "rotate_seconds", 0.0)
         with self.timer.stage(self.name):
-            token = context.pending
+            token, vocab = context.pending, self.vocab
+            head = vocab.head if vocab is not None else None
             for i in range(k):
-                logits = forward(self.runner, self.cache, [token], context.position + i, self.path)
+                pos = context.position + i
+                logits = forward(self.runner, self.cache, [token], pos, self.path, head)[-1]
                 if self.params.greedy:
-                    token = int(logits[-1].argmax())
+                    index = int(logits.argmax())
+                    token = vocab.token(index) if vocab is not None else index
                 else:
-                    q = probabilities(logits[-1], self.params)
+                    if vocab is not None:
+                        logits = vocab.full(logits)  # (q is 0 outside the slice)
+                    q = probabilities(logits, self.params)
                     token = int(torch.multinomial(q, 1, generator=self.generator))
                     probs.append(q)
                 tokens.append(token)

@@ -28,6 +28,7 @@ import torch
 
 from qspec_core.cache.full import FullPrecisionCache
 from qspec_core.cache.hierarchical import HierarchicalKVCache
+from qspec_core.engine.draft_vocab import DraftVocab
 from qspec_core.engine.lookup import DocumentLookup
 from qspec_core.engine.planner import RoundPlanner
 from qspec_core.engine.proposers import (
@@ -189,6 +190,7 @@ def speculative_decode(
     lookup: DocumentLookup | None = None,
     planner: RoundPlanner | None = None,
     proposers: Sequence[Proposer] = (),
+    draft_vocab: DraftVocab | None = None,
 ) -> Iterator[int]:
     """Yield up to `max_new_tokens` ids following the target path's distribution.
 
@@ -204,7 +206,8 @@ def speculative_decode(
     `lookup`: an index over the prompt's ids (`DocumentLookup(prompt)`); each round first asks
     it for drafts, and the emitted tokens are appended to it. None: every draft is the model's.
     `proposers`: more draft sources (`proposers.py`), asked before those two; with a fixed
-    gamma the first one that offers tokens drafts the round.
+    gamma the first one that offers tokens drafts the round. `draft_vocab`: the slice of the
+    vocabulary the 4-bit draft scores (`draft_vocab.py`); None: all of it.
     On any exit (limit, stop token, Ctrl-C, close) the cache is truncated to the committed
     length: exactly the KV of the tokens fed so far, none of a half-finished round.
     """
@@ -220,7 +223,7 @@ def speculative_decode(
     sources = list(proposers)
     if lookup is not None:
         sources.append(DocumentDraft(lookup, timer))
-    sources.append(SelfDraft(runner, cache, draft_path, params, generator, timer))
+    sources.append(SelfDraft(runner, cache, draft_path, params, generator, timer, draft_vocab))
     by_name = {p.name: p for p in sources}
 
     def rotation() -> float:

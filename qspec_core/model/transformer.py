@@ -242,13 +242,15 @@ class Transformer(nn.Module):
         path: Precision = FP,
         last_only: bool = False,
         ops: LayerOps = TORCH_OPS,
+        head: Linear | None = None,
     ) -> torch.Tensor:
         """tokens [B, T] at positions input_pos [T] -> logits [B, T, V] (or [B, 1, V]).
 
         `path` picks the weights (full, int8, int4: each linear's twin) and the KV view the
         cache reads (fp, int8, int4). `last_only` skips the vocabulary projection for all but
         the last position (prefill). `ops` computes the layers' linears, norms and RoPE
-        (`model/ops.py`; a runner passes its kernels' there).
+        (`model/ops.py`; a runner passes its kernels' there). `head`: a projection to run
+        instead of lm_head (the draft's slice of it, `engine/draft_vocab.py`: logits [B, T, n]).
         """
         self.check_path(path)
         x = self.embed(tokens)  # [B, T, hidden]
@@ -261,7 +263,7 @@ class Transformer(nn.Module):
                 x = layer(x, *local, input_pos, cache, path, ops)
             else:
                 x = layer(x, cos, sin, input_pos, cache, path, ops)
-        return self.head(x, path, last_only, ops)
+        return self.head(x, path, last_only, ops, head)
 
     def check_path(self, path: Precision) -> None:
         """Raise unless this model holds `path`'s weights."""
@@ -278,12 +280,18 @@ class Transformer(nn.Module):
         return x
 
     def head(
-        self, x: torch.Tensor, path: Precision, last_only: bool = False, ops: LayerOps = TORCH_OPS
+        self,
+        x: torch.Tensor,
+        path: Precision,
+        last_only: bool = False,
+        ops: LayerOps = TORCH_OPS,
+        head: Linear | None = None,
     ) -> torch.Tensor:
-        """The last layer's output [B, T, hidden] -> logits [B, T, V] ([B, 1, V]: last_only)."""
+        """The last layer's output [B, T, hidden] -> logits [B, T, V] ([B, 1, V]: last_only),
+        through `head` instead of lm_head when given."""
         if last_only:
             x = x[:, -1:]
-        return ops.linear(self.lm_head, ops.norm(self.norm, x), path)
+        return ops.linear(head or self.lm_head, ops.norm(self.norm, x), path)
 
 
 def local_rope_config(config: ModelConfig) -> ModelConfig:

@@ -117,11 +117,12 @@ class CpuRunner(OfModel):
             self._stacks[weights] = build_stack(self.model, weights, self.ext)
         return self._stacks[weights]
 
-    def forward(self, tokens, input_pos, cache, path, last_only) -> torch.Tensor:
-        """`model(tokens, input_pos, cache, path, last_only)`, run on the C++ kernels."""
+    def forward(self, tokens, input_pos, cache, path, last_only, head=None) -> torch.Tensor:
+        """`model(tokens, input_pos, cache, path, last_only, head=head)`, run on the C++
+        kernels."""
         model = self.model
         if torch.is_grad_enabled() or tokens.device.type != "cpu":
-            return model(tokens, input_pos, cache, path, last_only)  # (the plain model)
+            return model(tokens, input_pos, cache, path, last_only, head=head)  # (plain model)
         step = stack = native = None
         B, T = tokens.shape
         if B * T <= MAX_ROWS and model.dtype == torch.float32:
@@ -131,8 +132,8 @@ class CpuRunner(OfModel):
             if native is not None:
                 step = cache.native_step(input_pos, path, T)  # the bookkeeping, all layers
         if step is None:
-            return model(tokens, input_pos, cache, path, last_only, ops=self.ops)
+            return model(tokens, input_pos, cache, path, last_only, ops=self.ops, head=head)
         x = model.embed(tokens)  # [B, T, hidden]
         cos, sin = model.rotary_emb(input_pos, x.dtype)  # [T, D] each
         x = stack.run(x, cos, sin, native, step)  # writes each layer's K/V through it
-        return model.head(x, path, last_only, self.ops)
+        return model.head(x, path, last_only, self.ops, head)

@@ -43,12 +43,13 @@ class OfModel:
         cache,
         path: Precision = FP,
         last_only: bool = False,
+        head=None,
     ) -> torch.Tensor:
         """tokens [B, T] at input_pos [T] -> logits [B, T, V] ([B, 1, V]: last_only), as the
-        model's own call computes them."""
-        return self.forward(tokens, input_pos, cache, path, last_only)
+        model's own call computes them (`head`: the model's forward's)."""
+        return self.forward(tokens, input_pos, cache, path, last_only, head)
 
-    def forward(self, tokens, input_pos, cache, path, last_only) -> torch.Tensor:
+    def forward(self, tokens, input_pos, cache, path, last_only, head=None) -> torch.Tensor:
         raise NotImplementedError
 
 
@@ -81,5 +82,5 @@ class TorchRunner(OfModel):
     def close(self) -> None:
         self.ops.layouts.clear()
 
-    def forward(self, tokens, input_pos, cache, path, last_only) -> torch.Tensor:
-        return self.model(tokens, input_pos, cache, path, last_only, ops=self.ops)
+    def forward(self, tokens, input_pos, cache, path, last_only, head=None) -> torch.Tensor:
+        return self.model(tokens, input_pos, cache, path, last_only, ops=self.ops, head=head)
