@@ -262,24 +262,16 @@ def main():
     unknown = set(families) - set(PEER_FAMILIES)
     if unknown:
         ap.error(f"unknown peers {sorted(unknown)}; choose from {', '.join(PEER_FAMILIES)}")
+    # the options run_peers takes as they come (the others are parsed first)
+    as_given = "gen repeats threads model gguf llama_cpp_python llama_cpp_bin llama_flash_attn"
+    as_given += " lookup_tokens hf_cache budget_s target_weights"
     result = run_peers(
         [parse_size(s) for s in args.context.split(",")],
-        gen=args.gen,
-        repeats=args.repeats,
         peers=families,
         hf_dtypes=tuple(d.strip() for d in args.hf_dtypes.split(",") if d.strip()),
-        threads=args.threads,
-        model=args.model,
-        gguf=args.gguf,
-        llama_cpp_python=args.llama_cpp_python,
-        llama_cpp_bin=args.llama_cpp_bin,
-        llama_flash_attn=args.llama_flash_attn,
-        lookup_tokens=args.lookup_tokens,
-        hf_cache=args.hf_cache,
-        budget_s=args.budget_s,
         qspec_modes=tuple(m.strip() for m in args.qspec_modes.split(",") if m.strip()),
-        target_weights=args.target_weights,
         log=lambda msg: print(msg, file=sys.stderr, flush=True),
+        **{name: getattr(args, name) for name in as_given.split()},
     )
     render_table(result)
     if args.json:

@@ -142,26 +142,23 @@ def test_bench_lists_refuse_an_empty_item(capsys, no_model, option, value):
 # ----------------------------------------------------------------------------- before the model
 
 
+def _bad(option: str, *cases: tuple[str, str]) -> list[tuple[list[str], str]]:
+    """(the options, the error's words) for each bad value of one option."""
+    return [([option, value], message) for value, message in cases]
+
+
 GROUP_AND_GAMMA = [
-    (["--group-size", "7"], "--group-size must be an even number >= 2"),
-    (["--group-size", "63"], "not 63"),
-    (["--group-size", "1"], "not 1"),
-    (["--group-size", "0"], "not 0"),  # used to mean the default, silently
-    (["--group-size", "-64"], "not -64"),
+    *_bad("--group-size", ("7", "--group-size must be an even number >= 2"), ("63", "not 63"),
+          ("1", "not 1"), ("0", "not 0"), ("-64", "not -64")),  # (0 used to mean the default)
     (["--group-size", "16", "--gamma", "16"], "--gamma 16 needs a KV group size above it"),
-    (["--gamma", "0"], "--gamma must be in 1..16"),
-    (["--gamma", "17"], "--gamma must be in 1..16"),
-    (["--gamma", "many"], "--gamma must be a number or 'auto'"),
-]
+    *_bad("--gamma", ("0", "--gamma must be in 1..16"), ("17", "--gamma must be in 1..16"),
+          ("many", "--gamma must be a number or 'auto'")),
+]  # fmt: skip
 SAMPLING = [
-    (["--temperature", "1e-45"], "temperature must be 0 (greedy) or a finite number >= 0.001"),
-    (["--temperature", "inf"], "not inf"),
-    (["--temperature", "nan"], "not nan"),
-    (["--temperature", "-1"], "not -1"),
-    (["--top-p", "nan"], "top_p must be in (0, 1], not nan"),
-    (["--top-p", "0"], "top_p"),
-    (["--top-p", "1.5"], "top_p"),
-]
+    *_bad("--temperature", ("1e-45", "temperature must be 0 (greedy) or a finite number >= 0.001"),
+          ("inf", "not inf"), ("nan", "not nan"), ("-1", "not -1")),
+    *_bad("--top-p", ("nan", "top_p must be in (0, 1], not nan"), ("0", "top_p"), ("1.5", "top_p")),
+]  # fmt: skip
 RUN = [
     (["--threads", "100000"], "--threads must be in 1.."),
     (["--dtype", "fp8"], "--dtype must be auto or one of"),
