@@ -205,6 +205,15 @@ inline void fold_row_vector(float* __restrict p, int64_t n, const float* __restr
   fold_values<A, D, 1>(w, &corr, n, vb, out);
 }
 
+// Rows whose values' fold shares one pass: A::kFoldRows where A has the vector path, else 1.
+template <class A>
+constexpr int fold_rows() {
+  if constexpr (A::kVector)
+    return A::kFoldRows;
+  else
+    return 1;
+}
+
 // fold_values over any number of rows, A::kFoldRows (the registers' worth) at a time.
 template <class A, int64_t D>
 inline void fold_values_rows(const float* const* w, const float* corr, int64_t rows, int64_t n,

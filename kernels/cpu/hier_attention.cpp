@@ -109,10 +109,14 @@ void quantized_task(const Args& a, int64_t bh, int64_t c, Rows& rows) {
     kbp = big.data(), vbp = big.data() + BLOCK * D;
   }
   alignas(32) float vscale[BLOCK], vzero[BLOCK];
-  // per row: the block's scores, then its weights (a row's own BLOCK floats)
-  std::vector<float> pw(RT * BLOCK), qs(INTQ ? 0 : RT * D), kbias(RT), zacc(RT, 0.f), corr(RT);
-  std::vector<const float*> wrow(RT);
-  std::vector<float*> arow(RT);
+  // Rows whose values are folded together (fold_values): each row's scores, then weights,
+  // wait in its own pw slot until KR rows are ready (or the block's rows are done).
+  constexpr int KR = fold_rows<A>();
+  alignas(64) float pw[KR][BLOCK];
+  float corr[KR];
+  const float* wrow[KR];
+  float* arow[KR];
+  std::vector<float> qs(INTQ ? 0 : RT * D), kbias(RT), zacc(RT, 0.f);
   IntQueries iq;
   std::vector<int32_t> dots(INTQ ? RT * BLOCK : 0);
   std::vector<char> sees(RT);
@@ -188,10 +192,10 @@ void quantized_task(const Args& a, int64_t bh, int64_t c, Rows& rows) {
         }
       }
     }
-    int64_t live = 0;  // rows with a weight to fold: the vector path folds their values at once
+    int live = 0;  // rows waiting in pw for their values' fold (the vector path)
     for (int64_t r = 0; r < RT; ++r) {
       if (!sees[r]) continue;
-      float* p = pw.data() + r * BLOCK;
+      float* p = pw[live];
       if constexpr (INTQ) {
         const float step = iq.step[r], bias = iq.bias[r];
         for (int64_t j = 0; j < n; ++j) p[j] = std::fma(float(dots[r * n + j]), step, bias);
@@ -199,16 +203,21 @@ void quantized_task(const Args& a, int64_t bh, int64_t c, Rows& rows) {
       if constexpr (FAST) {
         if (!INTQ) scores_vector<A, DT>(qs.data() + r * D, kbp, n, kbias[r], p);
         const float c = fold_weights<A>(p, n, ws, wz, rows.m[r], rows.l[r], zacc[r]);
-        if (c < 0.f) continue;
-        wrow[live] = p, arow[live] = rows.acc + r * D, corr[live] = c, ++live;
+        if (c < 0.f) continue;  // (every key hidden: the slot is reused)
+        wrow[live] = p, arow[live] = rows.acc + r * D, corr[live] = c;
+        if (++live == KR) {
+          fold_values_rows<A, DT>(wrow, corr, live, n, vbp, arow);
+          live = 0;
+        }
       } else {
         if (!INTQ) scores_portable(qs.data() + r * D, kbp, n, D, kbias[r], p);
         fold_row_portable(p, n, vbp, ws, wz, D, rows.acc + r * D, rows.m[r], rows.l[r],
                           zacc[r]);
       }
     }
-    if constexpr (FAST)
-      fold_values_rows<A, DT>(wrow.data(), corr.data(), live, n, vbp, arow.data());
+    if constexpr (FAST) {
+      if (live) fold_values_rows<A, DT>(wrow, corr, live, n, vbp, arow);
+    }
   }
   for (int64_t r = 0; r < RT; ++r) {  // the values' zeros, sum_j p_j z_j, reach every dim
     float* __restrict ar = rows.acc + r * D;

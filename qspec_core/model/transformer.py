@@ -291,7 +291,8 @@ class Transformer(nn.Module):
         through `head` instead of lm_head when given."""
         if last_only:
             x = x[:, -1:]
-        return ops.linear(head or self.lm_head, ops.norm(self.norm, x), path)
+        head = self.lm_head if head is None else head
+        return ops.linear(head, ops.norm(self.norm, x), path)
 
 
 def local_rope_config(config: ModelConfig) -> ModelConfig:
