@@ -56,19 +56,23 @@ def hier_attention(
     chunk_size: int | None = None,
     fused: bool = True,
     int_queries: bool = False,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of q over one cache layer in the KV view `kv` -> [B, H, T, D] in q's dtype.
 
     `chunk_size`: history tokens per program or thread task (None: each kernel's default; the
     Triton one sizes chunks to fill the GPU). The result depends on it in the last bits (the
     chunks merge by log-sum-exp), never on T. fused=False: the reference, whatever runs here.
+    `softcap`: Gemma 2's attn_logit_softcapping on the scaled scores (None: none).
     """
     chosen = backend(q, fused, int_queries)
     if chosen == "cpu":
-        return cpu_attention.hier_attention_cpu(q, view, rows, kv, chunk_size, int_queries)
+        return cpu_attention.hier_attention_cpu(q, view, rows, kv, chunk_size, int_queries, softcap)
     if chosen == "triton":
-        return triton_attention.hier_attention_triton(q, view, rows, kv, chunk_size)
-    return hier_attention_ref(q, view, rows, kv, chunk_size, int_queries)
+        return triton_attention.hier_attention_triton(
+            q, view, rows, kv, chunk_size, softcap=softcap
+        )
+    return hier_attention_ref(q, view, rows, kv, chunk_size, int_queries, softcap)
 
 
 def causal_attention(
@@ -77,12 +81,16 @@ def causal_attention(
     v: torch.Tensor,
     input_pos: torch.Tensor,
     mask: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """`kernels.reference.causal_attention` (queries at `input_pos` over keys 0..S-1), with a
     prefill's chunk on a CPU through the tiled C++ kernel (`cpu_attention.prefill_attention`:
     no [T, S] scores in memory, 2-3x SDPA's speed there, docs/PERF.md). Decode and verify
-    steps (at most 17 rows) and other devices take the reference, as before."""
+    steps (at most 17 rows), other devices and soft-capped scores (`softcap`, Gemma 2: the
+    tiled kernel has no cap) take the reference."""
     T = q.shape[2]
+    if softcap is not None:
+        return causal_attention_ref(q, k, v, input_pos, mask, softcap)
     if cpu_attention.prefill_usable(q, k, v):
         start = int(input_pos[0])
         if start + T <= k.shape[2] and torch.equal(

@@ -41,13 +41,16 @@ def causal_attention(
     v: torch.Tensor,
     input_pos: torch.Tensor,
     mask: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of queries at positions `input_pos` over keys at positions 0..S-1.
 
     q [B, H, T, D], k/v [B, n_kv, S, D] with H a multiple of n_kv (GQA), input_pos [T].
     Query i sees keys j <= input_pos[i] (`mask` from `causal_mask`, computed if not given).
-    Returns [B, H, T, D].
+    `softcap`: Gemma 2's attn_logit_softcapping (`soft_cap`). Returns [B, H, T, D].
     """
+    if softcap is not None:
+        return _softcapped_attention(q, k, v, input_pos, softcap)
     gqa = q.shape[1] != k.shape[1]
     if q.shape[2] == k.shape[2] and int(input_pos[0]) == 0:
         # the whole sequence at once: plain causal, which lets the kernel skip masked blocks
@@ -57,6 +60,25 @@ def causal_attention(
     if mask is not None:
         mask = mask.to(q.dtype)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+
+
+def soft_cap(scores: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """Gemma 2's logit soft-capping: cap * tanh(scores / cap), in the scores' dtype (None:
+    the scores as they are). Attention applies it to the scaled scores before the mask."""
+    return scores if cap is None else torch.tanh(scores / cap) * cap
+
+
+def _softcapped_attention(q, k, v, input_pos, cap: float) -> torch.Tensor:
+    """`causal_attention` with soft-capped scores, written out (SDPA has no soft cap), as
+    transformers' eager Gemma 2 attention: scaled scores, cap, mask, fp32 softmax."""
+    B, H, T, D = q.shape
+    n_kv, S = k.shape[1], k.shape[2]
+    qg = q.float().view(B, n_kv, H // n_kv, T, D)  # query heads grouped by their KV head
+    scores = soft_cap(torch.einsum("bhrtd,bhsd->bhrts", qg, k.float()) * D**-0.5, cap)
+    visible = torch.arange(S, device=q.device)[None, :] <= input_pos[:, None]  # [T, S]
+    probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+    out = torch.einsum("bhrts,bhsd->bhrtd", probs, v.float())
+    return out.reshape(B, H, T, D).to(q.dtype)
 
 
 def dequantize_history(
@@ -119,6 +141,7 @@ def hier_attention_ref(
     kv: str,
     chunk_size: int | None = None,
     int_queries: bool = False,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention over one layer of the hierarchical cache, written plainly: dequantize the
     visible history in the KV view `kv` ("int8": both planes, "int4": the upper plane), append
@@ -132,7 +155,8 @@ def hier_attention_ref(
 
     int_queries: score the quantized history with the queries rounded to int16 per row and K
     group (`_int_query_scores`), as the C++ kernel does for the W8A8 target and the W4A8
-    draft; the full-precision region keeps fp32 queries.
+    draft; the full-precision region keeps fp32 queries. `softcap`: the scores soft-capped
+    (`soft_cap`) before the mask.
     """
     view.check(q, kv)
     B, H, T, D = q.shape
@@ -156,7 +180,7 @@ def hier_attention_ref(
         )
     else:
         scores = torch.einsum("bhrtd,bhsd->bhrts", qg, keys) * D**-0.5
-    probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+    probs = soft_cap(scores, softcap).masked_fill(~visible, float("-inf")).softmax(-1)
     probs = torch.where(visible.any(-1, keepdim=True), probs, 0.0)  # fully masked: 0, not NaN
     out = torch.einsum("bhrts,bhsd->bhrtd", probs, values)
     return out.reshape(B, H, T, D).to(q.dtype)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -12,7 +13,7 @@ from qspec_core.families import supported_model_types as _supported_model_types
 from qspec_core.families.spec import ACTIVATIONS
 
 SUPPORTED_MODEL_TYPES = _supported_model_types()  # one file each in qspec_core/families/
-ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,9 @@ class ModelConfig:
     num_attention_heads: int = 32
     num_key_value_heads: int = 32
     head_dim: int = 128
+    # channels RoPE rotates, the first of each head's (head_dim times HF partial_rotary_factor:
+    # Phi-4-mini's 0.75); the rest pass through. None: all
+    rotary_dim: int | None = None
     max_position_embeddings: int = 4096
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
@@ -39,6 +43,9 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None
     layer_types: tuple[str, ...] = ()  # "sliding_attention" | "full_attention", per layer
     rope_local_base_freq: float | None = None
+    # Gemma 2's soft caps (LayerSpec.softcapping): of the scaled attention scores, of the logits
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
     bos_token_id: int | None = None
     eos_token_id: tuple[int, ...] = ()
 
@@ -46,6 +53,16 @@ class ModelConfig:
     def n_rep(self) -> int:
         """Query heads per KV head (GQA group size)."""
         return self.num_attention_heads // self.num_key_value_heads
+
+    @property
+    def rotated(self) -> int:
+        """Channels RoPE rotates per head."""
+        return self.rotary_dim or self.head_dim
+
+    def native_ok(self) -> bool:
+        """Whether the CPU runner's C++ layer computes this model: its layer
+        (`LayerSpec.native_ok`) with every channel rotated (the C++ RoPE rotates whole heads)."""
+        return self.layer.native_ok() and self.rotated == self.head_dim
 
     @property
     def rope_type(self) -> str:
@@ -84,10 +101,13 @@ class ModelConfig:
             raise UnsupportedModelError(
                 f"hidden_act {act!r} is not supported (only {', '.join(ACTIVATIONS)})"
             )
-        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
-            if hf.get(key) is not None:
-                raise UnsupportedModelError(f"{key} is not supported")
         layer = replace(_layer(family, hf), activation=act)
+        caps = {}
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if layer.softcapping:
+                caps[key] = _positive_number(hf, key, None)
+            elif hf.get(key) is not None:
+                raise UnsupportedModelError(f"{key} is not supported for {family.label}")
         n_heads = _int(hf, "num_attention_heads")
         hidden_size = _int(hf, "hidden_size")
         head_dim = _int(hf, "head_dim", None)
@@ -111,9 +131,10 @@ class ModelConfig:
         if layer.local_rope:
             rope, local_theta = _local_rope(hf)
         # (transformers 5 keeps it in rope_parameters, 4 at the top level: Phi-4-mini's 0.75)
-        partial = rope.get("partial_rotary_factor") or hf.get("partial_rotary_factor") or 1.0
-        if partial != 1.0:
-            raise UnsupportedModelError("partial rotary embeddings are not supported")
+        partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
+        rotated = _rotary_dim(1.0 if partial is None else partial, head_dim)
+        if rope["rope_type"] == "longrope":
+            _longrope_factors(rope, rotated)
         sliding_window = _sliding_window(family, hf)
         return cls(
             model_type=model_type,
@@ -124,6 +145,7 @@ class ModelConfig:
             num_attention_heads=n_heads,
             num_key_value_heads=n_kv_heads,
             head_dim=head_dim,
+            rotary_dim=None if rotated == head_dim else rotated,
             max_position_embeddings=max_positions,
             rms_norm_eps=_positive_number(hf, "rms_norm_eps", 1e-6),
             rope_theta=float(rope.pop("rope_theta")),
@@ -140,6 +162,7 @@ class ModelConfig:
             ),
             layer_types=_layer_types(hf) if layer.local_rope else (),
             rope_local_base_freq=local_theta,
+            **caps,
         )
 
     @classmethod
@@ -213,11 +236,15 @@ def _int(hf: dict, key: str, default=_REQUIRED, minimum: int = 1):
     return value
 
 
-def _positive_number(hf: dict, key: str, default: float) -> float:
+def _positive_number(hf: dict, key: str, default: float | None) -> float | None:
     value = hf.get(key, default)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not 0 < value < math.inf  # (Python's json reads NaN and Infinity)
+    ):
         raise ConfigError(f"{key} must be a positive number, not {value!r}")
     return float(value)
 
@@ -264,6 +291,7 @@ _ROPE_NUMBERS = {
         "original_max_position_embeddings",
     ),
     "yarn": ("original_max_position_embeddings",),
+    "longrope": ("original_max_position_embeddings",),
 }
 
 
@@ -281,13 +309,45 @@ def _rope_parameters(hf: dict) -> dict:
             f"RoPE scaling {rope['rope_type']!r} is not supported "
             f"(supported: {', '.join(ROPE_TYPES)})"
         )
-    if rope["rope_type"] in ("yarn", "llama3"):
-        rope.setdefault("original_max_position_embeddings", hf.get("max_position_embeddings"))
+    if rope["rope_type"] in ("yarn", "llama3", "longrope"):
+        # (Phi-3.5 keeps it at the top level of config.json)
+        original = hf.get("original_max_position_embeddings") or hf.get("max_position_embeddings")
+        rope.setdefault("original_max_position_embeddings", original)
     for key in ("rope_theta", *_ROPE_NUMBERS.get(rope["rope_type"], ())):
         if rope.get(key) is None:
             raise ConfigError(f"RoPE scaling {rope['rope_type']!r} needs {key}")
         _positive_number(rope, key, 0.0)
     return rope
+
+
+def _rotary_dim(partial, head_dim: int) -> int:
+    """Channels rotated per head: int(head_dim * partial_rotary_factor), as transformers
+    rounds it; a positive even number up to head_dim."""
+    if isinstance(partial, bool) or not isinstance(partial, int | float) or not 0 < partial <= 1:
+        raise ConfigError(f"partial_rotary_factor must be a number in (0, 1], not {partial!r}")
+    rotated = int(head_dim * partial)
+    if rotated < 2 or rotated % 2:
+        raise UnsupportedModelError(
+            f"a partial rotary of {rotated} channels (head_dim {head_dim} x {partial}) is not "
+            "supported: RoPE rotates pairs"
+        )
+    return rotated
+
+
+def _longrope_factors(rope: dict, rotated: int) -> None:
+    """LongRoPE's short_factor and long_factor: one positive number per rotated channel pair."""
+    pairs = rotated // 2
+    for key in ("short_factor", "long_factor"):
+        factors = rope.get(key)
+        if (
+            not isinstance(factors, list)
+            or len(factors) != pairs
+            or not all(
+                isinstance(f, int | float) and not isinstance(f, bool) and 0 < f < math.inf
+                for f in factors
+            )
+        ):
+            raise ConfigError(f"RoPE scaling 'longrope' needs {key}: {pairs} positive numbers")
 
 
 def _layer(family: Family, hf: dict) -> LayerSpec:

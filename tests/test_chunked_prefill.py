@@ -32,7 +32,7 @@ class DequantizedHistory:
     def __init__(self, config, n: int, G: int):
         shape = (config.num_hidden_layers, 1, config.num_key_value_heads, n, config.head_dim)
         self.k, self.v = torch.zeros(shape), torch.zeros(shape)
-        self.G, self.seq_len, self.max_seq_len = G, 0, n
+        self.G, self.seq_len, self.max_seq_len, self.rope_capacity = G, 0, n, n
 
     def attend(self, layer, q, k, v, input_pos, path=FP):
         s, e = int(input_pos[0]), int(input_pos[-1]) + 1

@@ -29,16 +29,14 @@ def test_transformers4_rope_format():
     [
         ({"model_type": "gemma"}, "model_type 'gemma' is not supported"),
         ({"model_type": "llama", "hidden_act": "gelu"}, "hidden_act"),
-        ({"model_type": "llama", "rope_scaling": {"rope_type": "longrope"}}, "longrope"),
         (
             {
                 "model_type": "llama",
-                "rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5},
+                "rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.1},
             },
-            "partial rotary",
+            "partial rotary of 1 channels",
         ),
-        ({"model_type": "phi3", "partial_rotary_factor": 0.75}, "partial rotary"),  # 4-mini
-        ({"model_type": "phi3", "rope_scaling": {"type": "longrope"}}, "longrope"),  # 3.5
+        ({"model_type": "phi3", "partial_rotary_factor": 0.45}, "partial rotary of 7 channels"),
     ],
 )
 def test_refuses_what_it_cannot_run(hf, match):
@@ -86,6 +84,34 @@ LLAMA = {**BASE, "model_type": "llama"}
         ({**LLAMA, "rope_scaling": "linear"}, "rope_parameters/rope_scaling must be an object"),
         ({**LLAMA, "rope_scaling": {"rope_type": "linear"}}, "'linear' needs factor"),
         ({**LLAMA, "rope_scaling": {"rope_type": "llama3", "factor": 8}}, "needs low_freq"),
+        ({**LLAMA, "rope_scaling": {"type": "longrope"}}, "'longrope' needs short_factor: 8 "),
+        ({**LLAMA, "partial_rotary_factor": 1.5}, "partial_rotary_factor must be a number in"),
+        ({**LLAMA, "partial_rotary_factor": "3/4"}, "partial_rotary_factor must be a number in"),
+        (
+            {**LLAMA, "partial_rotary_factor": 0.5, "rope_scaling": {"type": "longrope"}},
+            "'longrope' needs short_factor: 4 ",  # (factors for the rotated channels only)
+        ),
+        (
+            {**LLAMA, "rope_scaling": {"type": "longrope", "short_factor": [1] * 8}},
+            "needs long_factor",
+        ),
+        (
+            {**LLAMA, "rope_scaling": {"type": "longrope", "short_factor": [1] * 7}},
+            "needs short_factor: 8 positive",
+        ),
+        (
+            {
+                **LLAMA,
+                "rope_scaling": {
+                    "type": "longrope",
+                    "short_factor": [1] * 8,
+                    "long_factor": [0] * 8,
+                },
+            },
+            "needs long_factor",
+        ),
+        ({**BASE, "model_type": "gemma2", "attn_logit_softcapping": "50"}, "attn_logit_soft"),
+        ({**BASE, "model_type": "gemma2", "final_logit_softcapping": -1}, "final_logit_soft"),
         ({**LLAMA, "tie_word_embeddings": "false"}, "tie_word_embeddings must be true or false"),
         ({**LLAMA, "eos_token_id": "</s>"}, "eos_token_id must be a token id"),
         ({**LLAMA, "eos_token_id": [2, -1]}, "eos_token_id must be a token id"),

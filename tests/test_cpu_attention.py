@@ -95,6 +95,24 @@ def test_views_differ_so_the_comparison_has_teeth():
         cpu_attention.hier_attention_cpu(q, view, rows, "target")  # (not silently INT4)
 
 
+SOFTCAP_CASES = [CASES[1], CASES[2], CASES[4], CASES[6]]  # vector D 64/128, portable 80/16
+
+
+@pytest.mark.parametrize("int_queries", [False, True], ids=["fp32-q", "int-q"])
+@pytest.mark.parametrize("kv", KV_VIEWS)
+@pytest.mark.parametrize("case", SOFTCAP_CASES, ids=lambda c: f"D{c['D']}-T{c['T']}")
+def test_soft_capped_scores_match_the_twin(case, kv, int_queries):
+    """Gemma 2's attn_logit_softcapping: cap * tanh(s / cap) on the scaled scores of the
+    history and the full-precision region, before any key is hidden (a hidden key is never
+    -cap). These scores reach +-4, so a cap of 2 bends them: without it the outputs move."""
+    q, view, rows, chunk = _case(**case)
+    want = hier_attention_ref(q, view, rows, kv, int_queries=int_queries, softcap=2.0)
+    got = cpu_attention.hier_attention_cpu(q, view, rows, kv, chunk, int_queries, 2.0)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    uncapped = hier_attention_ref(q, view, rows, kv, int_queries=int_queries)
+    assert (uncapped - want).abs().max() > 0.05
+
+
 @pytest.mark.parametrize("int_queries", [False, True], ids=["fp32-q", "int-q"])
 @pytest.mark.parametrize("kv", KV_VIEWS)
 @pytest.mark.parametrize("D, R", [(64, 3), (128, 2)])
@@ -102,13 +120,16 @@ def test_a_query_gives_the_same_bits_alone_or_in_a_verify(kv, D, R, int_queries)
     """Greedy QuantSpec equals autoregressive decoding on the target path only if a verify's
     query rows come out bit for bit as they do one at a time (rows are processed in pairs)."""
     q, view, rows, chunk = _case(D=D, G=64, n_kv=3, R=R, T=5, nq=640, F=100, late=2)
-    together = cpu_attention.hier_attention_cpu(q, view, rows, kv, chunk, int_queries)
-    for t in range(5):
-        one = QueryRows(rows.n_quant_q[t : t + 1], rows.fp_lo[t : t + 1], rows.input_pos[t : t + 1])
-        alone = cpu_attention.hier_attention_cpu(
-            q[:, :, t : t + 1], view, one, kv, chunk, int_queries
-        )
-        assert torch.equal(alone, together[:, :, t : t + 1])
+    for cap in (None, 2.0):  # (a soft cap too: Gemma 2)
+        together = cpu_attention.hier_attention_cpu(q, view, rows, kv, chunk, int_queries, cap)
+        for t in range(5):
+            one = QueryRows(
+                rows.n_quant_q[t : t + 1], rows.fp_lo[t : t + 1], rows.input_pos[t : t + 1]
+            )
+            alone = cpu_attention.hier_attention_cpu(
+                q[:, :, t : t + 1], view, one, kv, chunk, int_queries, cap
+            )
+            assert torch.equal(alone, together[:, :, t : t + 1])
 
 
 def test_int_queries_never_go_to_triton_and_refuse_heads_too_wide(monkeypatch):

@@ -304,11 +304,13 @@ class _Float64Reference:
         self.fp32_attention = hier_cache.hier_attention
         monkeypatch.setattr(hier_cache, "hier_attention", self.attention)
 
-    def attention(self, q, view, rows, kv, chunk_size=None, fused=True, int_queries=False):
+    def attention(
+        self, q, view, rows, kv, chunk_size=None, fused=True, int_queries=False, softcap=None
+    ):
         """`kernels.attention.hier_attention` for the float64 cache; the real one for others."""
         if q.dtype != torch.float64:
-            return self.fp32_attention(q, view, rows, kv, chunk_size, fused, int_queries)
-        assert not int_queries  # (the paths compared here keep fp32 queries)
+            return self.fp32_attention(q, view, rows, kv, chunk_size, fused, int_queries, softcap)
+        assert not int_queries and softcap is None  # (these paths: fp32 queries, no cap)
         return hier_attention64(q, view, rows, kv)
 
     def feed(self, source, tokens, start, path):

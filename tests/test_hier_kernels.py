@@ -222,6 +222,16 @@ def test_kernel_matches_twin(name, kv):
     assert_matches_twin(out, q, view, rows, kv)
 
 
+@pytest.mark.parametrize("name", ["gqa3-t1-d64-g32", "late-queries", "fp-only"])
+def test_kernel_soft_cap_matches_twin(name):
+    """Gemma 2's attn_logit_softcapping in the kernel's base-2 scores (tanh through exp)."""
+    q, view, rows = build(CASES[name])
+    out = hier_attention_triton(q, view, rows, "int8", chunk_size=CASES[name].chunk, softcap=1.5)
+    want = hier_attention_ref(q.float(), view, rows, "int8", softcap=1.5)
+    torch.testing.assert_close(out, want, rtol=2e-5, atol=2e-5)
+    assert (hier_attention_ref(q.float(), view, rows, "int8") - want).abs().max() > 1e-2
+
+
 def test_kernel_fully_masked_rows_are_zero():
     """A query before the fp region with no history sees nothing: zeros, not NaN, in both."""
     q, view, rows = build(Case(R=2, T=2, n_quant=0, F=20))

@@ -95,6 +95,16 @@ def test_chat_from_snapshot_equals_chat_from_document(tiny, tmp_path, mode):
     assert from_snapshot.totals.prefilled_tokens < direct.totals.prefilled_tokens
 
 
+def test_a_snapshot_keeps_the_capacity_its_rope_was_chosen_by(tiny, tmp_path):
+    """LongRoPE (Phi-3.5) picks its factors by the cache's rope_capacity: a chat loading the
+    snapshot into a cache of another size must rotate its new tokens as the prefill did."""
+    path = tmp_path / "doc.qspec"
+    _make(tiny, path)
+    made = snap.read_manifest(path)["rope_capacity"]
+    loaded = snap.load_snapshot(path, tiny.folder, tiny.model, made + 64)
+    assert loaded.cache.max_seq_len == made + 64 and loaded.cache.rope_capacity == made
+
+
 def test_overwrite_needs_force(tiny, tmp_path):
     path = tmp_path / "doc.qspec"
     _make(tiny, path)

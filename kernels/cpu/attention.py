@@ -38,9 +38,11 @@ def hier_attention_cpu(
     kv: str,
     chunk_size: int | None = None,
     int_queries: bool = False,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention over one layer of the hierarchical cache in the KV view `kv` ("int8" or
-    "int4"), the history scored with int16 queries and integer dots when `int_queries`;
+    "int4"), the history scored with int16 queries and integer dots when `int_queries`, the
+    scores soft-capped by `softcap` (Gemma 2) where given;
     returns [B, H, T, D] in q's dtype (a view of a [B, T, H, D] buffer: the output
     projection's transpose(1, 2).reshape is then free). No shape checks beyond the C++ ones:
     this is the per-layer hot path."""
@@ -61,6 +63,7 @@ def hier_attention_cpu(
         input_pos=torch.as_tensor(rows.input_pos),
         int8=kv == "int8",  # both planes; else the upper plane only
         int_queries=bool(int_queries),
+        softcap=float(softcap or 0.0),
     )
     return cache.attend(0, q, step).to(q.dtype)
 

@@ -85,6 +85,14 @@ inline void scores_portable(const float* __restrict qr, const float* __restrict 
   }
 }
 
+// Logit soft-capping (Gemma 2's attn_logit_softcapping): p [n] scaled scores -> cap * tanh(p /
+// cap), in place; cap 0: none. Before any key is hidden (-inf would become -cap). Scalar tanhf:
+// a row's bits do not depend on n's split into vectors and tail.
+inline void softcap_scores(float* __restrict p, int64_t n, float cap) {
+  if (cap == 0.f) return;
+  for (int64_t j = 0; j < n; ++j) p[j] = cap * std::tanh(p[j] / cap);
+}
+
 // ------------------------------------------------------------------------------ vector path
 // On the SIMD layer's attention ops (simd::Attn, A here: x86 builds; A::kVector false
 // elsewhere), head_dim D a multiple of 64.

@@ -49,6 +49,7 @@ struct Args {
   const int64_t* perm;  // [D] deinterleaved position -> original dim
   int64_t B, n_kv, R, T, D, S, G, n_fp, fp_pos0, chunk, n_chunks, max_nq;
   bool target, int_queries;
+  float softcap;  // HierStep::softcap (0: none)
 };
 
 // Online-softmax state of the R*T query rows of one KV head over one task's keys.
@@ -202,6 +203,7 @@ void quantized_task(const Args& a, int64_t bh, int64_t c, Rows& rows) {
       }
       if constexpr (FAST) {
         if (!INTQ) scores_vector<A, DT>(qs.data() + r * D, kbp, n, kbias[r], p);
+        softcap_scores(p, n, a.softcap);
         const float c = fold_weights<A>(p, n, ws, wz, rows.m[r], rows.l[r], zacc[r]);
         if (c < 0.f) continue;  // (every key hidden: the slot is reused)
         wrow[live] = p, arow[live] = rows.acc + r * D, corr[live] = c;
@@ -211,6 +213,7 @@ void quantized_task(const Args& a, int64_t bh, int64_t c, Rows& rows) {
         }
       } else {
         if (!INTQ) scores_portable(qs.data() + r * D, kbp, n, D, kbias[r], p);
+        softcap_scores(p, n, a.softcap);
         fold_row_portable(p, n, vbp, ws, wz, D, rows.acc + r * D, rows.m[r], rows.l[r],
                           zacc[r]);
       }
@@ -270,6 +273,7 @@ void full_precision_task(const Args& a, int64_t bh, Rows& rows) {
         scores_vector<A, DT>(qr, kb, hi, 0.f, p);
       else
         scores_portable(qr, kb, hi, D, 0.f, p);
+      softcap_scores(p, hi, a.softcap);
       for (int64_t j = 0; j < lo; ++j) p[j] = NEG_INF;
       if constexpr (FAST)
         fold_row_vector<A, DT>(p, hi, vb, nullptr, nullptr, rows.acc + r * D, rows.m[r],
@@ -373,7 +377,7 @@ HierAttention::HierAttention(const at::Tensor& q, const HierLayer& layer, const 
   a.perm = s.perm.data();
   a.B = B, a.n_kv = n_kv, a.R = R, a.T = T, a.D = D, a.S = s.k_upper.size(2);
   a.G = group_size, a.n_fp = fp_k.size(2), a.fp_pos0 = fp_pos0;
-  a.chunk = chunk, a.target = target, a.int_queries = int_queries;
+  a.chunk = chunk, a.target = target, a.int_queries = int_queries, a.softcap = step.softcap;
   a.max_nq = *std::max_element(a.nq, a.nq + T);
   a.n_chunks = (a.max_nq + chunk - 1) / chunk;
   s.B = B, s.H = H, s.T = T, s.D = D;

@@ -30,6 +30,9 @@ struct HierStep {
   at::Tensor input_pos;  // [T] int: the queries' positions
   bool int8 = false;     // both planes (the target's view), else the upper plane only
   bool int_queries = false;  // queries rounded to int16, integer-dot scores (attention_int.h)
+  // Gemma 2's attn_logit_softcapping: each scaled score s becomes cap * tanh(s / cap) before
+  // the softmax; 0: none
+  float softcap = 0.f;
 };
 
 // One layer's attention over the hierarchical cache in three phases, so that a team of

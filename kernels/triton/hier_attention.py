@@ -60,10 +60,15 @@ def _unpack_nibbles(byte):
 
 
 @triton.jit
-def _online_update(q, k, v, visible, acc, m_i, l_i, DOT_PRECISION: tl.constexpr):
+def _online_update(
+    q, k, v, visible, acc, m_i, l_i, cap, DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr
+):
     """One key tile of the online softmax. q [BM, D] (pre-scaled, base 2), k/v [BN, D] fp32,
-    visible [BM, BN]; acc [BM, D], m_i/l_i [BM]."""
+    visible [BM, BN]; acc [BM, D], m_i/l_i [BM]. SOFTCAP: scores s -> cap tanh(s / cap), with
+    `cap` the soft cap times log2(e) (the scores' base-2 units)."""
     scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BM, BN]
+    if SOFTCAP:  # tanh(x) = 1 - 2 / (exp(2x) + 1): exp's overflow gives 1, its underflow -1
+        scores = cap * (1.0 - 2.0 / (tl.exp(2.0 * scores / cap) + 1.0))
     scores = tl.where(visible, scores, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(scores, 1))  # stays _NO_SCORE while a row sees nothing
     alpha = tl.exp2(m_i - m_new)
@@ -123,7 +128,7 @@ def _hier_partial_kernel(
     index_ptr,  # [3, T] int32: n_quant_q, input_pos, fp_lo
     acc_ptr,  # [B * n_kv, n_chunks + 1, BLOCK_M, D] fp32
     m_ptr, l_ptr,  # [B * n_kv, n_chunks + 1, BLOCK_M] fp32
-    n_kv, T, n_hist, n_fp, fp_pos0, n_hist_chunks, chunk, qk_scale,
+    n_kv, T, n_hist, n_fp, fp_pos0, n_hist_chunks, chunk, qk_scale, cap,
     stride_qb, stride_qh, stride_qt,
     stride_pb, stride_ph, stride_ps,
     stride_kmb, stride_kmh, stride_kmg,
@@ -131,6 +136,7 @@ def _hier_partial_kernel(
     stride_fb, stride_fh, stride_fs,
     R: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, INT8: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     pid_bh = tl.program_id(0)
     pid_c = tl.program_id(1)
@@ -169,7 +175,9 @@ def _hier_partial_kernel(
                 HEAD_DIM, GROUP_SIZE, INT8,
             )  # fmt: skip
             visible = key_ok[None, :] & (offs_n[None, :] < n_visible[:, None])  # [BM, BN]
-            acc, m_i, l_i = _online_update(q, k, v, visible, acc, m_i, l_i, DOT_PRECISION)
+            acc, m_i, l_i = _online_update(
+                q, k, v, visible, acc, m_i, l_i, cap, DOT_PRECISION, SOFTCAP
+            )
     else:
         # the full-precision region, keys j = 0 .. F-1 at positions fp_pos0 + j
         pos = tl.load(index_ptr + T + t, mask=row_ok, other=0)  # [BM]
@@ -187,7 +195,9 @@ def _hier_partial_kernel(
                 & (offs_n[None, :] >= lo[:, None])
                 & (fp_pos0 + offs_n[None, :] <= pos[:, None])
             )
-            acc, m_i, l_i = _online_update(q, k, v, visible, acc, m_i, l_i, DOT_PRECISION)
+            acc, m_i, l_i = _online_update(
+                q, k, v, visible, acc, m_i, l_i, cap, DOT_PRECISION, SOFTCAP
+            )
 
     part = pid_bh * (n_hist_chunks + 1) + pid_c
     tl.store(acc_ptr + (part * BLOCK_M + rows)[:, None] * HEAD_DIM + d[None, :], acc)
@@ -279,6 +289,7 @@ def hier_attention_launcher(
     kv: str,
     chunk_size: int | None = None,
     dot_precision: str | None = None,
+    softcap: float | None = None,
 ):
     """Do the host-side work of one Triton call once and return `run() -> out`, which only
     launches the two kernels (no host sync, no allocation: CUDA-graph capturable).
@@ -287,8 +298,8 @@ def hier_attention_launcher(
     row-major layout) into the same output buffer each time; the rows and lengths are fixed.
     `chunk_size`: history tokens per program (rounded up to the key tile; default: sized to
     fill the GPU). `dot_precision` overrides the tl.dot input precision ("tf32" on CUDA,
-    "ieee" for checks). Pass the rows on the CPU to avoid a device sync (the grid size needs
-    max(n_quant_q) on the host).
+    "ieee" for checks). `softcap`: Gemma 2's attn_logit_softcapping (None: none). Pass the
+    rows on the CPU to avoid a device sync (the grid size needs max(n_quant_q) on the host).
     """
     view.check(q, kv)
     B, H, T, D = q.shape
@@ -324,12 +335,13 @@ def hier_attention_launcher(
     partial_args = (
         q, *planes, *k_meta, *v_meta, *fp, index, acc, m, l,
         n_kv, T, n_hist, view.fp_k.shape[2], int(view.fp_pos0), n_chunks, chunk, D**-0.5 * _LOG2E,
+        (softcap or 1.0) * _LOG2E,
         *q.stride()[:3], *planes[0].stride()[:3], *k_meta[0].stride()[:3],
         *v_meta[0].stride()[:3], *fp[0].stride()[:3],
     )  # fmt: skip
     partial_meta = dict(
         R=R, HEAD_DIM=D, GROUP_SIZE=G, BLOCK_M=block_m, BLOCK_N=block_n,
-        INT8=kv == "int8", DOT_PRECISION=precision, **config,
+        INT8=kv == "int8", DOT_PRECISION=precision, SOFTCAP=bool(softcap), **config,
     )  # fmt: skip
     merge_args = (acc, m, l, out, n_kv, T, parts, *out.stride()[:3])
 

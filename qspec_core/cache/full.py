@@ -32,6 +32,7 @@ class FullPrecisionCache(torch.nn.Module):
         batch_size: int = 1,
         dtype: torch.dtype = torch.bfloat16,
         device: torch.device | str = "cpu",
+        rope_capacity: int | None = None,
     ):
         super().__init__()
         shape = (
@@ -44,6 +45,8 @@ class FullPrecisionCache(torch.nn.Module):
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.max_seq_len = max_seq_len
+        self.rope_capacity = rope_capacity or max_seq_len  # (KVCache: `grow` keeps it)
+        self.softcap = config.attn_logit_softcapping  # (Gemma 2's; None: none)
         self.seq_len = 0
         self._mask = (None, None)  # (positions key, mask): built once per forward, not per layer
         self.attention_seconds = 0.0  # wall time inside `attend`'s attention (a prefill's stage)
@@ -58,7 +61,7 @@ class FullPrecisionCache(torch.nn.Module):
             self.seq_len = end
         k_all, v_all = self.k[layer, :, :, :end], self.v[layer, :, :, :end]
         t0 = time.perf_counter()
-        out = causal_attention(q, k_all, v_all, input_pos, self._mask[1])
+        out = causal_attention(q, k_all, v_all, input_pos, self._mask[1], self.softcap)
         self.attention_seconds += time.perf_counter() - t0
         return out
 
@@ -98,8 +101,9 @@ class FullPrecisionCache(torch.nn.Module):
     def native_step(self, input_pos: torch.Tensor, path: Precision, n_tokens: int):
         """For a forward of `native`'s C++ stack: the `FullStep` (`kernels/cpu/kv_cache.h`:
         the attention `causal_attention` computes), its length bookkeeping done; None when
-        this forward goes layer by layer (no `native`, a KV view other than "fp")."""
-        if path.kv != "fp" or self.native is None:
+        this forward goes layer by layer (no `native`, a KV view other than "fp", soft-capped
+        scores: the C++ `FullStep` has no cap)."""
+        if path.kv != "fp" or self.softcap is not None or self.native is None:
             return None  # (`attend` raises for another view)
         start, end = self._span(input_pos)
         self.seq_len = end

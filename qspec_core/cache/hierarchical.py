@@ -88,6 +88,7 @@ class HierarchicalKVCache(torch.nn.Module):
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         chunk_size: int | None = None,
+        rope_capacity: int | None = None,
     ):
         super().__init__()
         D = config.head_dim
@@ -99,6 +100,8 @@ class HierarchicalKVCache(torch.nn.Module):
         if self.chunk_size % G:
             raise ValueError("chunk_size must be a multiple of the group size")
         self.max_seq_len = max_seq_len
+        self.rope_capacity = rope_capacity or max_seq_len  # (KVCache; a snapshot keeps it)
+        self.softcap = config.attn_logit_softcapping  # (Gemma 2's; None: none)
         L, B, n_kv = config.num_hidden_layers, batch_size, config.num_key_value_heads
         S = -(-max_seq_len // G) * G  # quantized capacity, whole groups
         planes = (L, B, n_kv, S, D // 2)  # [L, B, n_kv, S, D/2] uint8, two nibbles per byte
@@ -318,6 +321,7 @@ class HierarchicalKVCache(torch.nn.Module):
             input_pos=input_pos,
             int8=kv == "int8",  # (the target's view: both planes)
             int_queries=int_queries,
+            softcap=float(self.softcap or 0.0),
         )
 
     def attend(self, layer, q, k, v, input_pos, path: Precision):
@@ -341,9 +345,7 @@ class HierarchicalKVCache(torch.nn.Module):
             return native.attend(layer, q, step).to(q.dtype)
         rows = QueryRows(n_quant_q=n_quant_q, fp_lo=shift, input_pos=input_pos)
         chunk = self.chunk_size if q.device.type == "cpu" else None  # Triton: fill the GPU
-        return hier_attention(
-            q, self.layer_view(layer), rows, kv, chunk, fused=fused, int_queries=iq
-        )
+        return hier_attention(q, self.layer_view(layer), rows, kv, chunk, fused, iq, self.softcap)
 
     def _int_queries(self, path: Precision, q_device: torch.device) -> bool:
         """Whether `path` rounds its queries to int16 here: on a CPU only (not the GPU's

@@ -47,6 +47,7 @@ class ChunkedPrefill:
         G = cache.group_size
         self.cache = cache
         self.max_seq_len = cache.max_seq_len
+        self.rope_capacity = cache.rope_capacity
         # positions [n_quant, n_quant + tail_len) per layer: at most 2G - 1 left from the last
         # chunk plus the chunk being fed
         capacity = chunk_size + 2 * G
@@ -77,7 +78,7 @@ class ChunkedPrefill:
         t0 = time.perf_counter()
         keys, values = self._keys(layer, hi)
         mask = None if prefill_usable(q, keys, values) else self._causal_mask(input_pos, end)
-        out = causal_attention(q, keys, values, input_pos, mask)
+        out = causal_attention(q, keys, values, input_pos, mask, self.cache.softcap)
         t1 = time.perf_counter()
         self._quantize(layer, end)
         self.quantize_seconds += time.perf_counter() - t1

@@ -32,6 +32,9 @@ class KVCache(Protocol):
 
     seq_len: int  # positions [0, seq_len) hold valid K/V
     max_seq_len: int
+    # the capacity the cache was made with: LongRoPE's choice of factors for the sequence
+    # (model/rope.py), kept when a cache grows and in snapshots
+    rope_capacity: int
 
     def attend(
         self,

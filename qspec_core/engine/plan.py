@@ -37,14 +37,16 @@ class DecodePlan:
     def speculative(self) -> bool:
         return self.draft is not None
 
-    def new_cache(self, model, size: int, group_size: int | None = None):
+    def new_cache(
+        self, model, size: int, group_size: int | None = None, rope_capacity: int | None = None
+    ):
         """A cache for the target's KV view: full precision ("fp"), else hierarchical, in
-        `model`'s dtype and on its device (a model or its runner)."""
+        `model`'s dtype and on its device (a model or its runner). `rope_capacity`: the
+        sequence length LongRoPE picks its factors by (None: `size`; `KVCache`)."""
+        where = dict(dtype=model.dtype, device=model.device, rope_capacity=rope_capacity)
         if self.target.kv == "fp":
-            return FullPrecisionCache(model.config, size, dtype=model.dtype, device=model.device)
-        return HierarchicalKVCache(
-            model.config, size, group_size, dtype=model.dtype, device=model.device
-        )
+            return FullPrecisionCache(model.config, size, **where)
+        return HierarchicalKVCache(model.config, size, group_size, **where)
 
     def start(
         self,

@@ -203,8 +203,10 @@ class ChatSession:
         if self._cache is None:
             # a full-precision cache grows; preallocated planes cannot grow cheaply: a
             # hierarchical cache takes the whole context
-            size = size if self.mode == "ar" else self.capacity or self.limit
-            self._cache = self.plan.new_cache(model, size, self.group_size)
+            planned = self.capacity or self.limit
+            size = size if self.mode == "ar" else planned
+            # (every mode's sequence rotates as the session's planned length says: LongRoPE)
+            self._cache = self.plan.new_cache(model, size, self.group_size, planned)
         elif self._cache.max_seq_len < need:
             if self.mode == "ar":
                 self._cache.grow(size)

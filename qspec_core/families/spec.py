@@ -41,6 +41,9 @@ class LayerSpec:
     # layers of layer_types "sliding_attention" rotate with their own plain RoPE of base
     # rope_local_base_freq (Gemma 3); the others with the model's
     local_rope: bool = False
+    # reads attn_logit_softcapping (each scaled attention score s -> cap tanh(s / cap), before
+    # the mask) and final_logit_softcapping (the logits alike) (Gemma 2); elsewhere refused
+    softcapping: bool = False
 
     def __post_init__(self):
         if self.norm not in NORMS:

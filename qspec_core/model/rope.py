@@ -14,11 +14,13 @@ from qspec_core.config import ModelConfig
 
 
 def inv_frequencies(config: ModelConfig, seq_len: int | None = None) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies [head_dim // 2] (fp32) and the cos/sin scale for `config`.
+    """Inverse frequencies [rotated // 2] (fp32) and the cos/sin scale for `config` (its
+    rotated channels: all, or a partial rotary's first ones).
 
-    `seq_len` only matters for dynamic NTK scaling, whose base grows with the sequence.
+    `seq_len` matters for dynamic NTK scaling, whose base grows with the sequence, and for
+    LongRoPE, whose long factors apply past original_max_position_embeddings.
     """
-    dim = config.head_dim
+    dim = config.rotated
     base = config.rope_theta
     params = config.rope_scaling
     rope_type = config.rope_type
@@ -37,7 +39,26 @@ def inv_frequencies(config: ModelConfig, seq_len: int | None = None) -> tuple[to
         return _llama3(inv_freq, params), 1.0
     if rope_type == "yarn":
         return _yarn(config, params)
+    if rope_type == "longrope":
+        return _longrope(config, params, seq_len)
     return inv_freq, 1.0
+
+
+def _longrope(config: ModelConfig, params: dict, seq_len: int | None) -> tuple[torch.Tensor, float]:
+    # Phi-3.5 / Phi-4-mini: per-frequency divisors, the long set for sequences longer than the
+    # pretraining context; cos and sin scaled by sqrt(1 + ln(factor) / ln(original length)).
+    dim, base = config.rotated, config.rope_theta
+    original_len = params["original_max_position_embeddings"]
+    factor = params.get("factor") or config.max_position_embeddings / original_len
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0
+        if factor > 1:
+            attention_factor = math.sqrt(1 + math.log(factor) / math.log(original_len))
+    long = seq_len is not None and seq_len > original_len
+    divisors = torch.tensor(params["long_factor" if long else "short_factor"], dtype=torch.float32)
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    return 1.0 / (divisors * base**exponents), float(attention_factor)
 
 
 def _llama3(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
@@ -54,7 +75,7 @@ def _llama3(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
 
 
 def _yarn(config: ModelConfig, params: dict) -> tuple[torch.Tensor, float]:
-    dim, base = config.head_dim, config.rope_theta
+    dim, base = config.rotated, config.rope_theta
     original_len = params["original_max_position_embeddings"]
     factor = params.get("factor") or config.max_position_embeddings / original_len
 
@@ -91,17 +112,35 @@ def _yarn(config: ModelConfig, params: dict) -> tuple[torch.Tensor, float]:
 
 
 class RotaryEmbedding(torch.nn.Module):
-    """cos/sin for arbitrary positions; the model rotates q and k with `apply_rotary`."""
+    """cos/sin for arbitrary positions; the model rotates q and k with `apply_rotary`.
+
+    LongRoPE (Phi-3.5) picks its short or long factors once per sequence, by the capacity of
+    the sequence's cache (`capacity`: its max_seq_len): long when it holds more positions than
+    original_max_position_embeddings. Keys are cached rotated, so one set must serve the whole
+    sequence for a verify to equal the steps it replaces and a chunked prefill to equal one
+    forward. transformers picks per forward, by the forward's last position: the two agree
+    while a sequence stays within the original length and when the prompt alone passes it.
+    """
 
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
         inv_freq, self.attention_scaling = inv_frequencies(config)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        if config.rope_type == "longrope":
+            long = config.rope_scaling["original_max_position_embeddings"] + 1
+            self.register_buffer("long_inv_freq", inv_frequencies(config, long)[0], False)
 
-    def forward(self, input_pos: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        """input_pos [T] -> (cos, sin), each [T, head_dim] in `dtype`."""
+    def forward(
+        self, input_pos: torch.Tensor, dtype: torch.dtype, capacity: int | None = None
+    ) -> tuple[torch.Tensor, ...]:
+        """input_pos [T] -> (cos, sin), each [T, rotated] in `dtype`, for a sequence whose
+        cache holds `capacity` positions (LongRoPE's choice; None: the short factors)."""
         inv_freq = self.inv_freq
+        if self.config.rope_type == "longrope":
+            original = self.config.rope_scaling["original_max_position_embeddings"]
+            if capacity is not None and capacity > original:
+                inv_freq = self.long_inv_freq
         if self.config.rope_type == "dynamic":
             seq_len = int(input_pos.max()) + 1
             if seq_len > self.config.max_position_embeddings:
@@ -114,7 +153,11 @@ class RotaryEmbedding(torch.nn.Module):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, H, T, D] rotated by cos/sin [T, D] (HF's rotate-half convention)."""
+    """x [B, H, T, D] rotated by cos/sin [T, r] (HF's rotate-half convention) in its first r
+    channels; a partial rotary (r < D) passes the others through."""
+    r = cos.shape[-1]
+    if r < x.shape[-1]:
+        return torch.cat((apply_rotary(x[..., :r], cos, sin), x[..., r:]), dim=-1)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.formats import ACT_CHUNK, quantize_activations
+from kernels.reference import soft_cap
 from qspec_core.cache.protocol import KVCache
 from qspec_core.config import ModelConfig
 from qspec_core.model.ops import TORCH_OPS, LayerOps
@@ -254,7 +255,7 @@ class Transformer(nn.Module):
         """
         self.check_path(path)
         x = self.embed(tokens)  # [B, T, hidden]
-        cos, sin = self.rotary_emb(input_pos, x.dtype)  # [T, D] each
+        cos, sin = self.rotary_emb(input_pos, x.dtype, cache.rope_capacity)  # [T, D] each
         local = None
         if self.config.layer.local_rope:
             local = self.local_rotary_emb(input_pos, x.dtype)
@@ -288,11 +289,14 @@ class Transformer(nn.Module):
         head: Linear | None = None,
     ) -> torch.Tensor:
         """The last layer's output [B, T, hidden] -> logits [B, T, V] ([B, 1, V]: last_only),
-        through `head` instead of lm_head when given."""
+        through `head` instead of lm_head when given; soft-capped where the config says
+        (final_logit_softcapping)."""
         if last_only:
             x = x[:, -1:]
         head = self.lm_head if head is None else head
-        return ops.linear(head, ops.norm(self.norm, x), path)
+        logits = ops.linear(head, ops.norm(self.norm, x), path)
+        cap = self.config.final_logit_softcapping  # (Gemma 2: monotone, so argmax unchanged)
+        return logits if cap is None else soft_cap(logits, cap)
 
 
 def local_rope_config(config: ModelConfig) -> ModelConfig:

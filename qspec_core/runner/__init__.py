@@ -43,6 +43,6 @@ def build_runner(model) -> CpuRunner | TorchRunner:
     """The runner for `model` where it is now: the CPU runner on a CPU where qspec's C++ kernels
     are built (`QSPEC_CPU_KERNELS=0` turns them off) and compute the model's layer, else the
     torch runner. Build it after the model's twins are attached and again after a move."""
-    if model.device.type == "cpu" and model.config.layer.native_ok() and build.available():
+    if model.device.type == "cpu" and model.config.native_ok() and build.available():
         return CpuRunner(model, build.load())
     return TorchRunner(model)

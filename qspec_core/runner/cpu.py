@@ -91,10 +91,10 @@ class CpuRunner(OfModel):
     kind = "cpu"
 
     def __init__(self, model, ext):
-        if not model.config.layer.native_ok():
+        if not model.config.native_ok():
             raise ValueError(
                 f"the CPU runner computes the Llama-style layer only, not {model.config.model_type}"
-                "'s (`LayerSpec.native_ok`): run it on the torch runner"
+                "'s (`ModelConfig.native_ok`): run it on the torch runner"
             )
         self.model = model
         self.ext = ext
@@ -134,6 +134,6 @@ class CpuRunner(OfModel):
         if step is None:
             return model(tokens, input_pos, cache, path, last_only, ops=self.ops, head=head)
         x = model.embed(tokens)  # [B, T, hidden]
-        cos, sin = model.rotary_emb(input_pos, x.dtype)  # [T, D] each
+        cos, sin = model.rotary_emb(input_pos, x.dtype, cache.rope_capacity)  # [T, D] each
         x = stack.run(x, cos, sin, native, step)  # writes each layer's K/V through it
         return model.head(x, path, last_only, self.ops, head)

@@ -24,7 +24,7 @@ def build_stack(model, weights: str, ext):
     """The DecoderStack for one weight set, or None (see the module docstring). `ext`: the
     loaded C++ extension (`kernels.cpu.build.load()`)."""
     cfg = model.config
-    if not cfg.layer.native_ok():  # the C++ layer is Llama's: pre-norm, no q/k norms
+    if not cfg.native_ok():  # the C++ layer is Llama's: pre-norm, no q/k norms, whole RoPE
         return None
     stack = ext.DecoderStack(
         cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps

@@ -76,6 +76,7 @@ OPTIONAL = {
     "target_weights": _str,
     "prefill_seconds": _number,
     "compute_dtype": _str,
+    "rope_capacity": _positive,  # (older snapshots have none)
 }
 QUANTIZATION = {
     "group_size": _positive,

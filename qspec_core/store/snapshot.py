@@ -159,6 +159,9 @@ def _manifest(cache, meta, tensors, model_folder, model_name, extra) -> dict:
         "n_quant": meta["n_quant"],
         "fp_len": meta["fp_len"],
         "tensor_sha256": shas,
+        # LongRoPE's factors were chosen by it (model/rope.py): a chat from the snapshot
+        # rotates its new tokens alike, whatever its own capacity
+        "rope_capacity": cache.rope_capacity,
         **(extra or {}),
     }
     manifest["manifest_sha256"] = _manifest_sha(manifest)
@@ -448,7 +451,12 @@ def _cache_from(tensors: dict, manifest: dict, model, capacity: int, path: Path)
     meta = {"group_size": G, "n_quant": manifest["n_quant"], "fp_len": manifest["fp_len"]}
     try:  # the fingerprint matched, so only a forged manifest's shapes can fail here
         cache = HierarchicalKVCache(
-            model.config, capacity, G, dtype=model.dtype, device=model.device
+            model.config,
+            capacity,
+            G,
+            dtype=model.dtype,
+            device=model.device,
+            rope_capacity=manifest.get("rope_capacity"),  # (None: older snapshots)
         )
         cache.load_state(tensors, meta | {"committed": manifest["tokens"]})
     except (RuntimeError, ValueError) as e:
