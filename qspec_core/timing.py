@@ -1,9 +1,36 @@
-"""Stage timing: `with timer.stage("prefill"): ...` accumulates wall seconds per stage."""
+"""Stage timing: `with timer.stage("prefill"): ...` accumulates wall seconds per stage; and
+`StepCosts`, what one decode measured of its step costs, kept for the next one."""
 
 from __future__ import annotations
 
+import math
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+
+@dataclass
+class StepCosts:
+    """Step timings that earlier decodes on one runtime measured (seconds), by the context
+    they decoded at: `--gamma auto`'s planner (`engine/planner.py`) starts from the nearest
+    instead of spending its first round on timing the 4-bit path. Owned by the `Runtime`
+    (a chat's questions, a folder's documents share it); each decode's acceptance is its own.
+    """
+
+    # context -> (draft step seconds, {verify rows: seconds}), the planner's recent values
+    by_context: dict[int, tuple[list[float], dict[int, list[float]]]] = field(default_factory=dict)
+
+    def recall(self, context: int) -> tuple[list[float], dict[int, list[float]]] | None:
+        """The timings of the decode nearest `context` (within a factor of 2), or None."""
+        if not self.by_context:
+            return None
+        nearest = min(self.by_context, key=lambda c: abs(math.log2(max(c, 1) / max(context, 1))))
+        if abs(math.log2(max(nearest, 1) / max(context, 1))) > 1:
+            return None
+        return self.by_context[nearest]
+
+    def keep(self, context: int, draft: list[float], verify: dict[int, list[float]]) -> None:
+        self.by_context[context] = (list(draft), {m: list(v) for m, v in verify.items()})
 
 
 class StageTimer:

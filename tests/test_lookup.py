@@ -216,3 +216,16 @@ def test_lookup_rounds_leave_exactly_the_committed_kv(pattern):
     out, cache, stats = _run_lookup(model, prompt, 40, lookup_min=2, verifier=_forced(pattern))
     assert stats.by_source["lookup"].rounds > 0
     assert_replays(model, prompt, out, cache)
+
+
+def test_a_phrase_repeated_many_times_takes_the_vectorized_search():
+    """Past MANY candidates the matches are extended all at once: the same answer."""
+    from qspec_core.engine import lookup
+
+    seq = []
+    for i in range(3 * lookup.MANY):  # "7 8 9 <i % 5> <i % 3>", a phrase with varied tails
+        seq += [7, 8, 9, 100 + i % 5, 200 + i % 3]
+    seq += [1, 200 + 1, 7, 8, 9]
+    index = DocumentLookup(seq)
+    assert index.propose(3) == brute_force(seq, 3, 3, 8)
+    assert index._latest_longest_few  # (the small path is the brute force test's)

@@ -120,3 +120,31 @@ def test_a_slow_first_round_is_forgotten():
     feed(planner, 2, 0.1, lambda m: 1.0, {"draft": 0.9, "lookup": 0.0})
     source, k = planner.plan(offers(0))
     assert source == "draft" and k >= 6
+
+
+def test_one_round_with_step_timings_ends_the_start():
+    """`SelfDraft.step_seconds` gives each step's time: one START round's two steps are two
+    timings, the cold first one (100 s here) the upper and so not the one used."""
+    planner = RoundPlanner(limit=15)
+    planner.record("draft", 2, 2, 100.1, 1.0, [100.0, 0.1])
+    planner.record("draft", 0, 0, 0.0, 1.0)
+    assert planner.draft_step.value == pytest.approx(0.1)
+    source, k = planner.plan(offers(0))
+    assert source == "draft" and k >= 1  # (cheap steps, all accepted: no second start round)
+
+
+def test_a_later_decode_starts_from_the_timings_of_an_earlier_one():
+    """`StepCosts` (the runtime's): where an earlier decode near this context measured that
+    drafting loses, the next decode spends no round timing it; far from it (beyond a factor
+    of 2 in context), it times the 4-bit path again. Acceptance is not carried over."""
+    from qspec_core.timing import StepCosts
+
+    costs = StepCosts()
+    first = RoundPlanner.from_costs(15, costs, 4000)
+    assert first.plan(offers(0)) == ("draft", START_GAMMA)
+    feed(first, 3, 0.9, lambda m: 1 + 0.15 * (m - 1), {"draft": 0.7, "lookup": 0.0})
+    first.keep(costs, 4000)
+    later = RoundPlanner.from_costs(15, costs, 6000)
+    assert later.plan(offers(0)) == ("draft", 0)
+    assert later.draft_step.value == pytest.approx(0.9) and not later.tested
+    assert RoundPlanner.from_costs(15, costs, 9000).plan(offers(0)) == ("draft", START_GAMMA)

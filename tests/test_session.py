@@ -117,3 +117,18 @@ def test_gamma_auto_with_a_small_group_size_stays_below_it(tiny):
     target = ChatSession(tiny, DOC, max_new_tokens=24, mode="target-ar", group_size=4)
     assert _answer(spec, "Summarize.") == _answer(target, "Summarize.")
     assert spec.last.spec.rounds > 0
+
+
+def test_a_second_answer_starts_from_the_runtime_step_timings(tiny):
+    """A quantspec answer leaves its step timings on the runtime (`StepCosts`); the next
+    answer's `--gamma auto` starts from them (no timing round) and stays exact."""
+    tiny.costs.by_context.clear()
+    spec = ChatSession(tiny, DOC, max_new_tokens=24, mode="quantspec")
+    first = _answer(spec, "Summarize.")
+    assert len(tiny.costs.by_context) == 1
+    (context,) = tiny.costs.by_context
+    draft, verify = tiny.costs.by_context[context]
+    assert len(draft) >= 2 and verify
+    again = ChatSession(tiny, DOC, max_new_tokens=24, mode="quantspec")
+    target = ChatSession(tiny, DOC, max_new_tokens=24, mode="target-ar")
+    assert _answer(again, "Summarize.") == first == _answer(target, "Summarize.")

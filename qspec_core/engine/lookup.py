@@ -1,62 +1,116 @@
 """Drafts from the document: when the last tokens already occurred in the context (the prompt
 with its document, then what was generated), propose the tokens that followed them there.
 
-Summaries and answers copy the document's names and phrases; such tokens cost a dictionary
-lookup to draft instead of several 4-bit forward passes. A proposal is deterministic, so as a
-draft distribution it is a point mass q = 1[x]: the verifier accepts x with probability p(x)
-and on a rejection samples from p with x removed, renormalized (`verify.py` does exactly that
-with a one-hot q), so outputs keep the target's law, and greedy output stays target-ar's.
+Summaries and answers copy the document's names and phrases; such tokens cost a search of
+the context to draft instead of several 4-bit forward passes. A proposal is deterministic, so
+as a draft distribution it is a point mass q = 1[x]: the verifier accepts x with probability
+p(x) and on a rejection samples from p with x removed, renormalized (`verify.py` does exactly
+that with a one-hot q), so outputs keep the target's law, and greedy output stays target-ar's.
 
-The index maps every n-gram (n in [min_ngram, max_ngram]) to the position that followed its
-latest occurrence, so a lookup costs O(max_ngram) dictionary probes whatever the document's
-length, and appending a token costs one insertion per n. An n-gram enters the index only once
-the token after it exists: the context's own tail never matches itself.
+The match: the longest suffix of the sequence, of n in [min_ngram, max_ngram] tokens, that
+also ends earlier with a token after it (the context's own tail never matches itself); of its
+occurrences the latest. Each position keeps a hash of the min_ngram tokens ending there
+(numpy int64, wrapping); a search compares the last one with all earlier ones at once, then
+checks and extends the few candidates token by token. Nothing else is indexed up front: a
+dictionary of every n-gram took 13 ms at 4k tokens and 76 ms at 32k before the first token,
+a few per cent of a short answer's decode (docs/DESIGN.md). A search runs between two forward
+passes, whose weights have just left the caches cold, so it makes few numpy calls.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
+import numpy as np
+
 MIN_NGRAM = 3  # shorter matches (one common word, "of the") proposed mostly wrong tokens
 MAX_NGRAM = 8  # the longest suffix tried first: a longer match is a more specific context
+# hash of tokens t_{i-n+1..i}: sum_j t_{i-j} M_j mod 2^64 (ids < 2^31, odd M_j < 2^31)
+_MULTIPLIERS = (1, 1_000_003, 998_244_353, 754_974_721, 167_772_161, 469_762_049, 7_340_033)
+_WRAP = 1 << 64
+MANY = 64  # candidates beyond which they are extended all at once (a phrase the text repeats)
 
 
 class DocumentLookup:
-    """An n-gram index over a growing token sequence; `propose(k)` drafts up to k tokens."""
+    """A growing token sequence; `propose(k)` drafts up to k tokens copied from it."""
 
     def __init__(self, tokens: Iterable[int] = (), min_ngram=MIN_NGRAM, max_ngram=MAX_NGRAM):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, not {min_ngram}, {max_ngram}")
+        if min_ngram > len(_MULTIPLIERS):
+            raise ValueError(f"min_ngram must be at most {len(_MULTIPLIERS)}")
         self.min_ngram, self.max_ngram = min_ngram, max_ngram
-        self.tokens: list[int] = []
-        # n-gram (a tuple of n ids) -> index in `tokens` of the token that followed it last
-        self._next: dict[tuple[int, ...], int] = {}
-        self.extend(tokens)
+        self.tokens: list[int] = [int(t) for t in tokens]
+        # hashes[i]: of the min_ngram tokens ending at i (i >= min_ngram - 1); [capacity]
+        n, lo = len(self.tokens), min_ngram
+        # [capacity] each: the tokens (for the vectorized extension) and the hashes
+        self._seq = np.zeros(max(64, 2 * n), dtype=np.int64)
+        self._seq[:n] = self.tokens
+        self._hashes = np.zeros_like(self._seq)
+        for j in range(lo if n >= lo else 0):  # (vectorized: the prompt at once)
+            self._hashes[lo - 1 : n] += self._seq[lo - 1 - j : n - j] * _MULTIPLIERS[j]
 
     def __len__(self) -> int:
         return len(self.tokens)
 
     def extend(self, tokens: Iterable[int]) -> None:
-        seq, index = self.tokens, self._next
+        seq, lo = self.tokens, self.min_ngram
         for token in tokens:
-            end = len(seq)  # seq[end] is the new token: every n-gram ending before it is done
             seq.append(int(token))
-            for n in range(self.min_ngram, min(self.max_ngram, end) + 1):
-                index[tuple(seq[end - n : end])] = end
+            i = len(seq) - 1
+            if i >= len(self._seq):  # (doubling: a token at a time stays O(1))
+                self._seq = np.concatenate((self._seq, np.zeros_like(self._seq)))
+                self._hashes = np.concatenate((self._hashes, np.zeros_like(self._hashes)))
+            self._seq[i] = seq[i]
+            if i >= lo - 1:  # the same wrap as numpy's int64 products and sums
+                h = sum(seq[i - j] * _MULTIPLIERS[j] for j in range(lo)) % _WRAP
+                self._hashes[i] = h - _WRAP if h >= _WRAP >> 1 else h
 
     def propose(self, k: int) -> list[int]:
         """k tokens that followed the longest suffix (>= min_ngram tokens) of the sequence at
         its latest earlier occurrence; [] when no suffix occurred before. A copy that runs
         into the sequence's end goes on copying itself (the sequence repeats with period
         len - at: "a b a b" proposes "a b a ..."), so a proposal is always k tokens."""
-        seq, end = self.tokens, len(self.tokens)
-        if k <= 0:
+        seq, end, lo = self.tokens, len(self.tokens), self.min_ngram
+        if k <= 0 or end <= lo:
             return []
-        for n in range(min(self.max_ngram, end), self.min_ngram - 1, -1):
-            at = self._next.get(tuple(seq[end - n :]))
-            if at is not None:
-                out = seq[at : at + k]
-                while len(out) < k:
-                    out.append(out[at + len(out) - end])
-                return out
-        return []
+        # at: the token after an occurrence (its hash at at - 1), in [lo, end)
+        hashes = self._hashes
+        found = np.flatnonzero(hashes[lo - 1 : end - 1] == hashes[end - 1])
+        J = min(self.max_ngram, end)
+        if len(found) > MANY:
+            start = self._latest_longest(found + lo, J)
+        else:
+            start = self._latest_longest_few(found.tolist(), J)
+        if start < 0:
+            return []
+        out = seq[start : start + k]
+        while len(out) < k:
+            out.append(out[start + len(out) - end])
+        return out
+
+    def _latest_longest_few(self, candidates: list[int], J: int) -> int:
+        """Of the candidates (hash matches; at = c + min_ngram), the latest whose match with
+        the suffix is longest, at least min_ngram tokens (up to J), checked token by token;
+        -1: none (a hash collision)."""
+        seq, end, lo = self.tokens, len(self.tokens), self.min_ngram
+        best, start = lo - 1, -1
+        for at in reversed(candidates):  # the latest first: only a longer match replaces it
+            at += lo
+            n = 0
+            while n < J and n < at and seq[at - 1 - n] == seq[end - 1 - n]:
+                n += 1
+            if n > best:
+                best, start = n, at
+                if n == J:
+                    break
+        return start
+
+    def _latest_longest(self, at: np.ndarray, J: int) -> int:
+        """`_latest_longest_few` for many candidates at [C] at once: [C, J] comparisons."""
+        seq, end = self._seq, len(self.tokens)
+        back = at[:, None] - 1 - np.arange(J)  # [C, J]: each occurrence's tokens, backwards
+        same = (back >= 0) & (seq[np.maximum(back, 0)] == seq[end - J : end][::-1])
+        length = np.cumprod(same, axis=1).sum(axis=1)  # [C]: suffix tokens matched
+        longest = int(length.max())
+        return int(at[length == longest].max()) if longest >= self.min_ngram else -1

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -17,7 +18,7 @@ from qspec_core.engine.planner import RoundPlanner
 from qspec_core.engine.sampling import SamplingParams
 from qspec_core.engine.speculative import SpecStats, speculative_decode
 from qspec_core.precision import Precision
-from qspec_core.timing import StageTimer
+from qspec_core.timing import StageTimer, StepCosts
 
 
 @dataclass(frozen=True)
@@ -61,10 +62,12 @@ class DecodePlan:
         timer: StageTimer | None = None,
         planner: RoundPlanner | None = None,
         stats: SpecStats | None = None,
+        costs: StepCosts | None = None,
     ) -> tuple[Iterator[int], SpecStats | None]:
         """The lazy stream of new ids after `prompt` (whose KV `cache` holds, committed, and
         whose last logits are `first_logits`), and the round stats a speculative plan fills
         (`stats`, or new ones), every forward through `runner` (`qspec_core.runner.Runner`).
+        `costs`: the runtime's step timings (`StepCosts`), for `--gamma auto` to start from.
         Nothing is decoded until the stream is iterated."""
         timer = timer or StageTimer()
         common = (runner, cache, first_logits, len(prompt), max_new_tokens, params, generator)
@@ -72,15 +75,16 @@ class DecodePlan:
             return decode(*common, stop_ids, path=self.target, timer=timer), None
         index = None
         if self.lookup:
-            with timer.stage("lookup"):  # (indexing a 32k-token prompt: about 0.1 s)
+            with timer.stage("lookup"):  # (a copy of the ids: searched when asked)
                 index = DocumentLookup(prompt)
         vocab = None
-        if self.draft_common is not None:
-            model = getattr(runner, "model", runner)  # (slicing the head: a few ms, once)
-            vocab = DraftVocab.build(model, prompt, self.draft, self.draft_common)
+        if self.draft_common is not None:  # (slicing the head: a few ms, at the first draft)
+            model = getattr(runner, "model", runner)
+            vocab = partial(DraftVocab.build, model, prompt, self.draft, self.draft_common)
         stats = stats if stats is not None else SpecStats()
         tokens = speculative_decode(
             *common, stop_ids, self.gamma, timer, stats, draft_path=self.draft,
             target_path=self.target, lookup=index, planner=planner, draft_vocab=vocab,
+            costs=costs,
         )  # fmt: skip
         return tokens, stats

@@ -20,12 +20,18 @@ without it, it is tried again, but only where it could win at OPTIMISM more acce
 measured: on a CPU where its step costs most of a target step, no round is spent on it.
 A choice depends only on the past, so every round stays an exact speculative round: greedy
 output is target-ar's and sampled output follows the target's law whatever the planner picks.
+
+`from_costs` starts a planner from the step timings an earlier decode on the same runtime
+measured (`qspec_core.timing.StepCosts`): a chat's next question or a folder's next document
+then skips the timing round, which on a CPU where drafting loses is the only 4-bit round.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+
+from qspec_core.timing import StepCosts
 
 DECAY = 0.9  # weight of the past in the acceptance estimates: about the last 10 rounds
 RECENT = 16  # timings kept per kind
@@ -34,7 +40,7 @@ PRIOR_TOKENS = 2.0
 SLOPE_PRIOR = 0.1  # v(m) = v(1) (1 + 0.1 (m - 1)) until two row counts have been timed
 EXPLORE_EVERY = 32  # rounds without a 4-bit draft before one may be tried again
 OPTIMISM = 0.1  # acceptance added to the 4-bit path's when deciding whether to try it again
-START_GAMMA = 2  # the first two rounds draft this many on the 4-bit path, to time a step
+START_GAMMA = 2  # the first round drafts this many on the 4-bit path, to time a step
 
 
 def expected_tokens(acceptance: float, k: int) -> float:
@@ -96,6 +102,26 @@ class RoundPlanner:
     accepted: dict[str, _Decayed] = field(default_factory=dict)  # source -> drafts accepted
     rounds_since_draft: int = 0
 
+    @classmethod
+    def from_costs(cls, limit: int, costs: StepCosts | None, context: int) -> RoundPlanner:
+        """A planner whose timings start as `costs` recalls them for `context` (none: the
+        timing round first)."""
+        planner = cls(limit)
+        seen = costs.recall(context) if costs is not None else None
+        if seen is not None:
+            draft, verify = seen
+            for seconds in draft:
+                planner.draft_step.add(seconds)
+            for rows, values in verify.items():
+                for seconds in values:
+                    planner.verify.setdefault(rows, _Recent()).add(seconds)
+        return planner
+
+    def keep(self, costs: StepCosts, context: int) -> None:
+        """Hand this decode's timings to `costs` for the next decode."""
+        verify = {rows: list(r.values) for rows, r in self.verify.items()}
+        costs.keep(context, list(self.draft_step.values), verify)
+
     def acceptance(self, source: str) -> float:
         acc, tested = self.accepted.get(source), self.tested.get(source)
         prior = PRIOR_ACCEPTANCE.get(source, PRIOR_ACCEPTANCE["lookup"])
@@ -150,10 +176,13 @@ class RoundPlanner:
         k, rate = _best_length(a, d, v, 1, self.limit)
         return ("draft", k) if rate >= best_rate else best
 
-    def record(self, source, k, n, draft_seconds, verify_seconds) -> None:
-        """A round of k drafts from `source` with n accepted; its measured stage seconds."""
+    def record(self, source, k, n, draft_seconds, verify_seconds, step_seconds=None) -> None:
+        """A round of k drafts from `source` with n accepted; its measured stage seconds, and
+        each 4-bit draft step's where known (`SelfDraft.step_seconds`): then one round gives
+        the two timings the start needs, its first step's cold start one of them."""
         if source == "draft" and k:
-            self.draft_step.add(draft_seconds / k)
+            for seconds in step_seconds or [draft_seconds / k]:
+                self.draft_step.add(seconds)
             self.rounds_since_draft = 0
         else:
             self.rounds_since_draft += 1

@@ -16,6 +16,8 @@ exact speculative round as long as the tokens were drawn from q (`verify.py`).
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -80,7 +82,10 @@ class SelfDraft:
     """QuantSpec's draft: the same model on the draft path (4-bit weights over the INT4 KV
     view by default), one forward pass per token, sampling g_i ~ q_i. Its KV goes into the
     shared cache; the verify overwrites it and the rollback drops the rejected tail.
-    `vocab`: the slice of the vocabulary it scores (`draft_vocab.py`); None: all of it."""
+    `vocab`: the slice of the vocabulary it scores (`draft_vocab.py`); None: all of it; a
+    function returning either: called at the second round that drafts (the first scores the
+    whole head; a decode that drafts once never slices it). `step_seconds`: each draft
+    step's wall time in the last `propose`."""
 
     name = "draft"
 
@@ -92,11 +97,13 @@ class SelfDraft:
         params: SamplingParams,
         generator: torch.Generator | None,
         timer: StageTimer,
-        vocab: DraftVocab | None = None,
+        vocab: DraftVocab | Callable[[], DraftVocab | None] | None = None,
     ):
         self.runner, self.cache, self.path = runner, cache, path
         self.params, self.generator, self.timer = params, generator, timer
         self.vocab = vocab
+        self.rounds = 0  # `propose` calls so far
+        self.step_seconds: list[float] = []
 
     def offer(self, k: int) -> int:
         return k  # (any length: a forward pass per token)
@@ -104,12 +111,17 @@ class SelfDraft:
     def propose(self, context: RoundContext, k: int) -> tuple[list[int], torch.Tensor | None]:
         tokens: list[int] = []
         probs = []
+        self.step_seconds = []
         rotated = getattr(self.cache, "rotate_seconds", 0.0)
         with self.timer.stage(self.name):
-            token, vocab = context.pending, self.vocab
+            if callable(self.vocab) and self.rounds:  # (slicing the head costs more than
+                self.vocab = self.vocab()  # the first round's steps save; a second round pays)
+            self.rounds += 1
+            token, vocab = context.pending, None if callable(self.vocab) else self.vocab
             head = vocab.head if vocab is not None else None
             for i in range(k):
                 pos = context.position + i
+                started = time.perf_counter()
                 logits = forward(self.runner, self.cache, [token], pos, self.path, head)[-1]
                 if self.params.greedy:
                     index = int(logits.argmax())
@@ -121,6 +133,7 @@ class SelfDraft:
                     token = int(torch.multinomial(q, 1, generator=self.generator))
                     probs.append(q)
                 tokens.append(token)
+                self.step_seconds.append(time.perf_counter() - started)
         move_rotation_time(self.cache, self.timer, self.name, rotated)
         return tokens, torch.stack(probs) if probs else None
 

@@ -298,6 +298,7 @@ class ChatSession:
             tokens, _ = self.plan.start(
                 self.runtime.runner, cache, logits, ids, self.max_new_tokens, self.params,
                 self.generator, self.runtime.stop_ids, timer, self.planner, stats.spec,
+                self.runtime.costs,
             )  # fmt: skip
             try:
                 for token in tokens:

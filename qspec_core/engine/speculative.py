@@ -21,7 +21,7 @@ Greedy output is token-for-token that of autoregressive decoding on the target p
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -43,7 +43,7 @@ from qspec_core.engine.sampling import SamplingParams, probabilities, sample
 from qspec_core.engine.verify import verify_greedy, verify_sampling
 from qspec_core.precision import DRAFT, TARGET, Precision
 from qspec_core.runner import Runner
-from qspec_core.timing import StageTimer
+from qspec_core.timing import StageTimer, StepCosts
 
 GAMMA_MAX = 16
 
@@ -190,7 +190,8 @@ def speculative_decode(
     lookup: DocumentLookup | None = None,
     planner: RoundPlanner | None = None,
     proposers: Sequence[Proposer] = (),
-    draft_vocab: DraftVocab | None = None,
+    draft_vocab: DraftVocab | Callable[[], DraftVocab | None] | None = None,
+    costs: StepCosts | None = None,
 ) -> Iterator[int]:
     """Yield up to `max_new_tokens` ids following the target path's distribution.
 
@@ -207,7 +208,9 @@ def speculative_decode(
     it for drafts, and the emitted tokens are appended to it. None: every draft is the model's.
     `proposers`: more draft sources (`proposers.py`), asked before those two; with a fixed
     gamma the first one that offers tokens drafts the round. `draft_vocab`: the slice of the
-    vocabulary the 4-bit draft scores (`draft_vocab.py`); None: all of it.
+    vocabulary the 4-bit draft scores (`draft_vocab.py`), or a function making it at the first
+    draft; None: all of it. `costs`: step timings of earlier decodes on this runtime, which a
+    new planner starts from and this decode's are added to (`RoundPlanner.from_costs`).
     On any exit (limit, stop token, Ctrl-C, close) the cache is truncated to the committed
     length: exactly the KV of the tokens fed so far, none of a half-finished round.
     """
@@ -218,7 +221,7 @@ def speculative_decode(
     if gamma != "auto" and not 1 <= int(gamma) <= limit:
         raise ValueError(f"gamma must be in 1..{limit}")
     if gamma == "auto" and planner is None:
-        planner = RoundPlanner(limit)
+        planner = RoundPlanner.from_costs(limit, costs, start_pos)
     # in the order a fixed gamma tries them: the document's drafts cost no forward pass
     sources = list(proposers)
     if lookup is not None:
@@ -269,7 +272,8 @@ def speculative_decode(
                 cache.commit(committed)
             stats.count(source, g, n)
             if planner is not None:
-                planner.record(source, g, n, draft_s, verify_s)
+                steps = getattr(by_name[source], "step_seconds", None) if g else None
+                planner.record(source, g, n, draft_s, verify_s, steps)
             emitted_now = drafts[:n] + [nxt]
             for j, token in enumerate(emitted_now):
                 yield token
@@ -283,16 +287,18 @@ def speculative_decode(
     finally:
         cache.truncate(committed)  # drop a half-finished round's KV (a no-op otherwise)
         cache.commit(committed)
+        if costs is not None and planner is not None:
+            planner.keep(costs, start_pos)
 
 
 def _accept(drafts, draft_probs, target_logits, params, generator, verifier) -> tuple[int, int]:
     """(n accepted, the recovered or bonus token) of drafts [g] against target_logits [g + 1,
     V]; draft_probs [g, V] (q) is needed only when sampling."""
+    if params.greedy and verifier is None:
+        return verify_greedy(drafts, target_logits)
     draft_t = torch.tensor(drafts, device=target_logits.device, dtype=torch.long)
     if verifier is not None:
         return verifier(draft_t, target_logits)
-    if params.greedy:
-        return verify_greedy(draft_t, target_logits)
     if not drafts:  # a plain target step
         return 0, int(sample(target_logits[-1:], params, generator)[0])
     return verify_sampling(draft_t, draft_probs, probabilities(target_logits, params), generator)

@@ -14,16 +14,22 @@ from __future__ import annotations
 import torch
 
 
-def verify_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, int]:
+def verify_greedy(
+    draft_tokens: torch.Tensor | list[int], target_logits: torch.Tensor
+) -> tuple[int, int]:
     """draft_tokens [gamma], target_logits [gamma + 1, V] -> (n_accepted, next_token).
 
     Accept while argmax p_i == g_i; the next token is argmax p_{n+1} (the recovered token on
     a mismatch, the bonus token when all match). Identical to greedy target decoding.
+    One tensor op and one read: it runs between two forward passes, caches cold, where each
+    small op costs several times what it does warm.
     """
-    target_top = target_logits.argmax(-1)  # [gamma + 1]
-    matches = (target_top[:-1] == draft_tokens).int()
-    n = int(matches.cumprod(0).sum())
-    return n, int(target_top[n])
+    top = target_logits.argmax(-1).tolist()  # [gamma + 1]
+    drafts = draft_tokens.tolist() if isinstance(draft_tokens, torch.Tensor) else draft_tokens
+    n = 0
+    while n < len(drafts) and drafts[n] == top[n]:
+        n += 1
+    return n, top[n]
 
 
 def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -23,6 +23,7 @@ from qspec_core.registry.prepare import (
 )
 from qspec_core.registry.sources import resolve_model
 from qspec_core.runner import Runner, build_runner
+from qspec_core.timing import StepCosts
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -63,6 +64,8 @@ class Runtime:
     folder: Path
     name: str
     target_weights: str = "full"  # the weights of every non-draft path: full, int8 or w8a8
+    # step timings its decodes measured, for the next decode's `--gamma auto` to start from
+    costs: StepCosts = field(default_factory=StepCosts)
 
     def to(self, device=None, dtype=None) -> Runtime:
         """Move or cast the model (`nn.Module.to`), then build the runner again for where it
