@@ -220,7 +220,8 @@ def speculative_decode(
     limit = min(GAMMA_MAX, getattr(cache, "group_size", GAMMA_MAX + 1) - 1)
     if gamma != "auto" and not 1 <= int(gamma) <= limit:
         raise ValueError(f"gamma must be in 1..{limit}")
-    if gamma == "auto" and planner is None:
+    own_planner = gamma == "auto" and planner is None  # (a caller's planner keeps its own)
+    if own_planner:
         planner = RoundPlanner.from_costs(limit, costs, start_pos)
     # in the order a fixed gamma tries them: the document's drafts cost no forward pass
     sources = list(proposers)
@@ -287,7 +288,7 @@ def speculative_decode(
     finally:
         cache.truncate(committed)  # drop a half-finished round's KV (a no-op otherwise)
         cache.commit(committed)
-        if costs is not None and planner is not None:
+        if own_planner and costs is not None:
             planner.keep(costs, start_pos)
 
 
