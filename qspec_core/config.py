@@ -151,7 +151,8 @@ class ModelConfig:
             rope_theta=float(rope.pop("rope_theta")),
             rope_scaling=rope,
             layer=layer,
-            tie_word_embeddings=_bool(hf, "tie_word_embeddings"),
+            # (Gemma's configs leave it out: transformers' default for them is True)
+            tie_word_embeddings=_bool(hf, "tie_word_embeddings", family.ties_embeddings),
             sliding_window=sliding_window,
             bos_token_id=_token_id(hf, "bos_token_id"),
             eos_token_id=token_ids(hf.get("eos_token_id"), "eos_token_id"),
@@ -249,10 +250,10 @@ def _positive_number(hf: dict, key: str, default: float | None) -> float | None:
     return float(value)
 
 
-def _bool(hf: dict, key: str) -> bool:
-    value = hf.get(key, False)
+def _bool(hf: dict, key: str, default: bool = False) -> bool:
+    value = hf.get(key, default)
     if value is None:
-        return False
+        return default
     if not isinstance(value, bool):  # bool("false") is True: refuse rather than guess
         raise ConfigError(f"{key} must be true or false, not {value!r}")
     return value
@@ -303,6 +304,8 @@ def _rope_parameters(hf: dict) -> dict:
     rope = dict(raw)
     if "rope_type" not in rope:  # transformers 4 wrote "type"
         rope["rope_type"] = rope.pop("type", "default")
+    if rope["rope_type"] == "su":  # (LongRoPE's first name, in early Phi-3-128k configs)
+        rope["rope_type"] = "longrope"
     rope.setdefault("rope_theta", hf.get("rope_theta", 10000.0))
     if rope["rope_type"] not in ROPE_TYPES:
         raise UnsupportedModelError(

@@ -85,6 +85,10 @@ LLAMA = {**BASE, "model_type": "llama"}
         ({**LLAMA, "rope_scaling": {"rope_type": "linear"}}, "'linear' needs factor"),
         ({**LLAMA, "rope_scaling": {"rope_type": "llama3", "factor": 8}}, "needs low_freq"),
         ({**LLAMA, "rope_scaling": {"type": "longrope"}}, "'longrope' needs short_factor: 8 "),
+        (
+            {**LLAMA, "rope_scaling": {"type": "su"}},
+            "'longrope' needs short_factor",
+        ),  # (its old name)
         ({**LLAMA, "partial_rotary_factor": 1.5}, "partial_rotary_factor must be a number in"),
         ({**LLAMA, "partial_rotary_factor": "3/4"}, "partial_rotary_factor must be a number in"),
         (
@@ -122,6 +126,19 @@ LLAMA = {**BASE, "model_type": "llama"}
 def test_damaged_config_names_the_key(hf, match):
     with pytest.raises(ConfigError, match=match):
         ModelConfig.from_hf_config(hf)
+
+
+def test_tied_embeddings_default_to_the_family_config_class():
+    """Gemma's config.json files leave tie_word_embeddings out (transformers' Gemma2Config
+    and Gemma3TextConfig default it to True; the checkpoints ship no lm_head); Llama's
+    default is False; an explicit value wins."""
+    for model_type, tied in (("gemma2", True), ("gemma3_text", True), ("llama", False)):
+        assert (
+            ModelConfig.from_hf_config({**BASE, "model_type": model_type}).tie_word_embeddings
+            is tied
+        )
+    untied = {**BASE, "model_type": "gemma2", "tie_word_embeddings": False}
+    assert not ModelConfig.from_hf_config(untied).tie_word_embeddings
 
 
 def test_odd_head_dim_is_refused():

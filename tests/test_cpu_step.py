@@ -229,7 +229,9 @@ def test_the_runtime_builds_a_new_runner_when_it_moves_the_model():
     old = runtime.runner
     assert _used(old, FP)
     copy.deepcopy(model)  # (the C++ stack lives in the runner, not on the model)
+    runtime.costs.keep(4096, [0.01, 0.01], {1: [0.02]})  # (another dtype's step timings)
     runtime.to(dtype=torch.bfloat16)
+    assert runtime.costs.recall(4096) is None
     assert runtime.runner is not old and not old._stacks
     assert model.dtype == torch.bfloat16 and not _used(runtime.runner, FP)  # (fp32 only)
     runtime.to(dtype=torch.float32)

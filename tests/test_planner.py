@@ -148,3 +148,7 @@ def test_a_later_decode_starts_from_the_timings_of_an_earlier_one():
     assert later.plan(offers(0)) == ("draft", 0)
     assert later.draft_step.value == pytest.approx(0.9) and not later.tested
     assert RoundPlanner.from_costs(15, costs, 9000).plan(offers(0)) == ("draft", START_GAMMA)
+    never_drafted = RoundPlanner(limit=15)  # (stopped at once, or lookups only): nothing kept
+    never_drafted.record("lookup", 4, 4, 0.0, 1.0)
+    never_drafted.keep(costs, 6000)
+    assert 6000 not in costs.by_context

@@ -118,7 +118,10 @@ class RoundPlanner:
         return planner
 
     def keep(self, costs: StepCosts, context: int) -> None:
-        """Hand this decode's timings to `costs` for the next decode."""
+        """Hand this decode's timings to `costs` for the next decode; none without the two
+        draft step timings a planner starts from (a decode that never drafted)."""
+        if len(self.draft_step) < 2:
+            return
         verify = {rows: list(r.values) for rows, r in self.verify.items()}
         costs.keep(context, list(self.draft_step.values), verify)
 

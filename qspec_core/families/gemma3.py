@@ -17,5 +17,6 @@ FAMILY = Family(
         local_rope=True,
     ),
     reads_mlp_bias=False,
+    ties_embeddings=True,
     sliding_window="all",  # (the context is capped at the window: see ModelConfig)
 )

@@ -1,7 +1,7 @@
 """Phi-3 / 3.5 / Phi-4 (model_type phi3): Llama's layer, with q/k/v and gate/up fused into one
 linear each in the checkpoint (split at load) and a sliding window on every layer. Phi-3.5's
-"longrope" RoPE is `model/rope.py`'s; Phi-4-mini's partial rotary is refused by the config
-reader."""
+"longrope" RoPE and Phi-4-mini's partial rotary are `model/rope.py`'s (partial rotary models
+run on the torch runner: `ModelConfig.native_ok`)."""
 
 from qspec_core.families.spec import Family
 

@@ -81,6 +81,9 @@ class Family:
     # checkpoint modules that hold several of the model's linears stacked by output rows, split
     # at load in the parts' sizes: ("self_attn.qkv_proj", ("self_attn.q_proj", ...)) (Phi-3)
     fused: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    # tie_word_embeddings where config.json leaves it out: transformers' default for the
+    # family's config class (True for Gemma's, whose checkpoints ship no lm_head)
+    ties_embeddings: bool = False
 
     def __post_init__(self):
         if self.sliding_window not in SLIDING_WINDOWS:

@@ -119,7 +119,8 @@ class RotaryEmbedding(torch.nn.Module):
     original_max_position_embeddings. Keys are cached rotated, so one set must serve the whole
     sequence for a verify to equal the steps it replaces and a chunked prefill to equal one
     forward. transformers picks per forward, by the forward's last position: the two agree
-    while a sequence stays within the original length and when the prompt alone passes it.
+    while a sequence fits a cache of at most the original length, and when the prompt alone
+    passes it (a chat plans for the whole context, so on Phi-3.5 it is long from the start).
     """
 
     def __init__(self, config: ModelConfig):

@@ -74,6 +74,7 @@ class Runtime:
         self.runner.close()
         self.model.to(device=device, dtype=dtype)
         self.runner = build_runner(self.model)
+        self.costs = StepCosts()  # (timings of the old device or dtype mislead the planner)
         return self
 
     @property
