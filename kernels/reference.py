@@ -76,9 +76,15 @@ def _softcapped_attention(q, k, v, input_pos, cap: float) -> torch.Tensor:
     qg = q.float().view(B, n_kv, H // n_kv, T, D)  # query heads grouped by their KV head
     scores = soft_cap(torch.einsum("bhrtd,bhsd->bhrts", qg, k.float()) * D**-0.5, cap)
     visible = torch.arange(S, device=q.device)[None, :] <= input_pos[:, None]  # [T, S]
+    return _attend(scores, visible, v.float(), q)
+
+
+def _attend(scores, visible, values, q) -> torch.Tensor:
+    """The fp32 softmax of grouped scores [B, n_kv, R, T, S] over the visible keys (a query
+    that sees none gets zeros, not NaN), times values [B, n_kv, S, D] -> q's shape and dtype."""
     probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
-    out = torch.einsum("bhrts,bhsd->bhrtd", probs, v.float())
-    return out.reshape(B, H, T, D).to(q.dtype)
+    probs = torch.where(visible.any(-1, keepdim=True), probs, 0.0)
+    return torch.einsum("bhrts,bhsd->bhrtd", probs, values).reshape(q.shape).to(q.dtype)
 
 
 def dequantize_history(
@@ -180,7 +186,4 @@ def hier_attention_ref(
         )
     else:
         scores = torch.einsum("bhrtd,bhsd->bhrts", qg, keys) * D**-0.5
-    probs = soft_cap(scores, softcap).masked_fill(~visible, float("-inf")).softmax(-1)
-    probs = torch.where(visible.any(-1, keepdim=True), probs, 0.0)  # fully masked: 0, not NaN
-    out = torch.einsum("bhrts,bhsd->bhrtd", probs, values)
-    return out.reshape(B, H, T, D).to(q.dtype)
+    return _attend(soft_cap(scores, softcap), visible, values, q)

@@ -22,15 +22,18 @@ class StepCosts:
 
     def recall(self, context: int) -> tuple[list[float], dict[int, list[float]]] | None:
         """The timings of the decode nearest `context` (within a factor of 2), or None."""
-        if not self.by_context:
-            return None
-        nearest = min(self.by_context, key=lambda c: abs(math.log2(max(c, 1) / max(context, 1))))
-        if abs(math.log2(max(nearest, 1) / max(context, 1))) > 1:
+
+        def distance(c: int) -> float:  # in octaves
+            return abs(math.log2(max(c, 1) / max(context, 1)))
+
+        nearest = min(self.by_context, key=distance, default=None)
+        if nearest is None or distance(nearest) > 1:
             return None
         return self.by_context[nearest]
 
     def keep(self, context: int, draft: list[float], verify: dict[int, list[float]]) -> None:
-        self.by_context[context] = (list(draft), {m: list(v) for m, v in verify.items()})
+        """Store a decode's timings (lists the caller no longer changes)."""
+        self.by_context[context] = (draft, verify)
 
 
 class StageTimer:

@@ -40,10 +40,11 @@ class DocumentLookup:
         if min_ngram > len(_MULTIPLIERS):
             raise ValueError(f"min_ngram must be at most {len(_MULTIPLIERS)}")
         self.min_ngram, self.max_ngram = min_ngram, max_ngram
+        # The tokens twice: a list for the scalar reads of a few candidates' checks (a numpy
+        # scalar read is a call) and a numpy copy [capacity] for the vectorized ones; and
+        # hashes[i] [capacity], of the min_ngram tokens ending at i (i >= min_ngram - 1).
         self.tokens: list[int] = [int(t) for t in tokens]
-        # hashes[i]: of the min_ngram tokens ending at i (i >= min_ngram - 1); [capacity]
         n, lo = len(self.tokens), min_ngram
-        # [capacity] each: the tokens (for the vectorized extension) and the hashes
         self._seq = np.zeros(max(64, 2 * n), dtype=np.int64)
         self._seq[:n] = self.tokens
         self._hashes = np.zeros_like(self._seq)

@@ -101,7 +101,8 @@ class SelfDraft:
     ):
         self.runner, self.cache, self.path = runner, cache, path
         self.params, self.generator, self.timer = params, generator, timer
-        self.vocab = vocab
+        # the slice, or (until the second round) None and the function that makes it
+        self.vocab, self._make_vocab = (None, vocab) if callable(vocab) else (vocab, None)
         self.rounds = 0  # `propose` calls so far
         self.step_seconds: list[float] = []
 
@@ -114,10 +115,10 @@ class SelfDraft:
         self.step_seconds = []
         rotated = getattr(self.cache, "rotate_seconds", 0.0)
         with self.timer.stage(self.name):
-            if callable(self.vocab) and self.rounds:  # (slicing the head costs more than
-                self.vocab = self.vocab()  # the first round's steps save; a second round pays)
-            self.rounds += 1
-            token, vocab = context.pending, None if callable(self.vocab) else self.vocab
+            if self._make_vocab is not None and self.rounds:  # (slicing the head costs more
+                self.vocab, self._make_vocab = self._make_vocab(), None  # than the first
+            self.rounds += 1  # round's steps save; a second round pays)
+            token, vocab = context.pending, self.vocab
             head = vocab.head if vocab is not None else None
             for i in range(k):
                 pos = context.position + i
