@@ -67,7 +67,7 @@ def profile_mode(rt, mode_name: str, prompt: list[int], gen: int, gamma: int, to
         "prompt_tokens": len(prompt),
         "new_tokens": n,
         "wall_s": wall,
-        "stages_s": {k: v for k, v in timer.seconds.items() if k != "prefill"},
+        "stages_s": {k: v for k, v in timer.seconds.items() if not k.startswith("prefill")},
         "rounds": stats.rounds if stats is not None else None,
         "in_ops_share": in_ops / wall,
         "outside_ops_share": max(0.0, 1 - in_ops / wall),

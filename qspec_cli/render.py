@@ -208,7 +208,7 @@ def _compute_table(ctx: dict, peaks: dict) -> Table:
         pad_edge=False,
     )
     columns = ("mode", "GFLOP linears", "GFLOP attention", "GFLOP/s", "of best peak",
-               "linears GFLOP/s", "attention GFLOP/s", "quantize s")  # fmt: skip
+               "linears GFLOP/s", "attention GFLOP/s", "quantize s", "other s")  # fmt: skip
     for col in columns:
         table.add_column(col, justify="left" if col == "mode" else "right")
     for name, r in ctx["modes"].items():
@@ -219,6 +219,7 @@ def _compute_table(ctx: dict, peaks: dict) -> Table:
                 f"{c['gflop_s']:,.1f}", _share(c["fraction_of_peak"]),
                 _stage(c, "linears"), _stage(c, "attention"),
                 f"{c['quantize_s']:.2f}" if "quantize_s" in c else "",
+                f"{c['other_s']:.2f}" if "other_s" in c else "",
             )  # fmt: skip
     return table
 

@@ -200,3 +200,34 @@ def test_verify_logits_equal_one_token_at_a_time(dtype, weights):
                 ]
             )
         assert torch.equal(together, alone), (dtype, weights, M)
+
+
+def test_w8a8_prefill_of_several_weights_is_each_product_alone():
+    """`w8a8_prefill` (a layer's q, k, v in one call: x rounded once, the products' slabs in
+    one parallel region) gives each weight's `w8a8_linear` bit for bit: tails of outputs (N
+    not a multiple of the 32-output slab, N = 0), no bias, an fp32 one and a bf16 one (which
+    the call converts and must keep alive), at one thread or two."""
+    g = _gen(7)
+    x = torch.randn(1, 150, 576, generator=g)
+    weights = []
+    for n, bias in (
+        (576, None),
+        (192, torch.float32),
+        (0, None),
+        (37, None),
+        (200, torch.bfloat16),
+    ):
+        q, scale = quantize_int8(torch.randn(n, 576, generator=g) * 0.1)  # (n = 0: no output)
+        weights.append((q, scale, None if bias is None else torch.randn(n, generator=g).to(bias)))
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, threads):
+            torch.set_num_threads(t)
+            outs = cpu_linear.w8a8_prefill(x, weights)
+            assert [o.shape for o in outs] == [(1, 150, w[0].shape[0]) for w in weights]
+            for out, w in zip(outs, weights, strict=True):
+                assert torch.equal(out, cpu_linear.w8a8_linear(x, *w))
+    finally:
+        torch.set_num_threads(threads)
+    with pytest.raises(RuntimeError, match="more than a step"):
+        cpu_linear.w8a8_prefill(x[:, :17], weights)

@@ -25,8 +25,10 @@ def test_linear_flops_are_the_model_weights_times_two_per_token():
     weights = {n: layer.weight.numel() for n, layer in linear_layers(model).items()}
     tokens = 37
     want = 2 * tokens * sum(v for n, v in weights.items() if n != "lm_head")
-    want += 2 * weights.get("lm_head", CONFIG.vocab_size * CONFIG.hidden_size)  # (one row)
-    assert compute.prefill_flops(CONFIG, tokens)["linears"] == want
+    head = 2 * weights.get("lm_head", CONFIG.vocab_size * CONFIG.hidden_size)  # (a row)
+    assert compute.prefill_flops(CONFIG, tokens)["linears"] == want + head  # (one chunk)
+    # a row through the head per chunk: each chunk computes its last position's logits
+    assert compute.prefill_flops(CONFIG, tokens, chunk=16)["linears"] == want + 3 * head
 
 
 @pytest.mark.parametrize("tokens,start", [(1, 0), (5, 0), (7, 11), (64, 3)])
@@ -54,7 +56,13 @@ def test_probe_measures_each_element_type_and_the_line_divides_by_the_best():
     staged = compute.prefill_compute(2.0, flops, {"fp32": 4e9}, {"attention": 0.5, "quantize": 0.5})
     assert staged["attention_gflop_s"] == 2.0 and staged["attention_fraction_of_peak"] == 0.5
     assert staged["linears_s"] == 1.0 and staged["linears_gflop_s"] == 3.0
-    assert staged["quantize_s"] == 0.5
+    assert staged["quantize_s"] == 0.5 and "other_s" not in staged
+    # with the linears timed (the CPU runner): their FLOPs over their own seconds, the rest
+    # (norms, RoPE, Python) apart
+    timed = {"attention": 0.5, "quantize": 0.5, "linears": 0.75}
+    staged = compute.prefill_compute(2.0, flops, {"fp32": 4e9}, timed)
+    assert staged["linears_s"] == 0.75 and staged["linears_gflop_s"] == 4.0
+    assert staged["linears_fraction_of_peak"] == 1.0 and staged["other_s"] == 0.25
 
 
 def test_two_slow_first_products_are_the_measurement(monkeypatch):

@@ -118,3 +118,27 @@ def test_an_input_the_kernel_does_not_take_runs_the_own_forward(draft, weights):
     fmt = table.weight_format(layer, weights)
     want = table.OWN[fmt].run(layer, layer.twin(weights), x, None)
     assert torch.equal(got, want)
+
+
+@pytest.mark.skipif(not cpu_ext.available(), reason="C++ kernels not built")
+@pytest.mark.parametrize("rows, measured", [(40, "rows"), (40, "int8pack"), (5, "rows")])
+def test_layers_of_one_input_compute_as_one_at_a_time(rows, measured, monkeypatch):
+    """`run_linears` (a layer's q, k, v; gate, up): the numbers of `run_linear` per layer, bit
+    for bit, whether the W8A8 prefill's products run in one call (more than MAX_ROWS rows, the
+    GEMM path measured) or one by one."""
+    torch.manual_seed(0)
+    layers = [_layer(), _layer(), _layer(draft="plain")]
+    layers[1].bias = torch.nn.Parameter(torch.randn(N))
+    layers[1].int8 = Int8Linear.from_linear(layers[1])
+    x = torch.randn(1, rows, K)
+    one_call = []
+    real = table.rows_kernels.w8a8_prefill
+    monkeypatch.setattr(
+        table.rows_kernels, "w8a8_prefill", lambda *a: one_call.append(1) or real(*a)
+    )
+    for weights, group in (("w8a8", layers), ("w8a8", layers[:2]), ("int4", layers[2:])):
+        got = table.run_linears(group, x, weights, lambda: measured)
+        want = [table.run_linear(layer, x, weights, lambda: measured) for layer in group]
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    fused = rows > table.MAX_ROWS and measured == "rows"
+    assert one_call == ([1, 1] if fused else [])  # (never for the 4-bit twins: W4A8)

@@ -27,26 +27,62 @@ const float* bias_of(const c10::optional<at::Tensor>& b, at::Tensor* keep, int64
 
 }  // namespace
 
-at::Tensor w8a8_rows_cpu(at::Tensor x, at::Tensor w, at::Tensor scale,
-                            c10::optional<at::Tensor> b) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "x [M, K], w [N, K]");
-  TORCH_CHECK(x.scalar_type() == at::kFloat, "x must be fp32");
+namespace {
+
+// One weight's checks and its part of a product (int_gemm.h `Part`); `keep` holds a bias
+// converted to fp32, `out` [M, N] is made here.
+intgemm::Part w8a8_part(const at::Tensor& w, const at::Tensor& scale,
+                        const c10::optional<at::Tensor>& b, int64_t M, int64_t K,
+                        at::Tensor* keep, at::Tensor* out) {
+  TORCH_CHECK(w.dim() == 2 && w.size(1) == K, "x [M, K], w [N, K]");
   TORCH_CHECK(w.scalar_type() == at::kChar && w.is_contiguous(), "int8 contiguous w [N, K]");
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  TORCH_CHECK(M >= 1, "at least one row");
-  TORCH_CHECK(K % intdot::CHUNK == 0, "K must be a multiple of 64");
+  const int64_t N = w.size(0);
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == N && scale.is_contiguous(),
               "fp32 scale [N]");
-  x = x.is_contiguous() ? x : x.contiguous();
-  at::Tensor keep;
-  const float* bias = bias_of(b, &keep, N);
-  auto out = at::empty({M, N}, at::kFloat);
+  *out = at::empty({M, N}, at::kFloat);
+  return {w.data_ptr<int8_t>(), scale.data_ptr<float>(), bias_of(b, keep, N), N,
+          out->data_ptr<float>()};
+}
+
+at::Tensor w8a8_input(at::Tensor x) {
+  TORCH_CHECK(x.dim() == 2, "x [M, K]");
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "x must be fp32");
+  TORCH_CHECK(x.size(0) >= 1, "at least one row");
+  TORCH_CHECK(x.size(1) % intdot::CHUNK == 0, "K must be a multiple of 64");
+  return x.is_contiguous() ? x : x.contiguous();
+}
+
+}  // namespace
+
+at::Tensor w8a8_rows_cpu(at::Tensor x, at::Tensor w, at::Tensor scale,
+                            c10::optional<at::Tensor> b) {
+  x = w8a8_input(x);
+  const int64_t M = x.size(0), K = x.size(1);
+  at::Tensor keep, out;
+  const intgemm::Part part = w8a8_part(w, scale, b, M, K, &keep, &out);
   // (a step's few rows: one pass over the weights per 8 rows; a prefill's many: int_gemm.h)
-  const auto run = M <= kMaxStepRows ? intdot::w8a8_rows<TorchParallelFor>
-                                     : intgemm::w8a8_prefill<TorchParallelFor>;
-  run(x.data_ptr<float>(), M, K, w.data_ptr<int8_t>(), scale.data_ptr<float>(), bias, N,
-      out.data_ptr<float>(), TorchParallelFor{});
+  if (M <= kMaxStepRows)
+    intdot::w8a8_rows(x.data_ptr<float>(), M, K, part.w, part.scale, part.bias, part.N,
+                      part.out, TorchParallelFor{});
+  else
+    intgemm::w8a8_prefill(x.data_ptr<float>(), M, K, &part, 1, TorchParallelFor{});
   return out;
+}
+
+std::vector<at::Tensor> w8a8_prefill_cpu(at::Tensor x, std::vector<at::Tensor> ws,
+                                         std::vector<at::Tensor> scales,
+                                         std::vector<c10::optional<at::Tensor>> biases) {
+  x = w8a8_input(x);
+  const int64_t M = x.size(0), K = x.size(1), P = int64_t(ws.size());
+  TORCH_CHECK(M > kMaxStepRows, "a prefill's rows (more than a step's)");
+  TORCH_CHECK(P >= 1 && int64_t(scales.size()) == P && int64_t(biases.size()) == P,
+              "one scale and one bias (or None) per weight");
+  std::vector<at::Tensor> keep(P), outs(P);
+  std::vector<intgemm::Part> parts;
+  for (int64_t p = 0; p < P; ++p)
+    parts.push_back(w8a8_part(ws[p], scales[p], biases[p], M, K, &keep[p], &outs[p]));
+  intgemm::w8a8_prefill(x.data_ptr<float>(), M, K, parts.data(), P, TorchParallelFor{});
+  return outs;
 }
 
 at::Tensor int4_rows_cpu(at::Tensor x, at::Tensor packed, at::Tensor scale,

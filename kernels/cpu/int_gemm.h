@@ -45,6 +45,16 @@ constexpr int64_t SLAB = LANES * NV;     // outputs per packed slab
 constexpr int MR = 6;                    // x rows per tile: 12 int + 12 fp32 accumulators
 constexpr int64_t ROW_BLOCK = 128;       // x rows per unit of work
 
+// One weight of a product (`w8a8_prefill`): w [N, K] int8 with scale [N], bias [N] (or null),
+// into out [M, N].
+struct Part {
+  const int8_t* w;
+  const float* scale;
+  const float* bias;
+  int64_t N;
+  float* out;
+};
+
 struct Codes {                  // x [M, K] rounded per chunk
   std::vector<int8_t> codes;    // [M, K]
   std::vector<float> step;      // [M, C]
@@ -79,6 +89,19 @@ inline void pack_slab(const int8_t* w, int64_t N, int64_t K, int64_t n0, uint8_t
 }
 
 #if defined(QSPEC_AVX512_VNNI)
+// acc += w (unsigned bytes) . x (signed bytes), four products per int32 lane. GCC 12 compiles
+// the intrinsic in this loop with two register copies around every vpdpbusd and spills the
+// fp32 accumulators (61% of the int8 peak on Zen 5); the instruction with its accumulator
+// tied in place compiles to the loop the tile means. Same instruction, same bits.
+inline __m512i dpbusd(__m512i acc, __m512i w, __m512i x) {
+#if defined(__GNUC__) && !defined(__clang__)
+  asm("vpdpbusd {%2, %1, %0|%0, %1, %2}" : "+v"(acc) : "v"(w), "v"(x));  // (AT&T | Intel)
+  return acc;
+#else
+  return _mm512_dpbusd_epi32(acc, w, x);
+#endif
+}
+
 // R rows of x from m against a packed slab: acc [R][NV] (16 outputs each) over every chunk.
 template <int R>
 inline void tile(const uint8_t* packed, const Codes& x, int64_t m, int64_t K, __m512 acc[][NV]) {
@@ -106,7 +129,7 @@ inline void tile(const uint8_t* packed, const Codes& x, int64_t m, int64_t K, __
         std::memcpy(&quad, &x.codes[(m + r) * K + c * CHUNK + 4 * g], 4);
         const __m512i xb = _mm512_set1_epi32(quad);
 #pragma GCC unroll 4
-        for (int v = 0; v < NV; ++v) dot[r][v] = _mm512_dpbusd_epi32(dot[r][v], wv[v], xb);
+        for (int v = 0; v < NV; ++v) dot[r][v] = dpbusd(dot[r][v], wv[v], xb);
       }
     }
 #pragma GCC unroll 8
@@ -163,39 +186,50 @@ inline void rows_of_slab(const uint8_t* packed, const Codes& x, int64_t m0, int6
   }
 }
 
-// out [M, N] = x [M, K] (K % 64 == 0) W8A8 times w [N, K] int8 with scale [N], plus bias [N]
-// (or null), as the header defines it. parallel_for(begin, end, grain, fn) as in int_dot.h.
+// Each part's out = x [M, K] (K % 64 == 0) W8A8 times its w, as the header defines it: x
+// rounded once for all parts, and every part's slabs in one parallel region (a layer's q, k and
+// v, or gate and up: the small k/v products alone ran at 60% of the big ones' rate). Each
+// output is computed as by a product of its part alone. parallel_for(begin, end, grain, fn) as
+// in int_dot.h.
 template <class For>
-void w8a8(const float* x, int64_t M, int64_t K, const int8_t* w, const float* scale,
-          const float* bias, int64_t N, float* out, const For& parallel_for) {
+void w8a8_parts(const float* x, int64_t M, int64_t K, const Part* parts, int64_t n_parts,
+                const For& parallel_for) {
   const Codes xq = round_rows(x, M, K, parallel_for);
-  const int64_t slabs = (N + SLAB - 1) / SLAB, blocks = (M + ROW_BLOCK - 1) / ROW_BLOCK;
+  std::vector<int64_t> first(n_parts + 1, 0);  // the parts' first slabs, in one numbering
+  for (int64_t p = 0; p < n_parts; ++p) first[p + 1] = first[p] + (parts[p].N + SLAB - 1) / SLAB;
+  const int64_t slabs = first[n_parts], blocks = (M + ROW_BLOCK - 1) / ROW_BLOCK;
   // units slab-major: a thread's consecutive units share a slab, packed once for them
   parallel_for(0, slabs * blocks, 1, [&](int64_t u0, int64_t u1) {
     std::vector<uint8_t> packed(K * SLAB);
-    int64_t packed_slab = -1;
+    int64_t packed_slab = -1, p = 0;
     for (int64_t u = u0; u < u1; ++u) {
       const int64_t s = u / blocks, b = u % blocks;
+      while (s >= first[p + 1]) ++p;
+      const Part& part = parts[p];
+      const int64_t n0 = (s - first[p]) * SLAB;
       if (s != packed_slab) {
-        pack_slab(w, N, K, s * SLAB, packed.data());
+        pack_slab(part.w, part.N, K, n0, packed.data());
         packed_slab = s;
       }
       const int64_t m0 = b * ROW_BLOCK, m1 = std::min(M, m0 + ROW_BLOCK);
-      rows_of_slab(packed.data(), xq, m0, m1, K, scale, bias, out, N, s * SLAB);
+      rows_of_slab(packed.data(), xq, m0, m1, K, part.scale, part.bias, part.out, part.N, n0);
     }
   });
 }
 #endif
 
-// A prefill's W8A8 product: the definition above where the build has AVX-512 VNNI, else the
-// step kernels' GEMM schedule (int_dot.h: a decode step's bits for every row).
+// A prefill's W8A8 products of one x: the definition above where the build has AVX-512 VNNI,
+// else the step kernels' GEMM schedule per part (int_dot.h: a decode step's bits for every row).
 template <class For>
-void w8a8_prefill(const float* x, int64_t M, int64_t K, const int8_t* w, const float* scale,
-                  const float* bias, int64_t N, float* out, const For& parallel_for) {
+void w8a8_prefill(const float* x, int64_t M, int64_t K, const Part* parts, int64_t n_parts,
+                  const For& parallel_for) {
 #if defined(QSPEC_AVX512_VNNI)
-  w8a8(x, M, K, w, scale, bias, N, out, parallel_for);
+  w8a8_parts(x, M, K, parts, n_parts, parallel_for);
 #else
-  intdot::w8a8_gemm(x, M, K, w, scale, bias, N, out, parallel_for);
+  for (int64_t p = 0; p < n_parts; ++p) {
+    const Part& part = parts[p];
+    intdot::w8a8_gemm(x, M, K, part.w, part.scale, part.bias, part.N, part.out, parallel_for);
+  }
 #endif
 }
 

@@ -3,6 +3,8 @@
 #pragma once
 #include <ATen/ATen.h>
 
+#include <vector>
+
 #include "isa.h"
 #include "kv_cache.h"
 
@@ -23,6 +25,11 @@ at::Tensor int8_rows_cpu(at::Tensor x, at::Tensor w, at::Tensor scale,
 // int_dot.cpp
 at::Tensor w8a8_rows_cpu(at::Tensor x, at::Tensor w, at::Tensor scale,
                             c10::optional<at::Tensor> b);
+// several weights of one x [M, K], M > kMaxStepRows (a prefill), in one call: with AVX-512
+// VNNI x rounded once and one parallel region (int_gemm.h), else one product after another
+std::vector<at::Tensor> w8a8_prefill_cpu(at::Tensor x, std::vector<at::Tensor> ws,
+                                         std::vector<at::Tensor> scales,
+                                         std::vector<c10::optional<at::Tensor>> biases);
 at::Tensor int4_rows_cpu(at::Tensor x, at::Tensor packed, at::Tensor scale,
                             at::Tensor zero, int64_t group_size, c10::optional<at::Tensor> b);
 // decode.cpp

@@ -105,6 +105,17 @@ def w8a8_linear(x, weight_int8, scale, bias=None) -> torch.Tensor:
     return out.to(x.dtype).view(*x.shape[:-1], weight_int8.shape[0])
 
 
+def w8a8_prefill(x: torch.Tensor, weights: list[tuple]) -> list[torch.Tensor]:
+    """[`w8a8_linear(x, *w)` for w in weights] (each (weight_int8, scale, bias)) for a
+    prefill's x [..., K] of more than MAX_ROWS rows, in one call (a layer's q, k, v; gate,
+    up): with AVX-512 VNNI x rounded once and every product in one parallel region, elsewhere
+    one product after another. Each output bit for bit as `w8a8_linear` makes it alone."""
+    flat = x.reshape(-1, x.shape[-1]).float()
+    ws, scales, biases = zip(*weights, strict=True)
+    outs = _module().w8a8_prefill_cpu(flat, list(ws), list(scales), list(biases))
+    return [o.to(x.dtype).view(*x.shape[:-1], o.shape[-1]) for o in outs]
+
+
 SLICE_ROWS = 16  # a prefill's rows per row-kernel call (`in_slices`)
 
 

@@ -74,6 +74,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // whether a prefill's W8A8 rows sum each chunk in one lane (int_gemm.h), not as a step does
   m.attr("W8A8_PREFILL_LANES") = intgemm::kAvailable;
   m.def("w8a8_rows_cpu", &w8a8_rows_cpu, "x (s q)^T + b, int8 weights, x rounded to int8 (CPU)");
+  m.def("w8a8_prefill_cpu", &w8a8_prefill_cpu,
+        "[x (s q)^T + b for each weight]: a prefill's rows rounded to int8 once (CPU)");
   m.def("int4_rows_cpu", &int4_rows_cpu, "4-bit weights x int8-quantized rows (CPU, W4A8)");
   m.def("rms_norm_cpu", &rms_norm_cpu, "RMSNorm over the last dim (CPU, fp32)");
   m.def("add_rms_norm_cpu", &add_rms_norm_cpu, "x += h in place, then RMSNorm (CPU, fp32)");

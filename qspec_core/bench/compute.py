@@ -22,6 +22,7 @@ from collections.abc import Callable
 import torch
 
 from qspec_core.config import ModelConfig
+from qspec_core.engine.generate import PREFILL_CHUNK
 
 PROBE_SHAPE = (512, 1024, 1024)  # M (prompt rows in a chunk), K, N: in-cache, GEMM-bound
 PROBE_SECONDS = 0.3  # per element type, after a warm-up call
@@ -73,15 +74,21 @@ def gemm_peaks(
     return {dtype: gemm_rate(dtype, shape) for dtype in dtypes}
 
 
-def prefill_flops(config: ModelConfig, tokens: int, start: int = 0) -> dict[str, float]:
-    """FLOPs of a prefill of `tokens` new tokens after `start` cached ones: "linears" (every
-    projection and the MLP; the LM head for one row only, as a prefill computes the last
-    position's logits) and "attention" (causal Q K^T and P V, all layers and query heads)."""
+def prefill_flops(
+    config: ModelConfig, tokens: int, start: int = 0, chunk: int = PREFILL_CHUNK
+) -> dict[str, float]:
+    """FLOPs of a prefill of `tokens` new tokens after `start` cached ones, fed `chunk` at a
+    time: "linears" (every projection and the MLP; the LM head for one row a chunk, as each
+    chunk computes its last position's logits) and "attention" (causal Q K^T and P V, all
+    layers and query heads)."""
     c = config
     q_dim, kv_dim = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
     per_token = c.hidden_size * (q_dim + 2 * kv_dim) + q_dim * c.hidden_size
     per_token += 3 * c.hidden_size * c.intermediate_size
-    linears = 2 * tokens * per_token * c.num_hidden_layers + 2 * c.hidden_size * c.vocab_size
+    heads = -(-tokens // chunk)  # (the chunks: each one's last row through the head)
+    linears = (
+        2 * tokens * per_token * c.num_hidden_layers + heads * 2 * c.hidden_size * c.vocab_size
+    )
     # query i (0-based among the new) sees start + i + 1 keys; 2 products of 2 D FLOPs a pair
     pairs = tokens * start + tokens * (tokens + 1) / 2
     attention = 4 * c.head_dim * pairs * c.num_attention_heads * c.num_hidden_layers
@@ -92,9 +99,11 @@ def prefill_compute(
     seconds: float, flops: dict[str, float], peaks: dict, stages: dict[str, float] | None = None
 ) -> dict:
     """The prefill's line: GFLOP, GFLOP/s, and that rate as a fraction of the best peak; with
-    `stages` (seconds of "attention" and "quantize" inside the prefill) the same per stage:
-    the attention's FLOPs over its seconds, the linears' over the rest (norms, RoPE and the
-    embedding lookup count in, a few percent), the quantization's seconds."""
+    `stages` (seconds of "attention", "quantize" and, where the runner timed them, "linears"
+    inside the prefill) the same per stage: the attention's FLOPs over its seconds, the
+    linears' over theirs, and "other" (norms, RoPE, the embedding, Python: what is left) in
+    seconds. Without a "linears" time the linears' rate is taken over everything left, and
+    "other" is absent."""
     total = sum(flops.values())
     rate = total / seconds if seconds else 0.0
     best = max((p for p in peaks.values() if p), default=None)
@@ -108,12 +117,16 @@ def prefill_compute(
     if stages:
         attention, quantize = stages.get("attention", 0.0), stages.get("quantize", 0.0)
         rest = max(seconds - attention - quantize, 0.0)
-        for name, s in (("linears", rest), ("attention", attention)):
+        # (a linears time of 0: a prefill whose every chunk ran on the C++ step stack)
+        linears = min(stages.get("linears") or rest, rest)
+        for name, s in (("linears", linears), ("attention", attention)):
             stage_rate = flops[name] / s if s > 0 else 0.0
             line[f"{name}_s"] = _sig(s)
             line[f"{name}_gflop_s"] = _sig(stage_rate / 1e9)
             line[f"{name}_fraction_of_peak"] = _sig(stage_rate / best) if best else None
         line["quantize_s"] = _sig(quantize)
+        if stages.get("linears"):
+            line["other_s"] = _sig(rest - linears)
     return line
 
 

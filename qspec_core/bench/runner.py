@@ -24,7 +24,7 @@ from qspec_core.bench.bandwidth import path_weight_bytes, read_bandwidth, step_t
 from qspec_core.bench.compute import gemm_peaks, prefill_compute, prefill_flops
 from qspec_core.bench.corpus import bench_prompt
 from qspec_core.cache.hierarchical import HierarchicalKVCache
-from qspec_core.engine.generate import prefill, prefill_hierarchical
+from qspec_core.engine.generate import linear_clock, prefill, prefill_hierarchical
 from qspec_core.engine.plan import DecodePlan
 from qspec_core.engine.sampling import SamplingParams
 from qspec_core.engine.speculative import SpecStats
@@ -243,7 +243,7 @@ class Run:
         return (self.new_tokens - 1) / self.decode_s if self.decode_s > 0 else 0.0
 
 
-PREFILL_STAGES = ("attention", "quantize")
+PREFILL_STAGES = ("attention", "quantize", "linears")
 
 
 def _median_run(runs: list[Run]) -> Run:
@@ -290,8 +290,10 @@ def start_decode(runner, mode_name: str, prompt: list[int], gen: int, config, se
                 runner, cache, prompt, weights=target.weights, timer=timer
             )
         else:
+            linears = linear_clock(runner)
             logits = prefill(runner, cache, prompt, 0, target)
             timer.add("prefill.attention", getattr(cache, "attention_seconds", 0.0))
+            linears(timer)
     generator = torch.Generator(device=runner.device).manual_seed(seed)
     tokens, stats = plan.start(
         runner, cache, logits, prompt, gen, config.params, generator, (), timer

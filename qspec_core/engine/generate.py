@@ -63,12 +63,14 @@ def prefill_hierarchical(
 
     Returns the last position's logits [V], computed on `weights` (the target's: "full",
     "int8" or "w8a8", `Runtime.target_weights`). `timer` gets the stages inside:
-    "prefill.attention" (every chunk's causal attention, with the history's dequantization)
-    and "prefill.quantize" (the groups' quantization into the planes); the rest is the
-    linears, norms, RoPE. On any exception (Ctrl-C included) the cache is left empty.
+    "prefill.attention" (every chunk's causal attention, with the history's dequantization),
+    "prefill.quantize" (the groups' quantization into the planes) and, where the runner times
+    them (`linear_clock`), "prefill.linears"; the rest is norms, RoPE, the embedding and
+    Python. On any exception (Ctrl-C included) the cache is left empty.
     """
     cache.reset()
     scratch = ChunkedPrefill(cache, chunk_size)
+    linears = linear_clock(runner)
     try:
         path = FP.with_weights(weights)
         logits = prefill(runner, scratch, tokens, 0, path, chunk_size, on_progress)
@@ -79,7 +81,20 @@ def prefill_hierarchical(
     timer = timer or StageTimer()
     timer.add("prefill.attention", scratch.attention_seconds)
     timer.add("prefill.quantize", scratch.quantize_seconds)
+    linears(timer)
     return logits
+
+
+def linear_clock(runner) -> Callable[[StageTimer], None]:
+    """A stopwatch of the runner's linears from now: called with a timer, it adds the seconds
+    its layer loop spent in linears since to stage "prefill.linears". Runners that do not
+    count them (`linear_seconds`: the CPU runner's; a GPU's calls are asynchronous) add
+    nothing; a chunk of at most 17 rows that runs on the CPU runner's C++ step stack (an fp32
+    model, a cache with a C++ side) is in no stage."""
+    start = getattr(runner, "linear_seconds", None)
+    if start is None:
+        return lambda timer: None
+    return lambda timer: timer.add("prefill.linears", runner.linear_seconds - start)
 
 
 @torch.inference_mode()

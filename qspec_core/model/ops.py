@@ -24,6 +24,17 @@ class LayerOps:
         """`layer` (a `transformer.Linear`) on x [..., K] with `path`'s weights -> [..., N]."""
         return layer(x, path)
 
+    def linears(self, layers, x: torch.Tensor, path: Precision) -> list[torch.Tensor]:
+        """[self.linear(layer, x, path) for layer in layers]: several layers of one input (a
+        layer's q, k, v; gate, up), which a subclass may run in one call. Like `linear`, each
+        output is a fresh tensor the caller owns (`act_mul` may overwrite it)."""
+        return [self.linear(layer, x, path) for layer in layers]
+
+    def act_mul(self, act, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """The gated MLP's act(gate) * up. A subclass may overwrite gate (the projection's
+        fresh output)."""
+        return act(gate) * up
+
     def norm(self, norm, x: torch.Tensor) -> torch.Tensor:
         """`norm` (a `transformer.RMSNorm`) over x's last dimension."""
         return norm(x)

@@ -137,15 +137,15 @@ class Attention(nn.Module):
         self, x, cos, sin, input_pos, cache: KVCache, path: Precision, ops: LayerOps = TORCH_OPS
     ) -> torch.Tensor:
         B, T, _ = x.shape
-        q = ops.linear(self.q_proj, x, path)  # [B, T, H * D]
-        k = ops.linear(self.k_proj, x, path)  # [B, T, n_kv * D]
+        # [B, T, H * D], [B, T, n_kv * D] twice
+        q, k, v = ops.linears((self.q_proj, self.k_proj, self.v_proj), x, path)
         if self.qk_norm == "all":
             q, k = ops.norm(self.q_norm, q), ops.norm(self.k_norm, k)
         q = q.view(B, T, self.n_heads, self.head_dim)
         k = k.view(B, T, self.n_kv_heads, self.head_dim)
         if self.qk_norm == "head":
             q, k = ops.norm(self.q_norm, q), ops.norm(self.k_norm, k)
-        v = ops.linear(self.v_proj, x, path).view(B, T, self.n_kv_heads, self.head_dim)
+        v = v.view(B, T, self.n_kv_heads, self.head_dim)
         q = ops.rope(q, cos, sin)  # [B, H, T, D]
         k = ops.rope(k, cos, sin)  # [B, n_kv, T, D]
         if self.q_scale is not None:
@@ -165,8 +165,8 @@ class MLP(nn.Module):
         self.act = ACTIVATIONS[config.layer.activation]
 
     def forward(self, x: torch.Tensor, path: Precision = FP, ops: LayerOps = TORCH_OPS):
-        gate = self.act(ops.linear(self.gate_proj, x, path))  # [B, T, I]
-        return ops.linear(self.down_proj, gate * ops.linear(self.up_proj, x, path), path)
+        gate, up = ops.linears((self.gate_proj, self.up_proj), x, path)  # [B, T, I] each
+        return ops.linear(self.down_proj, ops.act_mul(self.act, gate, up), path)
 
 
 class DecoderLayer(nn.Module):

@@ -33,7 +33,10 @@ that its forward hooks run on every linear (`convert/convert.py`).
 
 from __future__ import annotations
 
+import time
+
 import torch
+import torch.nn.functional as F
 
 from qspec_core.model.ops import LayerOps
 from qspec_core.precision import Precision
@@ -52,6 +55,10 @@ class CpuOps(LayerOps):
     def __init__(self, ext):
         self.ext = ext  # the loaded C++ extension (`kernels.cpu.build.load()`)
         self._prefill = None  # the INT8 prefill's product (`prefill_path`), asked once
+        # seconds inside the linears this layer loop ran (a prefill's, and steps' where the
+        # C++ stack does not run them), read as a difference by the prefill's stage timer
+        # (`generate.linear_clock`): a perf_counter pair a call
+        self.linear_seconds = 0.0
         self.layouts = CpuLayouts()  # the 4-bit twins' layouts for PyTorch's CPU int4 kernel
 
     def norm(self, norm, x: torch.Tensor) -> torch.Tensor:
@@ -74,7 +81,25 @@ class CpuOps(LayerOps):
         """`layer(x, path)` (a `model.Linear`) on the kernel `kernel_table.py` chooses: the
         batch-invariant row kernels for at most MAX_ROWS rows, else PyTorch's GEMM, the
         twin's own forward, or the INT8 row kernels where this machine measured them fastest."""
-        return kernel_table.run_linear(layer, x, path.weights, self.prefill_path, self.layouts)
+        start = time.perf_counter()
+        y = kernel_table.run_linear(layer, x, path.weights, self.prefill_path, self.layouts)
+        self.linear_seconds += time.perf_counter() - start
+        return y
+
+    def linears(self, layers, x: torch.Tensor, path: Precision) -> list[torch.Tensor]:
+        """The layers of one input on the table's kernels; a W8A8 prefill's in one call
+        (`kernel_table.run_linears`: x rounded once)."""
+        start = time.perf_counter()
+        ys = kernel_table.run_linears(layers, x, path.weights, self.prefill_path, self.layouts)
+        self.linear_seconds += time.perf_counter() - start
+        return ys
+
+    def act_mul(self, act, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        if act is F.silu and gate.dtype == torch.float32 and gate.data_ptr() != up.data_ptr():
+            # in place on the fresh projection: no [rows, I] allocations (the same kernels,
+            # so the same bits as the C++ step's silu then multiply)
+            return F.silu(gate, inplace=True).mul_(up)
+        return super().act_mul(act, gate, up)
 
     def prefill_path(self) -> str:
         """The many-row INT8 product of this machine, asked on the first one (it may measure:
@@ -109,6 +134,12 @@ class CpuRunner(OfModel):
 
     def close(self) -> None:
         self.rebuild()
+
+    @property
+    def linear_seconds(self) -> float:
+        """Seconds this runner's layer loop spent in linears so far (the C++ step's are not
+        counted): the prefill's "linears" stage is its difference (`generate.linear_clock`)."""
+        return self.ops.linear_seconds
 
     def stack(self, weights: str):
         """The DecoderStack of one weight set, built on first use; None where the model's

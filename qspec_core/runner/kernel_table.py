@@ -141,6 +141,7 @@ TWIN_A8 = Kernel("twin_a8", _twin_a8)
 # not take)
 OWN = {"float": TORCH, "int8": TWIN, "w8a8": TWIN_A8, "w4a8": TWIN, "int4": TWIN, "other": TWIN}
 
+W8A8_GEMM = Kernel("w8a8_gemm", _w8a8_gemm)
 TABLE: dict[tuple[str, str, str], Kernel] = {
     ("float", "cpu", "step"): Kernel("linear_rows", _float_rows, stack="add_linear"),
     ("float", "cpu", "prefill"): TORCH,
@@ -149,7 +150,7 @@ TABLE: dict[tuple[str, str, str], Kernel] = {
     ("int8", "cpu", "prefill_rows"): Kernel("int8_row_slices", _int8_row_slices),
     ("w8a8", "cpu", "step"): Kernel("w8a8_rows", _w8a8_rows, stack="add_int8_linear"),
     ("w8a8", "cpu", "prefill"): TWIN_A8,
-    ("w8a8", "cpu", "prefill_rows"): Kernel("w8a8_gemm", _w8a8_gemm),
+    ("w8a8", "cpu", "prefill_rows"): W8A8_GEMM,
     ("w4a8", "cpu", "step"): Kernel("w4a8_rows", _w4a8_rows, stack="add_int4_linear"),
     ("w4a8", "cpu", "prefill"): TWIN,
     ("int4", "cpu", "step"): TWIN,
@@ -191,3 +192,20 @@ def run_linear(layer, x: torch.Tensor, weights: str, prefill_path, layouts=None)
     kernel = choose(fmt, x.device.type, rows(x), prefill_path)
     y = kernel.run(layer, twin, x, layouts)
     return OWN[fmt].run(layer, twin, x, layouts) if y is None else y
+
+
+def run_linears(layers, x: torch.Tensor, weights: str, prefill_path, layouts=None) -> list:
+    """[run_linear(layer, x, ...) for layer in layers] (a layer's q, k, v; gate, up), the same
+    numbers: where every layer runs the W8A8 prefill GEMM, in one call that rounds x once and
+    runs the products in one parallel region (`linear.w8a8_prefill`)."""
+    if rows(x) > MAX_ROWS and len(layers) > 1:  # (a step's layers: one at a time)
+        twins = [layer.twin(weights) for layer in layers]
+        formats = {weight_format(la, weights, t) for la, t in zip(layers, twins, strict=True)}
+        if (
+            formats == {"w8a8"}
+            and choose("w8a8", x.device.type, rows(x), prefill_path) is W8A8_GEMM
+        ):
+            probe = x[..., :1, :]  # (`w8a8_usable` checks a step's size: a row stands for all)
+            if all(rows_kernels.w8a8_usable(probe, t._buffers["weight_int8"]) for t in twins):
+                return rows_kernels.w8a8_prefill(x, [_int8_args(t) for t in twins])
+    return [run_linear(layer, x, weights, prefill_path, layouts) for layer in layers]
