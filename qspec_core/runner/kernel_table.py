@@ -109,10 +109,16 @@ def _int8_row_slices(layer, twin, x, layouts):
     return None
 
 
+def _gemm_takes(twin, x) -> bool:
+    """Whether the W8A8 prefill GEMM takes x through the INT8 twin (`w8a8_usable` checks a
+    step's size: one row of x stands for all)."""
+    return rows_kernels.w8a8_usable(x[..., :1, :], twin._buffers["weight_int8"])
+
+
 def _w8a8_gemm(layer, twin, x, layouts):
     """A W8A8 prefill in one call, as a GEMM (`int_gemm.h`: one lane per chunk's integer dot
     with AVX-512 VNNI, else a decode step's blocks and bits)."""
-    if rows_kernels.w8a8_usable(x[..., :1, :], twin._buffers["weight_int8"]):
+    if _gemm_takes(twin, x):
         return rows_kernels.w8a8_linear(x, *_int8_args(twin))
     return None
 
@@ -201,11 +207,11 @@ def run_linears(layers, x: torch.Tensor, weights: str, prefill_path, layouts=Non
     if rows(x) > MAX_ROWS and len(layers) > 1:  # (a step's layers: one at a time)
         twins = [layer.twin(weights) for layer in layers]
         formats = {weight_format(la, weights, t) for la, t in zip(layers, twins, strict=True)}
-        if (
+        one_call = (  # (the formats first: `prefill_path` may measure, once per machine)
             formats == {"w8a8"}
             and choose("w8a8", x.device.type, rows(x), prefill_path) is W8A8_GEMM
-        ):
-            probe = x[..., :1, :]  # (`w8a8_usable` checks a step's size: a row stands for all)
-            if all(rows_kernels.w8a8_usable(probe, t._buffers["weight_int8"]) for t in twins):
-                return rows_kernels.w8a8_prefill(x, [_int8_args(t) for t in twins])
+            and all(_gemm_takes(t, x) for t in twins)
+        )
+        if one_call:
+            return rows_kernels.w8a8_prefill(x, [_int8_args(t) for t in twins])
     return [run_linear(layer, x, weights, prefill_path, layouts) for layer in layers]
