@@ -42,22 +42,25 @@ bf16 = pytest.mark.skipif(
 
 
 @bf16
+@pytest.mark.parametrize("products", ["bf16", "bf16-values"])
 @pytest.mark.parametrize("D", [64, 80, 96, 128])
 @pytest.mark.parametrize(
     ("H", "n_kv", "start", "T"), [(9, 3, 0, 45), (6, 1, 70, 33), (4, 2, 5, 130)]
 )
 def test_bf16_products_match_their_twin_and_sdpa_to_bf16_rounding(
-    D, H, n_kv, start, T, monkeypatch
+    products, D, H, n_kv, start, T, monkeypatch
 ):
-    """QSPEC_PREFILL_PRODUCTS=bf16: the kernel equals its twin (the same operands rounded to
-    bf16, fp32 sums, the same block folds) but for a rare bf16 step of a probability, and SDPA
-    to bf16 rounding, odd key counts and
-    partial key blocks included; rows stay independent of their chunk."""
+    """QSPEC_PREFILL_PRODUCTS=bf16 (or bf16-values): the kernel equals its twin (the same
+    operands rounded to bf16, fp32 sums, the same block folds) but for a rare bf16 step of a
+    probability, and SDPA to bf16 rounding, odd key counts and partial key blocks included;
+    rows stay independent of their chunk."""
     q, k, v = _qkv(1, H, n_kv, T, start + T, D, seed=D * 5 + H + T)
-    monkeypatch.setenv(cpu_attention.PRODUCTS_ENV, "bf16")
-    assert cpu_attention.prefill_products() == "bf16"
+    monkeypatch.setenv(cpu_attention.PRODUCTS_ENV, products)
+    assert cpu_attention.prefill_products() == products
     got = cpu_attention.prefill_attention(q, k, v, start)
-    twin = cpu_attention.prefill_attention_bf16_ref(q, k, v, start)
+    twin = cpu_attention.prefill_attention_bf16_ref(
+        q, k, v, start, scores_bf16=products == "bf16"
+    )
     torch.testing.assert_close(got, twin, rtol=1e-3, atol=2e-3)  # (a bf16 step: 2^-8)
     assert (got - twin).abs().mean() < 2e-5  # (almost every value to fp32 summation order)
     exact = causal_attention(q, k, v, torch.arange(start, start + T))
@@ -71,7 +74,7 @@ def test_products_default_to_fp32_and_refuse_unknown_types(monkeypatch):
     monkeypatch.delenv(cpu_attention.PRODUCTS_ENV, raising=False)
     assert cpu_attention.prefill_products() == "fp32"
     monkeypatch.setenv(cpu_attention.PRODUCTS_ENV, "fp16")
-    with pytest.raises(ValueError, match="'fp32' or 'bf16'"):
+    with pytest.raises(ValueError, match="'fp32', 'bf16', 'bf16-values'"):
         cpu_attention.prefill_products()
 
 

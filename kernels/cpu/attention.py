@@ -105,17 +105,22 @@ def prefill_usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     )
 
 
-PRODUCTS_ENV = "QSPEC_PREFILL_PRODUCTS"  # "fp32" or "bf16": the prefill attention's products
+PRODUCTS_ENV = "QSPEC_PREFILL_PRODUCTS"  # the prefill attention's products (PRODUCTS)
+PRODUCTS = ("fp32", "bf16", "bf16-values")
 
 
 def prefill_products() -> str:
-    """The element type of the prefill attention's products: "bf16" (`flash_bf16.h`, about
-    1.4x the fp32 kernel's speed on a Zen 4, operands rounded to bf16) only when asked for with
-    QSPEC_PREFILL_PRODUCTS=bf16 on a build that has it (AVX512-BF16); else "fp32"."""
+    """The products of the prefill attention (`flash_prefill.h`, `flash_bf16.h`): "fp32";
+    "bf16", every operand rounded to bf16 (queries, keys, probabilities, values); or
+    "bf16-values", fp32 scores and bf16 value sums (probabilities and values rounded). The bf16
+    ones only when asked for with QSPEC_PREFILL_PRODUCTS on a build that has them
+    (AVX512-BF16); else "fp32"."""
     asked = os.environ.get(PRODUCTS_ENV, "fp32").strip().lower() or "fp32"
-    if asked not in ("fp32", "bf16"):
-        raise cpu_ext.BuildSettingError(f"{PRODUCTS_ENV} is 'fp32' or 'bf16', not {asked!r}")
-    return "bf16" if asked == "bf16" and cpu_ext.load().PREFILL_BF16 else "fp32"
+    if asked not in PRODUCTS:
+        raise cpu_ext.BuildSettingError(
+            f"{PRODUCTS_ENV} is one of {', '.join(map(repr, PRODUCTS))}, not {asked!r}"
+        )
+    return asked if cpu_ext.load().PREFILL_BF16 else "fp32"
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int):
@@ -124,22 +129,26 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: 
     in C++ (`flash_prefill.h`), no [T, S] scores in memory; fp32 -> [B, H, T, D]. Equals
     `kernels.reference.causal_attention` (SDPA) to rounding, its twin in the tests (with bf16
     products, `prefill_products()`, to bf16 rounding of the operands)."""
-    bf16 = prefill_products() == "bf16"
-    return cpu_ext.load().prefill_attention_cpu(q, k, v, start, bf16=bf16)
+    products = prefill_products()
+    return cpu_ext.load().prefill_attention_cpu(q, k, v, start, products=products)
 
 
-def prefill_attention_bf16_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int):
-    """The bf16 products' twin (`flash_bf16.h`): q / sqrt(D), k, v and the probabilities
-    rounded to bf16, the products summed in fp32, the softmax folded over blocks of 64 keys in
-    order as the kernel folds them (each block's probabilities taken against the running max,
-    then rounded). It differs from the kernel by fp32 summation order and its exp polynomial,
-    which may move a probability's bf16 rounding by one step. q [B, H, T, D] at positions
-    start.. over k/v [B, n_kv, S, D]."""
+def prefill_attention_bf16_ref(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scores_bf16: bool = True
+):
+    """The bf16 products' twin (`flash_bf16.h`): q / sqrt(D) and k rounded to bf16 (unless
+    not `scores_bf16`: "bf16-values"), v and the probabilities rounded to bf16, the products
+    summed in fp32, the softmax folded over blocks of 64 keys in order as the kernel folds them
+    (each block's probabilities taken against the running max, then rounded). It differs from
+    the kernel by fp32 summation order and its exp polynomial, which may move a probability's
+    bf16 rounding by one step. q [B, H, T, D] at positions start.. over k/v [B, n_kv, S, D]."""
     B, H, T, D = q.shape
     S, group, block = start + T, H // k.shape[1], 64
     scale = 1 / torch.tensor(float(D)).sqrt()  # (1.f / sqrt(float(D)), as the kernel has it)
-    qs = (q.float() * scale).bfloat16().float()
-    keys = k[:, :, :S].repeat_interleave(group, 1).bfloat16().float()
+    qs = q.float() * scale
+    keys = k[:, :, :S].repeat_interleave(group, 1).float()
+    if scores_bf16:
+        qs, keys = qs.bfloat16().float(), keys.bfloat16().float()
     values = v[:, :, :S].repeat_interleave(group, 1).bfloat16().float()
     scores = qs @ keys.transpose(-1, -2)  # [B, H, T, S]
     visible = torch.arange(start, S)[:, None] >= torch.arange(S)[None, :]

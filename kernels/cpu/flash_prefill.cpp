@@ -15,10 +15,20 @@ struct TorchParallelFor {
 }  // namespace
 
 // q [B, H, T, D] at positions start .. start + T - 1 over k/v [B, n_kv, S, D] (S >= start + T;
-// rows of a head contiguous: the cache's buffers, sliced), fp32 -> [B, H, T, D]. bf16: the
-// products in bf16 (flash_bf16.h) where the build has them.
+// rows of a head contiguous: the cache's buffers, sliced), fp32 -> [B, H, T, D]. products:
+// "fp32", or "bf16" (every product) or "bf16-values" (the value sums) on flash_bf16.h's
+// products, which builds without AVX512-BF16 lack (PREFILL_BF16 false: refused).
 at::Tensor prefill_attention_cpu(at::Tensor q, at::Tensor k, at::Tensor v, int64_t start,
-                                 bool bf16) {
+                                 const std::string& products) {
+  flash::Operands operands = flash::Operands::kFp32;
+  if (products == "bf16")
+    operands = flash::Operands::kBf16;
+  else if (products == "bf16-values")
+    operands = flash::Operands::kBf16Values;
+  else
+    TORCH_CHECK(products == "fp32", "products: 'fp32', 'bf16' or 'bf16-values', not ", products);
+  TORCH_CHECK(operands == flash::Operands::kFp32 || flash::bf16::kAvailable,
+              "bf16 products need a build with AVX512-BF16");
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "q, k, v [B, heads, len, D]");
   TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat &&
                   v.scalar_type() == at::kFloat, "fp32 q, k, v");
@@ -34,7 +44,7 @@ at::Tensor prefill_attention_cpu(at::Tensor q, at::Tensor k, at::Tensor v, int64
   for (int64_t b = 0; b < B; ++b)
     flash::causal(q.data_ptr<float>() + b * H * T * D, H, T, D,
                   k.data_ptr<float>() + b * k.stride(0), v.data_ptr<float>() + b * v.stride(0),
-                  n_kv, k.stride(1), start, out.data_ptr<float>() + b * H * T * D, bf16,
+                  n_kv, k.stride(1), start, out.data_ptr<float>() + b * H * T * D, operands,
                   TorchParallelFor{});
   return out;
 }

@@ -65,15 +65,33 @@ inline vf in_register(const vf& in) {
 #endif
   return v;
 }
-inline float hmax(const vf& v) {
-  float m = v[0];
-  for (int i = 1; i < 16; ++i) m = std::max(m, v[i]);
-  return m;
+// v with its lanes exchanged in pairs of runs of w (w = 8, 4, 2, 1): the steps of a tree
+// reduction. (The scalar loop over 16 lanes it replaces was a 16-long dependency chain in
+// every row's fold: with the sum's, a third of the fold's time in perf.)
+inline vf exchange(const vf& v, int w) {
+#if defined(__clang__) || __GNUC__ >= 12
+#define QSPEC_SHUFFLE(...) __builtin_shufflevector(v, v, __VA_ARGS__)
+#else
+#define QSPEC_SHUFFLE(...) __builtin_shuffle(v, vi{__VA_ARGS__})
+#endif
+  switch (w) {
+    case 8: return QSPEC_SHUFFLE(8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+    case 4: return QSPEC_SHUFFLE(4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+    case 2: return QSPEC_SHUFFLE(2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+    default: return QSPEC_SHUFFLE(1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+  }
+#undef QSPEC_SHUFFLE
 }
-inline float hsum(const vf& v) {
-  float s = 0.f;
-  for (int i = 0; i < 16; ++i) s += v[i];
-  return s;
+inline float hmax(vf v) {
+  for (int w = 8; w >= 1; w /= 2) {
+    const vf o = exchange(v, w);
+    v = v > o ? v : o;
+  }
+  return v[0];
+}
+inline float hsum(vf v) {
+  for (int w = 8; w >= 1; w /= 2) v += exchange(v, w);
+  return v[0];
 }
 
 // exp(x) for x <= 0 (-inf and anything below -87 give 0): n = round(x / ln 2), then
@@ -117,8 +135,9 @@ inline void transpose_keys(const float* k, int64_t S, int64_t D, float* kt) {
 // The online softmax of a score tile's rows t0 .. t0 + ST - 1 (those below `rows`) over the
 // block of keys from k0: masks the keys past each row's position, sets p[r] = exp(s - new max)
 // and rescales the row's running max m, sum l and the factor alpha its accumulator takes.
+// l is kept per lane ([16] a row) and summed across lanes once, in `write`.
 inline void fold(vf sc[ST][NV], int64_t t0, int64_t rows, int64_t pos0, int64_t k0,
-                 float (*p)[KB], float* m, float* l, float* alpha) {
+                 float (*p)[KB], float* m, vf* l, float* alpha) {
   for (int i = 0; i < ST && t0 + i < rows; ++i) {
     const int64_t r = t0 + i, last = pos0 + r;  // this row's newest visible key
     if (k0 + KB - 1 > last) {
@@ -129,14 +148,21 @@ inline void fold(vf sc[ST][NV], int64_t t0, int64_t rows, int64_t pos0, int64_t 
     vf top = sc[i][0];
     for (int c = 1; c < NV; ++c) top = top > sc[i][c] ? top : sc[i][c];
     const float mx = std::max(m[r], hmax(top));  // (key 0 is always visible: finite)
+    const vf vmx = splat(mx);
     vf sum = vf{};
     for (int c = 0; c < NV; ++c) {
-      const vf e = exp_nonpositive(sc[i][c] - mx);
+      const vf e = exp_nonpositive(sc[i][c] - vmx);
       store(p[r] + 16 * c, e);
       sum += e;
     }
-    alpha[r] = std::exp(m[r] - mx);  // 0 for the first block
-    l[r] = l[r] * alpha[r] + hsum(sum);
+    if (mx == m[r]) {  // (most blocks after the first few: exp(0) = 1, the same bits cheaper)
+      alpha[r] = 1.f;
+      l[r] += sum;
+      continue;
+    }
+    const vf a = exp_nonpositive(splat(m[r]) - vmx);  // (0 for the first block: m = -inf)
+    alpha[r] = a[0];
+    l[r] = l[r] * a + sum;
     m[r] = mx;
   }
 }
@@ -147,19 +173,20 @@ template <int64_t D>
 struct Rows {
   alignas(64) float acc[QB][D];
   alignas(64) float p[QB + 4][KB];  // (+ 4: a value group of 3 rows may run past QB)
-  float m[QB], l[QB], alpha[QB];
+  vf l[QB];  // each row's softmax sum, per lane
+  float m[QB], alpha[QB];
   Rows() {
     for (auto& row : p) std::fill(row, row + KB, 0.f);  // (rows past `rows` stay zeros)
     for (int64_t i = 0; i < QB; ++i) {
       std::fill(acc[i], acc[i] + D, 0.f);
       m[i] = -INFINITY;
-      l[i] = 0.f;
+      l[i] = vf{};
       alpha[i] = 0.f;
     }
   }
   void write(int64_t rows, float* out) const {
     for (int64_t i = 0; i < rows; ++i) {
-      const float inv = 1.f / l[i];
+      const float inv = 1.f / hsum(l[i]);
       for (int64_t d = 0; d < D; ++d) out[i * D + d] = acc[i][d] * inv;
     }
   }
@@ -168,7 +195,8 @@ struct Rows {
 // The fp32 products: keys [blocks][D][KB] (transpose_keys), values the rows [S, D] as they
 // are (a block's: D KB floats from key k0's row).
 struct Fp32 {
-  using E = float;  // the queries', keys' and values' element type
+  using E = float;  // the queries' and keys' element type
+  using V = float;  // the values'
   // A score tile's sc[i] += q_i . keys of the block kb: q the tile's rows [ST, D].
   template <int64_t D>
   static void scores(const float* q, const float* kb, vf (&sc)[ST][NV]) {
@@ -214,7 +242,7 @@ struct Fp32 {
 // values as P lays them out, D KB entries a block of KB keys; out rows [rows, D].
 template <int DV, class P>
 void unit(const typename P::E* qs, int64_t rows, int64_t pos0, const typename P::E* kt,
-          const typename P::E* v, float* out) {
+          const typename P::V* v, float* out) {
   using E = typename P::E;
   constexpr int64_t D = 16 * DV;
   Rows<D> s;
@@ -225,7 +253,7 @@ void unit(const typename P::E* qs, int64_t rows, int64_t pos0, const typename P:
   const int64_t blocks = (end + KB - 1) / KB;
   for (int64_t b = 0; b < blocks; ++b) {
     const E* kb = kt + b * D * KB;
-    const E* vb = v + b * D * KB;
+    const typename P::V* vb = v + b * D * KB;
     const int64_t k0 = b * KB;
     for (int64_t t0 = 0; t0 < rows; t0 += ST) {
       vf sc[ST][NV];
@@ -259,7 +287,7 @@ inline bool supported(int64_t D) { return D == 64 || D == 80 || D == 96 || D == 
 
 template <class P>
 inline void run_unit(int64_t D, const typename P::E* qs, int64_t rows, int64_t pos0,
-                     const typename P::E* kt, const typename P::E* v, float* out) {
+                     const typename P::E* kt, const typename P::V* v, float* out) {
   switch (D) {
     case 64: unit<4, P>(qs, rows, pos0, kt, v, out); break;
     case 80: unit<5, P>(qs, rows, pos0, kt, v, out); break;
@@ -272,28 +300,33 @@ inline void run_unit(int64_t D, const typename P::E* qs, int64_t rows, int64_t p
 #include "flash_bf16.h"  // (the bf16 products: after the helpers they share)
 namespace flash {
 
+// The products a prefill's attention runs on: all fp32 (Fp32), all bf16 (bf16::Products), or
+// fp32 scores with bf16 value sums (bf16::ValueProducts). What each rounds: flash_bf16.h.
+enum class Operands { kFp32, kBf16, kBf16Values };
+
 // One batch item: q [H, T, D] (contiguous) at positions start .. start + T - 1 over the rows
-// of k/v (kv head g's row j at k + g * head_stride + j D, for j < start + T) -> out [H, T, D].
-// BF16: the bf16 dot products of flash_bf16.h (kBf16 builds only). parallel_for(begin, end,
-// grain, fn) as in int_dot.h.
-template <bool BF16, class For>
+// of k/v (kv head g's row j at k + g * head_stride + j D, for j < start + T) -> out [H, T, D],
+// on the products P. parallel_for(begin, end, grain, fn) as in int_dot.h.
+template <class P, class For>
 void causal_on(const float* q, int64_t H, int64_t T, int64_t D, const float* k, const float* v,
                int64_t n_kv, int64_t head_stride, int64_t start, float* out,
                const For& parallel_for) {
-  using P = std::conditional_t<BF16, bf16::Products, Fp32>;
-  using E = typename P::E;  // the kernel's keys, values, queries
+  using E = typename P::E;  // the queries' and keys' element type
+  using V = typename P::V;  // the values'
+  constexpr bool kBf16Keys = std::is_same_v<E, uint16_t>, kBf16Values = std::is_same_v<V, uint16_t>;
   const int64_t group = H / n_kv, end = start + T, key_blocks = (end + KB - 1) / KB;
   const int64_t per_head = key_blocks * D * KB;
-  // each kv head's keys (and with BF16 its values) laid out for the unit, once per call
-  std::vector<E> kt(n_kv * per_head), vt(BF16 ? n_kv * per_head : 0);
+  // each kv head's keys (and bf16 values) laid out for the unit, once per call
+  std::vector<E> kt(n_kv * per_head);
+  std::vector<V> vt(kBf16Values ? n_kv * per_head : 0);
   parallel_for(0, n_kv, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
-      if constexpr (BF16) {
+      if constexpr (kBf16Keys)
         bf16::pair_keys(k + g * head_stride, end, D, kt.data() + g * per_head);
-        bf16::pair_values(v + g * head_stride, end, D, vt.data() + g * per_head);
-      } else {
+      else
         transpose_keys(k + g * head_stride, end, D, kt.data() + g * per_head);
-      }
+      if constexpr (kBf16Values)
+        bf16::pair_values(v + g * head_stride, end, D, vt.data() + g * per_head);
     }
   });
   const float scale = 1.f / std::sqrt(float(D));
@@ -308,28 +341,35 @@ void causal_on(const float* q, int64_t H, int64_t T, int64_t D, const float* k, 
       const float* qp = q + (h * T + r0) * D;
       float* o = out + (h * T + r0) * D;
       std::fill(qs.begin(), qs.end(), E{});
-      const E* values;  // (bf16: paired; fp32: the rows as they are)
-      if constexpr (BF16) {
+      if constexpr (kBf16Keys) {
         for (int64_t i = 0; i < rows * D; ++i) qs[i] = bf16::round(qp[i] * scale);
-        values = vt.data() + g * per_head;
       } else {
         for (int64_t i = 0; i < rows * D; ++i) qs[i] = qp[i] * scale;
-        values = v + g * head_stride;
       }
+      const V* values;  // (bf16: paired; fp32: the rows as they are)
+      if constexpr (kBf16Values)
+        values = vt.data() + g * per_head;
+      else
+        values = v + g * head_stride;
       run_unit<P>(D, qs.data(), rows, start + r0, kt.data() + g * per_head, values, o);
     }
   });
 }
 
+// Operands other than kFp32 need bf16::kAvailable (the caller checks; elsewhere: fp32).
 template <class For>
 void causal(const float* q, int64_t H, int64_t T, int64_t D, const float* k, const float* v,
-            int64_t n_kv, int64_t head_stride, int64_t start, float* out, bool use_bf16,
+            int64_t n_kv, int64_t head_stride, int64_t start, float* out, Operands operands,
             const For& parallel_for) {
   if constexpr (bf16::kAvailable) {
-    if (use_bf16) return causal_on<true>(q, H, T, D, k, v, n_kv, head_stride, start, out,
-                                         parallel_for);
+    if (operands == Operands::kBf16)
+      return causal_on<bf16::Products>(q, H, T, D, k, v, n_kv, head_stride, start, out,
+                                       parallel_for);
+    if (operands == Operands::kBf16Values)
+      return causal_on<bf16::ValueProducts>(q, H, T, D, k, v, n_kv, head_stride, start, out,
+                                            parallel_for);
   }
-  causal_on<false>(q, H, T, D, k, v, n_kv, head_stride, start, out, parallel_for);
+  causal_on<Fp32>(q, H, T, D, k, v, n_kv, head_stride, start, out, parallel_for);
 }
 
 }  // namespace flash

@@ -65,8 +65,9 @@ void bind_kv_cache(py::module& m) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("prefill_attention_cpu", &prefill_attention_cpu, "tiled causal prefill attention (CPU)",
-        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("start"), py::arg("bf16") = false);
-  m.attr("PREFILL_BF16") = flash::bf16::kAvailable;  // whether bf16=True changes anything
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("start"),
+        py::arg("products") = "fp32");
+  m.attr("PREFILL_BF16") = flash::bf16::kAvailable;  // whether the bf16 products exist
   m.def("dequantize_planes_cpu", &dequantize_planes_cpu, "KV planes -> fp32 rows (CPU)");
   m.def("linear_rows_cpu", &linear_rows_cpu, "x W^T + b for a step's rows (CPU, fp32 x)");
   m.def("int8_rows_cpu", &int8_rows_cpu, "x (s q)^T + b, int8 weights, fp32 x (CPU)");

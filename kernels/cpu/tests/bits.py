@@ -116,9 +116,10 @@ def _small_ops(ext, g, out):
             v = torch.randn(1, 2, start + T + 5, D, generator=g)
             out[f"prefill D{D} T{T} s{start}"] = ext.prefill_attention_cpu(q, k, v, start)
             if ext.PREFILL_BF16:  # (builds with AVX512-BF16: flash_bf16.h's unit)
-                out[f"prefill bf16 D{D} T{T} s{start}"] = ext.prefill_attention_cpu(
-                    q, k, v, start, True
-                )
+                for products in ("bf16", "bf16-values"):
+                    out[f"prefill {products} D{D} T{T} s{start}"] = ext.prefill_attention_cpu(
+                        q, k, v, start, products
+                    )
 
 
 def save(path: str) -> None:
