@@ -111,6 +111,25 @@ def test_verify_cost_is_a_line_through_the_row_counts_timed():
     assert planner.verify_seconds(9) == pytest.approx(3.0)
 
 
+def test_one_slow_verify_does_not_tilt_the_line():
+    """Plain steps at 8 ms and verifies of 2-6 rows at 8 + 0.8 (m - 1) ms, then one 7-row
+    verify at 24 ms (a preemption): a least-squares line put v(1) at 6 ms and the slope at
+    2 ms a row, and a lookup at 27% acceptance then lost to plain steps for the rest of the
+    answer. Anchored at v(1) with the median slope, the line stays where the rows put it."""
+    planner = RoundPlanner(limit=15)
+    planner.record("draft", 2, 0, 0.014, 0.0096, [0.007, 0.007])
+    for _ in range(20):
+        planner.record("draft", 0, 0, 0.0, 0.008)
+    for k in range(1, 6):
+        planner.record("lookup", k, 0, 0.0, 0.008 + 0.0008 * k)
+    planner.record("lookup", 6, 1, 0.0, 0.024)
+    assert planner.verify_seconds(1) == pytest.approx(0.008)
+    assert planner.verify_seconds(3) == pytest.approx(0.0096)
+    for _ in range(3):  # a few good lookups after the poor ones
+        planner.record("lookup", 2, 2, 0.0, 0.0088)
+    assert planner.plan({"lookup": 4, "draft": 15})[0] == "lookup"
+
+
 def test_a_slow_first_round_is_forgotten():
     """The first 4-bit round pays for lazy weight packing (or kernel compilation on a GPU):
     100 s a step here. It must not keep the planner from drafting once steps are cheap."""

@@ -55,7 +55,8 @@ inline void pair_keys(const float* k, int64_t S, int64_t D, uint16_t* out) {
 }
 
 // Values [S, D] -> [ceil(S / KB)][KB / 2][D][2]. (With AVX512-BF16, 16 dims of two keys a
-// step: `round` an element at a time was 7% of a 16k-key call.)
+// step: `round` an element at a time was 7% of a 16k-key call. `vcvtneps2bf16` flushes
+// subnormal inputs to zero, which `round` does not: values below 1e-38 are zeros here.)
 inline void pair_values(const float* v, int64_t S, int64_t D, uint16_t* out) {
 #if defined(__AVX512BF16__) && defined(QSPEC_AVX512_VNNI)
   if (D % 16 == 0) {
@@ -140,10 +141,10 @@ struct Products {
   }
 };
 
-// fp32 scores (Fp32's: queries and keys as they are), bf16 value sums (Products'): the
-// scores, whose rounding moves the softmax most, stay exact to fp32; what is rounded is the
-// probabilities and the values, each a relative 2^-9 at most, and the value sums take half
-// the multiply-adds.
+// fp32 scores (Fp32's: queries and keys as they are), bf16 value sums (Products'): only the
+// probabilities and the values are rounded (a relative 2^-9 each at most), and the value
+// sums take half the multiply-adds. Measured on an 8k prefill it still moved the next-token
+// distribution by half of what all-bf16 products do (docs/PERF.md), so it is opt-in too.
 struct ValueProducts : Products {
   using E = float;
   template <int64_t D>

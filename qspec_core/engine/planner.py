@@ -7,9 +7,12 @@ one row is a plain target step). Which one pays depends on the machine and the c
 decoding; on a GPU, or at 32k where the INT4 KV view pays, drafting wins. So the planner
 measures, while decoding:
   - the seconds of a draft step, d;
-  - the seconds of a verify of m rows, v(m), fitted as a + b (m - 1) over the row counts seen
-    (each time the lower median of its last 16 observations: the first rounds pay for lazy
-    weight packing or kernel compilation, which a mean would carry for hundreds of rounds);
+  - the seconds of a verify of m rows, v(m), a line a + b (m - 1) through the row counts seen
+    (each the lower median of its last 16 observations: the first rounds pay for lazy weight
+    packing or kernel compilation, which a mean would carry for hundreds of rounds): once
+    plain steps are timed, a = v(1) and b the lower median of the slopes from it to each other
+    count, so that one slow verify of a count timed once does not tilt the line (it did: a
+    7-row verify at 3x its time cut v(1) to 75% and then priced every lookup out);
   - per draft source, the acceptance a of a drafted token that was tested (the tokens up to
     and including the first rejection);
 and picks the option with the most expected tokens per second:
@@ -138,8 +141,9 @@ class RoundPlanner:
         return None if line is None else line(rows)
 
     def verify_line(self):
-        """v as a function of the rows: the least-squares line through the typical time of each
-        row count seen (never falling with more rows), or None before any verify."""
+        """v as a function of the rows (never falling with more rows), or None before any
+        verify: through v(1) with the lower median of the slopes to the other row counts once
+        plain steps are timed, else the least-squares line through the counts seen."""
         seen = [(m, r.value) for m, r in self.verify.items() if r.value is not None]
         if not seen:
             return None
@@ -147,6 +151,11 @@ class RoundPlanner:
             m0, v0 = seen[0]
             base = v0 / (1 + SLOPE_PRIOR * (m0 - 1))
             return lambda rows: base * (1 + SLOPE_PRIOR * (rows - 1))
+        plain = dict(seen).get(1)
+        if plain is not None:
+            slopes = sorted((v - plain) / (m - 1) for m, v in seen if m > 1)
+            slope = max(0.0, slopes[(len(slopes) - 1) // 2])
+            return lambda rows: plain + slope * (rows - 1)
         n = len(seen)
         mx = sum(m for m, _ in seen) / n
         my = sum(v for _, v in seen) / n
