@@ -58,9 +58,7 @@ def test_bf16_products_match_their_twin_and_sdpa_to_bf16_rounding(
     monkeypatch.setenv(cpu_attention.PRODUCTS_ENV, products)
     assert cpu_attention.prefill_products() == products
     got = cpu_attention.prefill_attention(q, k, v, start)
-    twin = cpu_attention.prefill_attention_bf16_ref(
-        q, k, v, start, scores_bf16=products == "bf16"
-    )
+    twin = cpu_attention.prefill_attention_bf16_ref(q, k, v, start, scores_bf16=products == "bf16")
     torch.testing.assert_close(got, twin, rtol=1e-3, atol=2e-3)  # (a bf16 step: 2^-8)
     assert (got - twin).abs().mean() < 2e-5  # (almost every value to fp32 summation order)
     exact = causal_attention(q, k, v, torch.arange(start, start + T))
