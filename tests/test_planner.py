@@ -5,6 +5,7 @@ import pytest
 
 from qspec_core.engine.planner import (
     EXPLORE_EVERY,
+    RETRY_FREE,
     START_GAMMA,
     RoundPlanner,
     expected_tokens,
@@ -128,6 +129,23 @@ def test_one_slow_verify_does_not_tilt_the_line():
     for _ in range(3):  # a few good lookups after the poor ones
         planner.record("lookup", 2, 2, 0.0, 0.0088)
     assert planner.plan({"lookup": 4, "draft": 15})[0] == "lookup"
+
+
+def test_a_lookup_priced_out_is_tried_again_for_one_token():
+    """Lookups at 10% acceptance lose to plain steps; after RETRY_FREE offers passed over,
+    one token is tried (a 2-row verify), and once it is accepted often they win again."""
+    planner = RoundPlanner(limit=15)
+    planner.record("draft", 2, 0, 0.014, 0.0112, [0.008, 0.008])
+    for _ in range(10):  # each verify row 20% of a plain step
+        planner.record("draft", 0, 0, 0.0, 0.008)
+        planner.record("lookup", 4, 0, 0.0, 0.0144)
+    plans = [planner.plan(offers(4)) for _ in range(RETRY_FREE + 1)]
+    assert plans[:RETRY_FREE] == [("draft", 0)] * RETRY_FREE
+    assert plans[-1] == ("lookup", 1)
+    assert planner.plan(offers(0)) == ("draft", 0)  # (nothing offered: nothing counted)
+    for _ in range(8):
+        planner.record("lookup", 1, 1, 0.0, 0.0088)
+    assert planner.plan(offers(4))[0] == "lookup"
 
 
 def test_a_slow_first_round_is_forgotten():

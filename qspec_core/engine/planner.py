@@ -21,6 +21,11 @@ and picks the option with the most expected tokens per second:
 The 4-bit path's acceptance is measured only where it drafts, so every EXPLORE_EVERY rounds
 without it, it is tried again, but only where it could win at OPTIMISM more acceptance than
 measured: on a CPU where its step costs most of a target step, no round is spent on it.
+A free source (the lookup) that has been offered and passed over RETRY_FREE times in a row is
+tried for one token: its acceptance changes along a text (a licence's summary copies nothing
+for 100 tokens, then whole clauses), and a decode that recalled steep verify timings from an
+earlier document (`from_costs`) would otherwise never time a 2-row verify again. One try
+costs one verify row, about a tenth of a step, every RETRY_FREE + 1 rounds at worst.
 A choice depends only on the past, so every round stays an exact speculative round: greedy
 output is target-ar's and sampled output follows the target's law whatever the planner picks.
 
@@ -44,6 +49,7 @@ SLOPE_PRIOR = 0.1  # v(m) = v(1) (1 + 0.1 (m - 1)) until two row counts have bee
 EXPLORE_EVERY = 32  # rounds without a 4-bit draft before one may be tried again
 OPTIMISM = 0.1  # acceptance added to the 4-bit path's when deciding whether to try it again
 START_GAMMA = 2  # the first round drafts this many on the 4-bit path, to time a step
+RETRY_FREE = 8  # offers of a free source passed over before it is tried for one token
 
 
 def expected_tokens(acceptance: float, k: int) -> float:
@@ -104,6 +110,7 @@ class RoundPlanner:
     tested: dict[str, _Decayed] = field(default_factory=dict)  # source -> drafts tested
     accepted: dict[str, _Decayed] = field(default_factory=dict)  # source -> drafts accepted
     rounds_since_draft: int = 0
+    passed_over: int = 0  # free-source offers passed over in a row
 
     @classmethod
     def from_costs(cls, limit: int, costs: StepCosts | None, context: int) -> RoundPlanner:
@@ -179,6 +186,14 @@ class RoundPlanner:
             k, rate = _best_length(self.acceptance(source), step, v, 0 if stepped else 1, most)
             if rate > best_rate:
                 best, best_rate = (source, k), rate
+        free = [name for name in sorted(offers) if name != "draft" and offers[name] > 0]
+        if best[0] != "draft":
+            self.passed_over = 0
+        elif free:
+            self.passed_over += 1
+            if self.passed_over > RETRY_FREE:
+                self.passed_over = 0
+                return free[0], 1
         if best[0] == "draft" and best[1] or self.rounds_since_draft < EXPLORE_EVERY:
             return best
         # Time to try the 4-bit path again (its acceptance may have moved), but only where it
