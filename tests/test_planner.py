@@ -148,6 +148,15 @@ def test_a_lookup_priced_out_is_tried_again_for_one_token():
     assert planner.plan(offers(4))[0] == "lookup"
 
 
+def test_no_lookup_retry_displaces_a_draft_that_pays():
+    """Where the 4-bit path wins (a cheap draft, 90% accepted), a lookup that loses is not
+    forced in every RETRY_FREE rounds: the retry is priced against plain steps only."""
+    planner = RoundPlanner(limit=15)
+    feed(planner, 3, 0.1, lambda m: 1.0, {"draft": 0.9, "lookup": 0.0})
+    plans = [planner.plan(offers(4)) for _ in range(3 * RETRY_FREE)]
+    assert all(source == "draft" and k >= 1 for source, k in plans)
+
+
 def test_a_slow_first_round_is_forgotten():
     """The first 4-bit round pays for lazy weight packing (or kernel compilation on a GPU):
     100 s a step here. It must not keep the planner from drafting once steps are cheap."""

@@ -21,11 +21,12 @@ and picks the option with the most expected tokens per second:
 The 4-bit path's acceptance is measured only where it drafts, so every EXPLORE_EVERY rounds
 without it, it is tried again, but only where it could win at OPTIMISM more acceptance than
 measured: on a CPU where its step costs most of a target step, no round is spent on it.
-A free source (the lookup) that has been offered and passed over RETRY_FREE times in a row is
-tried for one token: its acceptance changes along a text (a licence's summary copies nothing
-for 100 tokens, then whole clauses), and a decode that recalled steep verify timings from an
-earlier document (`from_costs`) would otherwise never time a 2-row verify again. One try
-costs one verify row, about a tenth of a step, every RETRY_FREE + 1 rounds at worst.
+A free source (the lookup) that has been offered and passed over for plain steps RETRY_FREE
+times in a row is tried for one token: its acceptance changes along a text (a licence's
+summary copies nothing for 100 tokens, then whole clauses), and a decode that recalled steep
+verify timings from an earlier document (`from_costs`) would otherwise never time a 2-row
+verify again. One try costs one verify row, about a tenth of a step, every RETRY_FREE + 1
+rounds at worst.
 A choice depends only on the past, so every round stays an exact speculative round: greedy
 output is target-ar's and sampled output follows the target's law whatever the planner picks.
 
@@ -186,10 +187,11 @@ class RoundPlanner:
             k, rate = _best_length(self.acceptance(source), step, v, 0 if stepped else 1, most)
             if rate > best_rate:
                 best, best_rate = (source, k), rate
+        # (counted against plain steps only: where the 4-bit path wins, its rounds pay more)
         free = [name for name in sorted(offers) if name != "draft" and offers[name] > 0]
         if best[0] != "draft":
             self.passed_over = 0
-        elif free:
+        elif free and not best[1] and self.limit >= 1:
             self.passed_over += 1
             if self.passed_over > RETRY_FREE:
                 self.passed_over = 0
