@@ -69,6 +69,11 @@ def _best_length(acceptance: float, step: float, verify, lo: int, hi: int) -> tu
     return best
 
 
+def _lower_median(values) -> float:
+    ordered = sorted(values)
+    return ordered[(len(ordered) - 1) // 2]
+
+
 class _Recent:
     """The lower median of the last RECENT values: robust to a slow first call."""
 
@@ -83,10 +88,7 @@ class _Recent:
 
     @property
     def value(self) -> float | None:
-        if not self.values:
-            return None
-        ordered = sorted(self.values)
-        return ordered[(len(ordered) - 1) // 2]
+        return _lower_median(self.values) if self.values else None
 
 
 @dataclass
@@ -161,8 +163,7 @@ class RoundPlanner:
             return lambda rows: base * (1 + SLOPE_PRIOR * (rows - 1))
         plain = dict(seen).get(1)
         if plain is not None:
-            slopes = sorted((v - plain) / (m - 1) for m, v in seen if m > 1)
-            slope = max(0.0, slopes[(len(slopes) - 1) // 2])
+            slope = max(0.0, _lower_median((v - plain) / (m - 1) for m, v in seen if m > 1))
             return lambda rows: plain + slope * (rows - 1)
         n = len(seen)
         mx = sum(m for m, _ in seen) / n
@@ -188,11 +189,11 @@ class RoundPlanner:
             if rate > best_rate:
                 best, best_rate = (source, k), rate
         # (counted against plain steps only: where the 4-bit path wins, its rounds pay more)
-        free = [name for name in sorted(offers) if name != "draft" and offers[name] > 0]
         if best[0] != "draft":
             self.passed_over = 0
-        elif free and not best[1] and self.limit >= 1:
-            self.passed_over += 1
+        elif not best[1] and self.limit >= 1:
+            free = [name for name in sorted(offers) if name != "draft" and offers[name] > 0]
+            self.passed_over += bool(free)
             if self.passed_over > RETRY_FREE:
                 self.passed_over = 0
                 return free[0], 1
