@@ -1,10 +1,12 @@
 """`qspec bench`: parsing and refusals, interleaving, pair-wise speedups, the report's schema and
 its internal consistency (tiny model), and a short real-model smoke run."""
 
+import copy
 import json
 import statistics
 
 import pytest
+import torch
 from test_cli import assert_user_error, run_qspec
 
 from qspec_core.bench.bandwidth import path_weight_bytes, read_bandwidth
@@ -20,6 +22,7 @@ from qspec_core.bench.runner import (
 from qspec_core.errors import QspecError
 from qspec_core.model.transformer import linear_layers
 from qspec_core.registry.runtime import load_runtime
+from qspec_core.runner.layouts import WeightLayouts
 
 MODE_KEYS = {
     "about", "target_weights", "prompt_tokens", "new_tokens", "prefill_tokens_per_s", "ttft_s",
@@ -160,6 +163,15 @@ def test_step_bytes_follow_the_weight_set(tiny_runtime):
     assert path_weight_bytes(model, "int8") >= int8  # (+ biases, where there are)
     assert path_weight_bytes(model, "int4") < path_weight_bytes(model, "int8") < full
     assert 1e8 < read_bandwidth(mib=8, repeats=2)  # bytes/s: no machine reads under 100 MB/s
+    # where the runner reads bf16 copies of bf16-valued fp32 weights: 2 bytes a weight there
+    model = copy.deepcopy(model)
+    head = model.lm_head.weight
+    with torch.no_grad():
+        head.copy_(head.bfloat16().float())  # (the head alone: the others stay fp32 numbers)
+    assert (
+        path_weight_bytes(model, "full", WeightLayouts(bf16_rows=True)) == full - 2 * head.numel()
+    )
+    assert path_weight_bytes(model, "full", WeightLayouts(bf16_rows=False)) == full
 
 
 def test_speedup_pairs_repeat_i_with_repeat_i():

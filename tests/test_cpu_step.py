@@ -241,3 +241,40 @@ def test_the_runtime_builds_a_new_runner_when_it_moves_the_model():
         want = model(ids, torch.arange(4), _full(model), FP)
     assert out.dtype == torch.float32 and _used(runtime.runner, FP)
     torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
+
+
+def _bf16_valued(model):
+    """`model` with every fp32 weight rounded to a bf16 number (a bf16 checkpoint in fp32)."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.bfloat16().float())
+    return model
+
+
+def test_bf16_valued_weights_are_read_as_bf16_copies_with_the_same_bits():
+    """A bf16 checkpoint loaded in fp32 (SmolLM2, Qwen2.5): the stack and the row kernels of
+    the layer loop and the head read bf16 copies of the full-precision weights (half the
+    bytes; `runner/layouts.py`) and give the fp32 weights' bits, on a full cache and over the
+    hierarchical one; an in-place change to a weight shows at the next step, its copy no
+    longer read."""
+    ext = cpu_ext.load()
+    model = _bf16_valued(_model(seed=11))
+    runner, loop = _runners(model)
+    plain = CpuRunner(model, ext)
+    plain.ops.layouts.bf16_rows = False  # (the fp32 weights only)
+    ids = torch.randint(0, 101, (1, 150), generator=torch.Generator().manual_seed(12))
+    n_proj = 7 * len(model.layers)
+    copies = n_proj if ext.BF16_WEIGHT_ROWS else 0  # (vector builds only: layouts.py)
+    for make, path in ((_full, FP), (_hier, TARGET), (_hier, DRAFT_KV4)):
+        want = _rounds(plain, make(model), path, ids, STEPS)
+        assert torch.equal(_rounds(runner, make(model), path, ids, STEPS), want)
+        assert torch.equal(_rounds(loop, make(model), path, ids, STEPS), want)
+    assert runner.stack("full").compact_count() == copies
+    assert plain.stack("full").compact_count() == 0
+    assert (runner.ops.layouts.bf16(model.lm_head) is not None) == bool(copies)
+    with torch.no_grad():  # (no longer bf16 numbers)
+        model.layers[0].mlp.down_proj.weight.add_(1e-3 * torch.rand(1).item() + 1e-4)
+    assert runner.stack("full").compact_count() == max(copies - 1, 0)
+    want = _rounds(plain, _hier(model), TARGET, ids, STEPS[:6])
+    assert torch.equal(_rounds(runner, _hier(model), TARGET, ids, STEPS[:6]), want)
+    assert torch.equal(_rounds(loop, _hier(model), TARGET, ids, STEPS[:6]), want)

@@ -142,3 +142,32 @@ def test_layers_of_one_input_compute_as_one_at_a_time(rows, measured, monkeypatc
         assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
     fused = rows > table.MAX_ROWS and measured == "rows"
     assert one_call == ([1, 1] if fused else [])  # (never for the 4-bit twins: W4A8)
+
+
+@pytest.mark.skipif(not cpu_ext.available(), reason="C++ kernels not built")
+def test_a_bf16_valued_weight_runs_from_its_bf16_copy_with_the_same_bits():
+    """`WeightLayouts.bf16` (`runner/layouts.py`): a copy only of an fp32 weight whose numbers
+    are all bf16 numbers, made again after an in-place change; the step kernel on the copy gives
+    the fp32 weight's bits (1..17 rows, with a bias and a K % 8 tail); a prefill never reads it."""
+    from qspec_core.runner.layouts import WeightLayouts, bf16_copy
+
+    g = torch.Generator().manual_seed(3)
+    layer = Linear(100, 37, bias=True)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(37, 100, generator=g).bfloat16().float())
+    layouts = WeightLayouts(bf16_rows=bool(cpu_ext.load().BF16_WEIGHT_ROWS))
+    copy = layouts.bf16(layer)
+    assert (copy is not None) == layouts.bf16_rows
+    assert layouts.bf16(layer) is copy  # (made once)
+    for rows in (1, 5, 17, 18):
+        x = torch.randn(rows, 100, generator=g)
+        got = table.run_linear(layer, x, "full", _never, layouts)
+        assert torch.equal(got, table.run_linear(layer, x, "full", _never, None)), rows
+    assert WeightLayouts(bf16_rows=False).bf16(layer) is None
+    with torch.no_grad():
+        layer.weight[3, 7] += 2.0**-20  # (no longer a bf16 number)
+    assert layouts.bf16(layer) is None and bf16_copy(layer.weight) is None
+    assert bf16_copy(layer.weight.double()) is None
+    with torch.no_grad():
+        layer.weight.copy_(layer.weight.bfloat16().float())
+    assert (layouts.bf16(layer) is not None) == layouts.bf16_rows

@@ -2,27 +2,11 @@
 #include <ATen/ATen.h>
 
 #include "kernels.h"  // (the declarations these definitions must match)
-#include "linear.h"
+#include "linear_torch.h"
 #include <ATen/Parallel.h>
 
 #include <cstdint>
 
-namespace rowlinear {  // torch's 16-bit floats as weights
-template <>
-struct Weight<c10::BFloat16> {
-  static float f32(c10::BFloat16 w) { return static_cast<float>(w); }
-  static simd::F8 load8(const c10::BFloat16* p) {
-    return simd::load8_bf16(reinterpret_cast<const uint16_t*>(p));
-  }
-};
-template <>
-struct Weight<c10::Half> {
-  static float f32(c10::Half w) { return static_cast<float>(w); }
-  static simd::F8 load8(const c10::Half* p) {
-    return simd::load8_fp16(reinterpret_cast<const uint16_t*>(p));
-  }
-};
-}  // namespace rowlinear
 
 namespace {
 

@@ -107,7 +107,7 @@ inline void rows_block(const float* __restrict x, const W* __restrict w, int64_t
 // order of each output's sum, hence its bits, does not depend on NR.
 template <int M>
 constexpr int block_rows() {
-  if constexpr (simd::kF8Registers >= 32 && M <= 4) {
+  if constexpr (simd::kF8Registers >= 32) {
     constexpr int fit = (simd::kF8Registers - 6) / (M + 1);
     return fit > 8 ? 8 : fit;
   }

@@ -4,6 +4,7 @@
 #include "kernels.h"
 #include "flash_prefill.h"  // (bf16::kAvailable)
 #include "int_gemm.h"  // (kAvailable)
+#include "isa.h"  // (simd::kVectorF8)
 
 namespace py = pybind11;
 
@@ -70,6 +71,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("PREFILL_BF16") = flash::bf16::kAvailable;  // whether the bf16 products exist
   m.def("dequantize_planes_cpu", &dequantize_planes_cpu, "KV planes -> fp32 rows (CPU)");
   m.def("linear_rows_cpu", &linear_rows_cpu, "x W^T + b for a step's rows (CPU, fp32 x)");
+  // whether bf16 weights give their fp32 upcast's bits on the row kernels (vector builds; the
+  // portable loop may vectorize each weight type its own way)
+  m.attr("BF16_WEIGHT_ROWS") = simd::kVectorF8;
   m.def("int8_rows_cpu", &int8_rows_cpu, "x (s q)^T + b, int8 weights, fp32 x (CPU)");
   m.attr("MAX_STEP_ROWS") = kMaxStepRows;
   // whether a prefill's W8A8 rows sum each chunk in one lane (int_gemm.h), not as a step does

@@ -25,7 +25,7 @@
 #include "int4_dot.h"
 #include "int_dot.h"
 #include "kernels.h"
-#include "linear.h"
+#include "linear_torch.h"
 #include "norm_rope.h"
 #include "team.h"
 
@@ -38,8 +38,18 @@ namespace {
 // on the team's threads; the tensors are checked and made contiguous fp32 when added.
 struct Projection {
   at::Tensor weight, packed, scale, zero, int8, bias;
+  // `weight` as bf16, where its fp32 numbers are bf16 numbers (a bf16 checkpoint loaded in
+  // fp32): the same bits for half the bytes read, for as long as `weight` is unchanged
+  // (`compact_version`: its version counter when copied; `use_compact`: set per forward)
+  at::Tensor compact;
+  uint32_t compact_version = 0;
+  bool use_compact = false;
   int64_t group_size = 0, N = 0, K = 0;
   bool a8 = false;
+
+  // Whether this forward reads `compact`: not after an in-place change to `weight` (the
+  // change shows at the next step, as with the fp32 weights alone).
+  void check_compact() { use_compact = compact.defined() && weight._version() == compact_version; }
 
   const float* bias_ptr() const { return bias.defined() ? bias.data_ptr<float>() : nullptr; }
 
@@ -56,6 +66,9 @@ struct Projection {
       if (int8.defined())
         rowlinear::rows(x, int8.data_ptr<int8_t>(), scale.data_ptr<float>(), bias_ptr(), out, M,
                         K, N, f);
+      else if (use_compact)
+        rowlinear::rows(x, compact.data_ptr<c10::BFloat16>(), nullptr, bias_ptr(), out, M, K, N,
+                        f);
       else
         rowlinear::rows(x, weight.data_ptr<float>(), nullptr, bias_ptr(), out, M, K, N, f);
     } else if (f.id() == 0) {
@@ -90,13 +103,34 @@ class DecoderStack {
       : H_(n_heads), n_kv_(n_kv_heads), D_(head_dim), eps_(eps) {}
 
   // The next projection of the layer being built, in the order q, k, v, o, gate, up, down.
-  void add_linear(at::Tensor weight, c10::optional<at::Tensor> bias) {
+  // compact: `weight` as bf16, holding the same numbers (the caller checked), read instead of
+  // it while `weight` is unchanged; vector builds only (Projection::run: the portable loop's
+  // bits may depend on the weight type)
+  void add_linear(at::Tensor weight, c10::optional<at::Tensor> bias,
+                  c10::optional<at::Tensor> compact) {
     TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous(),
                 "fp32 contiguous weights only");
     Projection p;
     p.weight = weight, p.bias = fp32_or_undefined(bias);
     p.N = weight.size(0), p.K = weight.size(1);
+    if (simd::kVectorF8 && compact.has_value() && compact->defined()) {
+      TORCH_CHECK(compact->scalar_type() == at::kBFloat16 && compact->is_contiguous() &&
+                      compact->sizes() == weight.sizes(),
+                  "compact: bf16 contiguous, the weight's shape");
+      p.compact = *compact, p.compact_version = weight._version();
+    }
     pending_.push_back(p);
+  }
+
+  // How many projections read a bf16 copy in the next forward (tests, the bench's byte count).
+  int64_t compact_count() {
+    int64_t n = 0;
+    for (Layer& L : layers_)
+      for (Projection* p : {&L.q, &L.k, &L.v, &L.o, &L.gate, &L.up, &L.down}) {
+        p->check_compact();
+        n += p->use_compact;
+      }
+    return n;
   }
 
   void add_int4_linear(at::Tensor packed, at::Tensor scale, at::Tensor zero,
@@ -173,9 +207,10 @@ class DecoderStack {
     const int64_t B = x.size(0), T = x.size(1), M = B * T, hidden = x.size(2);
     TORCH_CHECK(size() == 0 || layers_[0].q.K == hidden, "x [B, T, hidden] of the layers' size");
     int64_t inter = 0;
-    for (const Layer& L : layers_) {
+    for (Layer& L : layers_) {
       TORCH_CHECK(!L.q.packed.defined() || M <= 8, "the W4A8 draft layers take at most 8 rows");
       inter = std::max(inter, L.gate.N);
+      for (Projection* p : {&L.q, &L.k, &L.v, &L.o, &L.gate, &L.up, &L.down}) p->check_compact();
     }
     // every buffer the team writes, made before it starts (its threads only run kernels)
     auto h = at::empty({M, hidden}, at::kFloat), y = at::empty({M, hidden}, at::kFloat);
@@ -268,7 +303,9 @@ void bind_decoder_stack(pybind11::module& m) {
   pybind11::class_<DecoderStack>(m, "DecoderStack",
                                  "one path's decoder layers, run in one call per forward")
       .def(pybind11::init<int64_t, int64_t, int64_t, double>())
-      .def("add_linear", &DecoderStack::add_linear)
+      .def("add_linear", &DecoderStack::add_linear, pybind11::arg("weight"),
+           pybind11::arg("bias"), pybind11::arg("compact") = pybind11::none())
+      .def("compact_count", &DecoderStack::compact_count)
       .def("add_int4_linear", &DecoderStack::add_int4_linear)
       .def("add_int8_linear", &DecoderStack::add_int8_linear)
       .def("add_layer", &DecoderStack::add_layer)

@@ -9,7 +9,8 @@ its measured time, and bytes / time as a fraction of the probe. A fraction near 
 step is as fast as memory allows; far below, the step is compute- or overhead-bound.
 
 Bytes per step (`path_weight_bytes` + context x KV bytes per history token): every linear's
-weights in the path's weight set (full: the checkpoint's dtype; int8 and w8a8: the INT8 twins
+weights in the path's weight set (full: the model's dtype, or bf16 where the runner reads bf16
+copies of bf16-valued fp32 weights, `runner/layouts.py`; int8 and w8a8: the INT8 twins
 with their scales; int4: the 4-bit twins with scales and zero points, the full weight where a
 layer has none), lm_head included, norms and the embedding row left out (under 0.1%). A
 verify of gamma + 1 tokens reads them once, as a single step does.
@@ -45,12 +46,18 @@ def _nbytes(module: torch.nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def path_weight_bytes(model: Transformer, weights: str) -> int:
-    """Weight bytes a step on `weights` reads: each linear's twin for that set (see above)."""
+def path_weight_bytes(model: Transformer, weights: str, layouts=None) -> int:
+    """Weight bytes a step on `weights` reads: each linear's twin for that set (see above);
+    `layouts`: the runner's `WeightLayouts`, whose bf16 copies its steps read instead of the
+    layers' own fp32 weights (None: no copies)."""
     total = 0
     for layer in linear_layers(model).values():
         twin = layer.twin(weights)
-        total += _nbytes(twin) if twin is not None else _nbytes(layer)
+        if twin is not None:
+            total += _nbytes(twin)
+            continue
+        copy = layouts.bf16(layer) if layouts is not None else None
+        total += _nbytes(layer) - (layer.weight.numel() * 2 if copy is not None else 0)
     return total
 
 

@@ -33,6 +33,7 @@ from qspec_core.model.transformer import has_draft, has_int8
 from qspec_core.precision import DRAFT, DRAFT_KV4, DRAFT_W4, FP, INT8_WEIGHTS, TARGET, Precision
 from qspec_core.quant.prefill_choice import prefill_path
 from qspec_core.registry.runtime import Runtime
+from qspec_core.runner.layouts import WeightLayouts
 from qspec_core.timing import StageTimer
 
 
@@ -342,10 +343,11 @@ def _run_once(runtime, mode_name, prompt, gen, config, seed) -> Run:
     )
 
 
-def step_lines(runs: list[Run], model, config: BenchConfig, bandwidth: float) -> dict:
+def step_lines(runs: list[Run], model, config: BenchConfig, bandwidth: float, layouts=None) -> dict:
     """Per step kind of a mode (decode; or draft and verify): ms per step, MB it must read and
     the fraction of the measured read bandwidth that is (`bench/bandwidth.py`), medians over
-    the repeats. KV read at the run's middle length: the prompt plus half the new tokens."""
+    the repeats. KV read at the run's middle length: the prompt plus half the new tokens.
+    `layouts`: the runner's `WeightLayouts` (its bf16 copies are what its steps read)."""
     mode = MODES[runs[0].mode]
     kinds = {}  # kind -> (weights, KV view key, [(seconds, steps, history tokens, kv B/token)])
     for r in runs:
@@ -368,11 +370,17 @@ def step_lines(runs: list[Run], model, config: BenchConfig, bandwidth: float) ->
             )
     out = {}
     for kind, (weights, _, samples) in kinds.items():
-        w = path_weight_bytes(model, weights)
+        w = path_weight_bytes(model, weights, layouts)
         lines = [step_traffic(s, n, w, h * kv, bandwidth) for s, n, h, kv in samples]
         lines.sort(key=lambda line: line["ms"])
         out[kind] = lines[len(lines) // 2] | {"weights": weights}
     return out
+
+
+def _weight_layouts(runner) -> WeightLayouts | None:
+    """The runner's `WeightLayouts` (the CPU runner's), else None."""
+    layouts = getattr(getattr(runner, "ops", None), "layouts", None)
+    return layouts if isinstance(layouts, WeightLayouts) else None
 
 
 def spread(values: list[float]) -> dict[str, float]:
@@ -487,7 +495,9 @@ def run_bench(
         modes = {m: summarize_mode(runs[m], ar_runs) for m in config.modes}
         if bandwidth:
             for m in config.modes:
-                modes[m]["steps"] = step_lines(runs[m], runtime.model, config, bandwidth)
+                modes[m]["steps"] = step_lines(
+                    runs[m], runtime.model, config, bandwidth, _weight_layouts(runtime.runner)
+                )
         if peaks:
             flops = prefill_flops(runtime.model.config, len(prompts[context]))
             for m in config.modes:

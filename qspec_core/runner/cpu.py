@@ -40,10 +40,10 @@ import torch.nn.functional as F
 
 from qspec_core.model.ops import LayerOps
 from qspec_core.precision import Precision
-from qspec_core.quant.int4 import CpuLayouts
 from qspec_core.quant.prefill_choice import prefill_path
 from qspec_core.runner import kernel_table
 from qspec_core.runner.cpu_stack import build_stack
+from qspec_core.runner.layouts import WeightLayouts
 from qspec_core.runner.reference import OfModel
 
 MAX_ROWS = kernel_table.MAX_ROWS
@@ -59,7 +59,9 @@ class CpuOps(LayerOps):
         # C++ stack does not run them), read as a difference by the prefill's stage timer
         # (`generate.linear_clock`): a perf_counter pair a call
         self.linear_seconds = 0.0
-        self.layouts = CpuLayouts()  # the 4-bit twins' layouts for PyTorch's CPU int4 kernel
+        # the 4-bit twins' layouts for PyTorch's CPU int4 kernel, the bf16 copies of fp32
+        # weights that hold bf16 numbers (layouts.py)
+        self.layouts = WeightLayouts(bool(getattr(ext, "BF16_WEIGHT_ROWS", False)))
 
     def norm(self, norm, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32 and x.is_contiguous() and norm.kind == "rms":
@@ -127,8 +129,9 @@ class CpuRunner(OfModel):
         self._stacks: dict[str, object | None] = {}  # weights -> DecoderStack, or None
 
     def rebuild(self) -> None:
-        """Forget the stacks and the int4 layouts: the next step builds them again from the
-        model's tensors (call it after replacing a tensor or a twin in place of another)."""
+        """Forget the stacks and the derived layouts (int4, bf16 copies): the next step builds
+        them again from the model's tensors (call it after replacing a tensor or a twin in
+        place of another)."""
         self._stacks.clear()
         self.ops.layouts.clear()
 
@@ -145,7 +148,7 @@ class CpuRunner(OfModel):
         """The DecoderStack of one weight set, built on first use; None where the model's
         weights need what the C++ loop does not run (`cpu_stack.py`)."""
         if weights not in self._stacks:
-            self._stacks[weights] = build_stack(self.model, weights, self.ext)
+            self._stacks[weights] = build_stack(self.model, weights, self.ext, self.ops.layouts)
         return self._stacks[weights]
 
     def forward(self, tokens, input_pos, cache, path, last_only, head=None) -> torch.Tensor:

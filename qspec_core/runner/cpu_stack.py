@@ -4,7 +4,9 @@
 set (`Precision.weights`): the fp32 weights, the draft's 4-bit twins through the W4A8 kernel,
 or the INT8 twins, as the kernel table (`kernel_table.py`) picks them for `CpuOps.linear` too
 (the KV view is the cache's part of the call). The stack holds the model's tensors themselves,
-not copies: an in-place change to a weight shows in the next step, and a tensor or twin
+not copies (but for the bf16 copies of fp32 weights that hold bf16 numbers, `layouts.py`, read
+only while the weight is unchanged): an in-place change to a weight shows in the next step, and
+a tensor or twin
 *replaced* after the build is not seen until the runner that owns the stack builds it again
 (`CpuRunner.rebuild`; the runtime does so on `.to()`). None when the weights need what the C++
 loop does not run: a 4-bit twin in a form other than plain W4A8 (AWQ scales, act-order), an
@@ -20,9 +22,11 @@ from kernels.cpu import linear as cpu_linear
 from qspec_core.runner import kernel_table
 
 
-def build_stack(model, weights: str, ext):
+def build_stack(model, weights: str, ext, layouts=None):
     """The DecoderStack for one weight set, or None (see the module docstring). `ext`: the
-    loaded C++ extension (`kernels.cpu.build.load()`)."""
+    loaded C++ extension (`kernels.cpu.build.load()`); `layouts`: the runner's
+    `WeightLayouts`, whose bf16 copies of bf16-valued fp32 weights the stack reads instead
+    (`layouts.py`; None: the fp32 weights)."""
     cfg = model.config
     if not cfg.native_ok():  # the C++ layer is Llama's: pre-norm, no q/k norms, whole RoPE
         return None
@@ -40,7 +44,7 @@ def build_stack(model, weights: str, ext):
             mlp.up_proj,
             mlp.down_proj,
         ):
-            if not _add_linear(stack, linear, weights):
+            if not _add_linear(stack, linear, weights, layouts):
                 return None
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
         if not all(_fp32(n.weight) and n.eps == cfg.rms_norm_eps for n in norms):
@@ -49,7 +53,7 @@ def build_stack(model, weights: str, ext):
     return stack
 
 
-def _add_linear(stack, linear, weights: str) -> bool:
+def _add_linear(stack, linear, weights: str, layouts=None) -> bool:
     """Adds one `model.Linear` with the step kernel `kernel_table` chooses for it (the one
     `CpuOps.linear` runs); False when the C++ loop cannot run it: no stack kernel for the
     format, or tensors the C++ does not take."""
@@ -72,7 +76,8 @@ def _add_linear(stack, linear, weights: str) -> bool:
         weight, bias = linear.weight, linear.bias
         if not _fp32(weight) or (bias is not None and not _fp32(bias)):
             return False
-        stack.add_linear(weight, bias)
+        # (the stack reads the copy while the weight's version is the one copied: step.cpp)
+        stack.add_linear(weight, bias, layouts.bf16(linear) if layouts is not None else None)
         return True
     return False  # (add is None: the twin's own forward, in the model's loop)
 

@@ -42,7 +42,8 @@ FORMATS = ("float", "int8", "w8a8", "w4a8", "int4", "other")
 ROWS = ("step", "prefill", "prefill_rows")
 
 # run(layer, twin, x, layouts) -> y, or None: this input does not fit the kernel. `layouts`: the
-# runner's `CpuLayouts` (the CPU int4 kernel's weight layouts).
+# runner's `WeightLayouts` (`layouts.py`: the CPU int4 kernel's weight layouts, the bf16 copies of
+# bf16-valued fp32 weights), or None.
 Run = Callable[..., "torch.Tensor | None"]
 
 
@@ -75,7 +76,9 @@ def _float_rows(layer, twin, x, layouts):
     params = layer._parameters  # (dict reads: nn.Module.__getattr__ is slow)
     weight, bias = params["weight"], params["bias"]
     if rows_kernels.usable(x, weight):
-        return rows_kernels.linear(x, weight, bias)
+        # (a bf16 copy holding the same numbers: the same bits, half the bytes; layouts.py)
+        compact = layouts.bf16(layer) if layouts is not None else None
+        return rows_kernels.linear(x, weight if compact is None else compact, bias)
     return None
 
 
