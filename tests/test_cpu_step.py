@@ -278,3 +278,16 @@ def test_bf16_valued_weights_are_read_as_bf16_copies_with_the_same_bits():
     want = _rounds(plain, _hier(model), TARGET, ids, STEPS[:6])
     assert torch.equal(_rounds(runner, _hier(model), TARGET, ids, STEPS[:6]), want)
     assert torch.equal(_rounds(loop, _hier(model), TARGET, ids, STEPS[:6]), want)
+
+
+def test_weights_made_in_inference_mode_get_no_bf16_copies():
+    """Inference tensors have no version counter (a change in place could not be seen): a model
+    made under `torch.inference_mode` runs on its fp32 weights, the same bits."""
+    with torch.inference_mode():
+        model = _bf16_valued(_model(seed=13))
+        runner, loop = _runners(model)
+        ids = torch.randint(0, 101, (1, 150), generator=torch.Generator().manual_seed(14))
+        want = _rounds(loop, _hier(model), TARGET, ids, STEPS)
+        assert torch.equal(_rounds(runner, _hier(model), TARGET, ids, STEPS), want)
+        assert runner.stack("full").compact_count() == 0
+        assert runner.ops.layouts.bf16(model.lm_head) is None

@@ -49,7 +49,10 @@ struct Projection {
 
   // Whether this forward reads `compact`: not after an in-place change to `weight` (the
   // change shows at the next step, as with the fp32 weights alone).
-  void check_compact() { use_compact = compact.defined() && weight._version() == compact_version; }
+  void check_compact() {
+    use_compact = compact.defined() && !weight.is_inference() &&
+                  weight._version() == compact_version;
+  }
 
   const float* bias_ptr() const { return bias.defined() ? bias.data_ptr<float>() : nullptr; }
 
@@ -113,7 +116,8 @@ class DecoderStack {
     Projection p;
     p.weight = weight, p.bias = fp32_or_undefined(bias);
     p.N = weight.size(0), p.K = weight.size(1);
-    if (simd::kVectorF8 && compact.has_value() && compact->defined()) {
+    // (an inference tensor has no version counter: no copy)
+    if (simd::kVectorF8 && compact.has_value() && compact->defined() && !weight.is_inference()) {
       TORCH_CHECK(compact->scalar_type() == at::kBFloat16 && compact->is_contiguous() &&
                       compact->sizes() == weight.sizes(),
                   "compact: bf16 contiguous, the weight's shape");

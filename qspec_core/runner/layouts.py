@@ -13,7 +13,8 @@ replaced):
   Only where the extension says a bf16 weight gives its upcast's bits (`BF16_WEIGHT_ROWS`:
   the vector builds). The fp32 weights stay: the prefill's GEMM runs on them. A copy is
   checked against its weight's version counter at every use: after an in-place change to the
-  weight, the copy is made again (or not, if the new numbers are not bf16 numbers).
+  weight, the copy is made again (or not, if the new numbers are not bf16 numbers). Weights
+  made under `torch.inference_mode` have no version counter, so they get no copy.
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ class WeightLayouts(CpuLayouts):
         if not self.bf16_rows:
             return None
         weight = layer._parameters["weight"]  # (dict reads: nn.Module.__getattr__ is slow)
+        if weight.is_inference():  # (no version counter: a change in place would go unseen)
+            return None
         made = self._bf16.get(layer)
         if made is not None and made[0] is weight and made[1] == weight._version:
             return made[2]
