@@ -278,6 +278,19 @@ def test_bf16_valued_weights_are_read_as_bf16_copies_with_the_same_bits():
     want = _rounds(plain, _hier(model), TARGET, ids, STEPS[:6])
     assert torch.equal(_rounds(runner, _hier(model), TARGET, ids, STEPS[:6]), want)
     assert torch.equal(_rounds(loop, _hier(model), TARGET, ids, STEPS[:6]), want)
+    # still bf16 numbers after the change (x2), and new storage through `.data` (no version
+    # bump): neither stale copy is read; the rebuild makes the copies again
+    with torch.no_grad():
+        model.layers[1].self_attn.q_proj.weight.mul_(2.0)
+    up = model.layers[1].mlp.up_proj.weight
+    up.data = up.data * 0.5
+    assert runner.stack("full").compact_count() == max(copies - 3, 0)
+    want = _rounds(plain, _hier(model), TARGET, ids, STEPS[:6])
+    assert torch.equal(_rounds(runner, _hier(model), TARGET, ids, STEPS[:6]), want)
+    assert torch.equal(_rounds(loop, _hier(model), TARGET, ids, STEPS[:6]), want)
+    runner.rebuild()
+    assert runner.stack("full").compact_count() == max(copies - 1, 0)  # (down_proj: not bf16)
+    assert torch.equal(_rounds(runner, _hier(model), TARGET, ids, STEPS[:6]), want)
 
 
 def test_weights_made_in_inference_mode_get_no_bf16_copies():

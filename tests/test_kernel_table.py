@@ -170,4 +170,11 @@ def test_a_bf16_valued_weight_runs_from_its_bf16_copy_with_the_same_bits():
     assert bf16_copy(layer.weight.double()) is None
     with torch.no_grad():
         layer.weight.copy_(layer.weight.bfloat16().float())
+    assert layouts.bf16(layer) is None  # (changed: the fp32 weight until the runner's rebuild,
+    layouts.clear()  # as the decode stack does)
     assert (layouts.bf16(layer) is not None) == layouts.bf16_rows
+    x = torch.randn(3, 100, generator=g)
+    got = table.run_linear(layer, x, "full", _never, layouts)
+    assert torch.equal(got, table.run_linear(layer, x, "full", _never, None))
+    layer.weight.data = layer.weight.data.clone()  # (new storage, no version bump)
+    assert layouts.bf16(layer) is None

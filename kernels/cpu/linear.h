@@ -35,7 +35,7 @@ constexpr int64_t MAX_BLOCK_ROWS = 8;  // rows of x per pass over the weights
 
 // A weight type W's conversions: Weight<W>::f32(w), one weight as fp32 (the scalar tail), and
 // Weight<W>::load8(p), eight weights as fp32 lanes (simd::F8). Here for float and int8;
-// linear.cpp adds torch's bf16 and fp16 (simd::load8_bf16 / load8_fp16).
+// linear_torch.h adds torch's bf16 and fp16 (simd::load8_bf16 / load8_fp16).
 template <typename W>
 struct Weight;
 
@@ -99,12 +99,13 @@ inline void rows_block(const float* __restrict x, const W* __restrict w, int64_t
   }
 }
 
-// Weight rows per block against M rows of x. With 32 registers (AVX-512VL: ymm16-31) and at
-// most 4 rows, as many as leave room for the weights, an x vector and a few temporaries (at
-// most 8): a verify of 2-4 rows ran at a third of the FMA rate with 8 accumulator chains, and
-// at 1.2-1.5x that with 15-16 (Zen 4, fp32 weights from memory and from L2); from 5 rows on,
-// and with 16 registers, the table measured before (more chains ran slower there). The
-// order of each output's sum, hence its bits, does not depend on NR.
+// Weight rows per block against M rows of x. With 32 registers (AVX-512VL: ymm16-31), as many
+// as leave room for the weights, an x vector and a few temporaries (at most 8; 4, 3, 3, 2 for
+// 5-8 rows: at most 25 registers): a verify of 2-4 rows ran at a third of the FMA rate with 8
+// accumulator chains, and at 1.2-1.5x that with 15-16 (Zen 4, fp32 weights from memory and
+// from L2); 5-8 rows of bf16 weights from memory 4-7% faster than with the table (Zen 5).
+// With 16 registers, the table measured before (more chains ran slower there). The order of
+// each output's sum, hence its bits, does not depend on NR.
 template <int M>
 constexpr int block_rows() {
   if constexpr (simd::kF8Registers >= 32) {

@@ -72,7 +72,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize_planes_cpu", &dequantize_planes_cpu, "KV planes -> fp32 rows (CPU)");
   m.def("linear_rows_cpu", &linear_rows_cpu, "x W^T + b for a step's rows (CPU, fp32 x)");
   // whether bf16 weights give their fp32 upcast's bits on the row kernels (vector builds; the
-  // portable loop may vectorize each weight type its own way)
+  // portable loop may vectorize each weight type its own way; the K % 8 scalar tail is
+  // compiled per weight type under -ffast-math too: the tests hold it bit for bit, K = 100)
   m.attr("BF16_WEIGHT_ROWS") = simd::kVectorF8;
   m.def("int8_rows_cpu", &int8_rows_cpu, "x (s q)^T + b, int8 weights, fp32 x (CPU)");
   m.attr("MAX_STEP_ROWS") = kMaxStepRows;

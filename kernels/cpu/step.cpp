@@ -39,26 +39,28 @@ namespace {
 struct Projection {
   at::Tensor weight, packed, scale, zero, int8, bias;
   // `weight` as bf16, where its fp32 numbers are bf16 numbers (a bf16 checkpoint loaded in
-  // fp32): the same bits for half the bytes read, for as long as `weight` is unchanged
-  // (`compact_version`: its version counter when copied; `use_compact`: set per forward)
+  // fp32): the same bits for half the bytes read, while `weight` is the tensor copied: the
+  // same storage (`compact_source`) at the same version (`compact_version`). After a change
+  // the fp32 weight is read until the runner builds the stack again (`CpuRunner.rebuild`).
   at::Tensor compact;
   uint32_t compact_version = 0;
-  bool use_compact = false;
+  const void* compact_source = nullptr;
   int64_t group_size = 0, N = 0, K = 0;
   bool a8 = false;
 
-  // Whether this forward reads `compact`: not after an in-place change to `weight` (the
-  // change shows at the next step, as with the fp32 weights alone).
-  void check_compact() {
-    use_compact = compact.defined() && !weight.is_inference() &&
-                  weight._version() == compact_version;
+  // Whether a forward may read `compact` now. (A change through `.data` that keeps the
+  // storage, e.g. `w.data.mul_()`, bumps no version: such edits need a rebuild.)
+  bool compact_current() const {
+    return compact.defined() && !weight.is_inference() &&
+           weight.data_ptr() == compact_source && weight._version() == compact_version;
   }
 
   const float* bias_ptr() const { return bias.defined() ? bias.data_ptr<float>() : nullptr; }
 
   // out [M, N] = x [M, K] through this layer: this thread's share of the outputs
+  // use_compact: read `compact` (the forward's `compact_current()`, taken once before its team)
   template <class For>
-  void run(const float* x, int64_t M, float* out, const For& f) const {
+  void run(const float* x, int64_t M, float* out, const For& f, bool use_compact) const {
     if (packed.defined()) {
       intdot::int4_rows(x, M, K, packed.data_ptr<uint8_t>(), scale.data_ptr<float>(),
                         zero.data_ptr<float>(), group_size, bias_ptr(), N, out, f);
@@ -122,18 +124,17 @@ class DecoderStack {
                       compact->sizes() == weight.sizes(),
                   "compact: bf16 contiguous, the weight's shape");
       p.compact = *compact, p.compact_version = weight._version();
+      p.compact_source = weight.data_ptr();
     }
     pending_.push_back(p);
   }
 
-  // How many projections read a bf16 copy in the next forward (tests, the bench's byte count).
-  int64_t compact_count() {
+  // How many projections a forward would read as bf16 copies now (tests, the bench).
+  int64_t compact_count() const {
     int64_t n = 0;
-    for (Layer& L : layers_)
-      for (Projection* p : {&L.q, &L.k, &L.v, &L.o, &L.gate, &L.up, &L.down}) {
-        p->check_compact();
-        n += p->use_compact;
-      }
+    for (const Layer& L : layers_)
+      for (const Projection* p : {&L.q, &L.k, &L.v, &L.o, &L.gate, &L.up, &L.down})
+        n += p->compact_current();
     return n;
   }
 
@@ -211,10 +212,16 @@ class DecoderStack {
     const int64_t B = x.size(0), T = x.size(1), M = B * T, hidden = x.size(2);
     TORCH_CHECK(size() == 0 || layers_[0].q.K == hidden, "x [B, T, hidden] of the layers' size");
     int64_t inter = 0;
-    for (Layer& L : layers_) {
+    // which projections read their bf16 copies in this forward, decided once here (q k v o
+    // gate up down per layer): the team's threads only read it
+    std::vector<uint8_t> compact(7 * layers_.size());
+    for (size_t l = 0; l < layers_.size(); ++l) {
+      const Layer& L = layers_[l];
       TORCH_CHECK(!L.q.packed.defined() || M <= 8, "the W4A8 draft layers take at most 8 rows");
       inter = std::max(inter, L.gate.N);
-      for (Projection* p : {&L.q, &L.k, &L.v, &L.o, &L.gate, &L.up, &L.down}) p->check_compact();
+      int j = 0;
+      for (const Projection* p : {&L.q, &L.k, &L.v, &L.o, &L.gate, &L.up, &L.down})
+        compact[7 * l + j++] = p->compact_current();
     }
     // every buffer the team writes, made before it starts (its threads only run kernels)
     auto h = at::empty({M, hidden}, at::kFloat), y = at::empty({M, hidden}, at::kFloat);
@@ -227,12 +234,14 @@ class DecoderStack {
     const float eps = float(eps_);
 
     // layer l's input norm, q/k/v projections and RoPE
-    auto before_attention = [&](const team::Member& t, const Layer& L) {
+    auto before_attention = [&](const team::Member& t, int64_t l) {
+      const Layer& L = layers_[l];
+      const uint8_t* c = compact.data() + 7 * l;
       t.single([&] { norm_rows(rows, L.input_norm.data_ptr<float>(), h.data_ptr<float>(), M,
                                hidden, eps); });
-      L.q.run(h.data_ptr<float>(), M, q.data_ptr<float>(), t);
-      L.k.run(h.data_ptr<float>(), M, k.data_ptr<float>(), t);
-      L.v.run(h.data_ptr<float>(), M, v.data_ptr<float>(), t);
+      L.q.run(h.data_ptr<float>(), M, q.data_ptr<float>(), t, c[0]);
+      L.k.run(h.data_ptr<float>(), M, k.data_ptr<float>(), t, c[1]);
+      L.v.run(h.data_ptr<float>(), M, v.data_ptr<float>(), t, c[2]);
       t.barrier();
       t.single([&] {
         rope_cpu(q, cos, sin);
@@ -240,8 +249,10 @@ class DecoderStack {
       });
     };
     // layer l's output projection of the attention's output `out` [B, T, H, D], then its MLP
-    auto after_attention = [&](const team::Member& t, const Layer& L) {
-      L.o.run(out.data_ptr<float>(), M, proj.data_ptr<float>(), t);
+    auto after_attention = [&](const team::Member& t, int64_t l) {
+      const Layer& L = layers_[l];
+      const uint8_t* c = compact.data() + 7 * l;
+      L.o.run(out.data_ptr<float>(), M, proj.data_ptr<float>(), t, c[3]);
       t.barrier();
       t.single([&] {  // rows += o(out), y = norm(rows)
         add_norm_rows(rows, proj.data_ptr<float>(), L.post_norm.data_ptr<float>(),
@@ -250,11 +261,11 @@ class DecoderStack {
       const int64_t I = L.gate.N;
       auto g = gate.narrow(0, 0, M * I).view({M, I}), u = up.narrow(0, 0, M * I).view({M, I});
       auto a = act.narrow(0, 0, M * I).view({M, I});
-      L.up.run(y.data_ptr<float>(), M, u.data_ptr<float>(), t);
-      L.gate.run(y.data_ptr<float>(), M, g.data_ptr<float>(), t);
+      L.up.run(y.data_ptr<float>(), M, u.data_ptr<float>(), t, c[5]);
+      L.gate.run(y.data_ptr<float>(), M, g.data_ptr<float>(), t, c[4]);
       t.barrier();
       t.single([&] { at::silu_out(a, g).mul_(u); });
-      L.down.run(a.data_ptr<float>(), M, proj.data_ptr<float>(), t);
+      L.down.run(a.data_ptr<float>(), M, proj.data_ptr<float>(), t, c[6]);
       t.barrier();
       t.single([&] { x.view({M, hidden}).add_(proj); });
     };
@@ -271,26 +282,26 @@ class DecoderStack {
       std::optional<HierAttention> attention;
       team::run(threads, [&](const team::Member& t) {
         for (int64_t l = 0; l < size(); ++l) {
-          if (l == 0) before_attention(t, layers_[0]);
+          if (l == 0) before_attention(t, 0);
           t.single([&] { attention.emplace(attend(l)); });
           if (!t.failed())
             t(0, attention->tasks(), 1, [&](int64_t b0, int64_t b1) { attention->run(b0, b1); });
           t.barrier();
           t.single([&] { attention->finish_into(out.data_ptr<float>()); });
-          after_attention(t, layers_[l]);
-          if (l + 1 < size()) before_attention(t, layers_[l + 1]);
+          after_attention(t, l);
+          if (l + 1 < size()) before_attention(t, l + 1);
         }
       });
     } else {
       // a team from each attention to the next; the attention (SDPA) runs on torch's pool
       if (size() > 0) team::run(threads, [&](const team::Member& t) {
-        before_attention(t, layers_[0]);
+        before_attention(t, 0);
       });
       for (int64_t l = 0; l < size(); ++l) {
         out = attend(l).transpose(1, 2).contiguous();  // [B, T, H, D]
         team::run(threads, [&](const team::Member& t) {
-          after_attention(t, layers_[l]);
-          if (l + 1 < size()) before_attention(t, layers_[l + 1]);
+          after_attention(t, l);
+          if (l + 1 < size()) before_attention(t, l + 1);
         });
       }
     }
