@@ -103,7 +103,8 @@ inline void rows_block(const float* __restrict x, const W* __restrict w, int64_t
 // as leave room for the weights, an x vector and a few temporaries (at most 8; 4, 3, 3, 2 for
 // 5-8 rows: at most 25 registers): a verify of 2-4 rows ran at a third of the FMA rate with 8
 // accumulator chains, and at 1.2-1.5x that with 15-16 (Zen 4, fp32 weights from memory and
-// from L2); 5-8 rows of bf16 weights from memory 4-7% faster than with the table (Zen 5).
+// from L2); 5-8 rows of bf16 weights from memory 1-4% faster than with the table (Zen 5,
+// inside that VM's noise; the bits are the same either way).
 // With 16 registers, the table measured before (more chains ran slower there). The order of
 // each output's sum, hence its bits, does not depend on NR.
 template <int M>
