@@ -147,8 +147,9 @@ def test_layers_of_one_input_compute_as_one_at_a_time(rows, measured, monkeypatc
 @pytest.mark.skipif(not cpu_ext.available(), reason="C++ kernels not built")
 def test_a_bf16_valued_weight_runs_from_its_bf16_copy_with_the_same_bits():
     """`WeightLayouts.bf16` (`runner/layouts.py`): a copy only of an fp32 weight whose numbers
-    are all bf16 numbers, made again after an in-place change; the step kernel on the copy gives
-    the fp32 weight's bits (1..17 rows, with a bias and a K % 8 tail); a prefill never reads it."""
+    are all bf16 numbers, not read after a change (until `clear`, the runner's rebuild); the step
+    kernel on the copy gives the fp32 weight's bits (1..17 rows, with a bias and a K % 8 tail);
+    a prefill never reads it."""
     from qspec_core.runner.layouts import WeightLayouts, bf16_copy
 
     g = torch.Generator().manual_seed(3)

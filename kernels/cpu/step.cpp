@@ -51,8 +51,9 @@ struct Projection {
   // Whether a forward may read `compact` now. (A change through `.data` that keeps the
   // storage, e.g. `w.data.mul_()`, bumps no version: such edits need a rebuild.)
   bool compact_current() const {
-    return compact.defined() && !weight.is_inference() &&
-           weight.data_ptr() == compact_source && weight._version() == compact_version;
+    // (`compact` is never set for an inference tensor, which has no version counter)
+    return compact.defined() && weight.data_ptr() == compact_source &&
+           weight._version() == compact_version;
   }
 
   const float* bias_ptr() const { return bias.defined() ? bias.data_ptr<float>() : nullptr; }

@@ -57,7 +57,9 @@ def path_weight_bytes(model: Transformer, weights: str, layouts=None) -> int:
             total += _nbytes(twin)
             continue
         copy = layouts.bf16(layer) if layouts is not None else None
-        total += _nbytes(layer) - (layer.weight.numel() * 2 if copy is not None else 0)
+        total += (
+            _nbytes(layer) if copy is None else _nbytes(layer) - layer.weight.nbytes + copy.nbytes
+        )
     return total
 
 
