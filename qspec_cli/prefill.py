@@ -55,6 +55,8 @@ def prefill(
         raise QspecError("a document read from standard input (-) needs -o/--output")
     output = output or file.with_suffix(".qspec")
     check_output(output, force)  # before the (long) prefill, and again with its size below
+    if output.suffix != ".qspec":  # (chat and summarize tell a snapshot from a text by it)
+        raise QspecError(f"{output}: a snapshot's name ends in .qspec")
     text = common.read_text(file)
     runtime = common.load(model, dtype, threads, target_weights=target_weights)
     common.check_group_size(group_size, runtime)

@@ -233,6 +233,7 @@ def test_output_files_are_refused_with_the_true_reason(capsys, tmp_path, doc, no
         ("/", ["/ is a folder; give a file name"]),
         (tmp_path, [f"{tmp_path} is a folder"]),
         (blocker / "s.qspec", [f"{blocker} is a file, not a folder"]),
+        (tmp_path / "s.qkv", [f"{tmp_path / 's.qkv'}: a snapshot's name ends in .qspec"]),
     ]:
         assert_one_error(qspec(capsys, "prefill", doc, "-o", output, "--force"), *words)
     if os.path.isfile("/proc/version"):  # a file no one can replace; ENOENT, not EACCES
