@@ -8,6 +8,8 @@ variant's tokens equal target-ar's (they must: greedy QuantSpec is exact).
 Variants:
   target-ar        the exact target path, one token a step (what every variant reproduces)
   quantspec        the default: `--gamma auto`, drafts from the 4-bit path and the document
+                   (one chain a round, or a tree of the document's continuations)
+  quantspec-chain  the default without token trees: one chain a round
   quantspec-g4-lookup  4 drafts a round, from the document when it proposes, else 4-bit
   quantspec-g4     the recipe before issue 19: 4 drafts a round, all from the 4-bit path
 
@@ -33,6 +35,7 @@ from qspec_core.registry.runtime import prepare_and_load
 VARIANTS = {
     "target-ar": {"mode": "target-ar"},
     "quantspec": {"mode": "quantspec", "gamma": "auto", "lookup": True},
+    "quantspec-chain": {"mode": "quantspec", "gamma": "auto", "lookup": True, "trees": False},
     "quantspec-g4-lookup": {"mode": "quantspec", "gamma": 4, "lookup": True},
     "quantspec-g4": {"mode": "quantspec", "gamma": 4, "lookup": False},
 }

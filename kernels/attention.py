@@ -66,6 +66,8 @@ def hier_attention(
     `softcap`: Gemma 2's attn_logit_softcapping on the scaled scores (None: none).
     """
     chosen = backend(q, fused, int_queries)
+    if chosen == "triton" and rows.parents is not None:
+        chosen = "reference"  # (the Triton kernel reads chains only: a tree verify's rows)
     if chosen == "cpu":
         return cpu_attention.hier_attention_cpu(q, view, rows, kv, chunk_size, int_queries, softcap)
     if chosen == "triton":

@@ -314,11 +314,19 @@ class QueryRows:
     Per-query n_quant_q / fp_lo serve the cache's "late" queries, which see the oldest G
     full-precision tokens (F1) as quantized history instead, staged in the planes' next slot
     (n_quant_q = n_quant + G, fp_lo = G); every other query has n_quant_q = n_quant, fp_lo = 0.
+
+    `parents` [T] (None: a chain, as above) makes the T queries a token tree, the verify of
+    several candidate continuations at once: the queries' own K/V sit at region slots w .. w +
+    T - 1 (w = input_pos[0] - fp_pos0, query t's at w + t) while their positions are their
+    depths (input_pos[t] = input_pos[parents[t]] + 1; -1 marks a root, at input_pos[0]).
+    Query t sees the region keys before w (from fp_lo[t] on) and, of the queries' own, only
+    its ancestors' and its own: what the chain token at its position sees, in the same order.
     """
 
     n_quant_q: torch.Tensor
     fp_lo: torch.Tensor
     input_pos: torch.Tensor
+    parents: torch.Tensor | None = None
 
     def index(self, T: int) -> torch.Tensor:
         """The three vectors as one int64 CPU tensor [3, T] (rows: n_quant_q, input_pos,

@@ -105,13 +105,37 @@ def dequantize_history(
     return dequantize_keys(keys, G, kv), dequantize_values(values, G, kv)
 
 
-def _visibility(index: torch.Tensor, n_hist: int, n_fp: int, fp_pos0: int, device) -> torch.Tensor:
-    """Which keys each query sees: bool [T, n_hist + F] (history first, then the fp region)."""
+def _visibility(
+    index: torch.Tensor, n_hist: int, n_fp: int, fp_pos0: int, device, parents=None
+) -> torch.Tensor:
+    """Which keys each query sees: bool [T, n_hist + F] (history first, then the fp region);
+    `parents`: a token tree's (`QueryRows`)."""
     n_quant_q, input_pos, fp_lo = (row.to(device) for row in index)
     hist = torch.arange(n_hist, device=device)[None, :] < n_quant_q[:, None]  # [T, n_hist]
     j = torch.arange(n_fp, device=device)[None, :]
-    fp = (j >= fp_lo[:, None]) & (fp_pos0 + j <= input_pos[:, None])  # [T, F]
+    if parents is None:
+        fp = (j >= fp_lo[:, None]) & (fp_pos0 + j <= input_pos[:, None])  # [T, F]
+    else:
+        T, w = input_pos.shape[0], int(input_pos[0]) - fp_pos0
+        own = tree_ancestors(parents).to(device)  # [T, T]: query t sees query s's K/V
+        fp = (j >= fp_lo[:, None]) & (j < w)
+        fp[:, w : w + T] |= own
     return torch.cat((hist, fp), dim=1)
+
+
+def tree_ancestors(parents) -> torch.Tensor:
+    """bool [T, T]: row t's ancestors and itself, of a tree given by parents [T] (parents[t]
+    an earlier row, -1 a root)."""
+    parents = [int(x) for x in torch.as_tensor(parents).reshape(-1).tolist()]
+    T = len(parents)
+    seen = torch.zeros(T, T, dtype=torch.bool)
+    for t, up in enumerate(parents):
+        if not -1 <= up < t:
+            raise ValueError(f"parents[{t}] = {up}: a parent is an earlier row, or -1")
+        if up >= 0:
+            seen[t] = seen[up]
+        seen[t, t] = True
+    return seen
 
 
 def _int_query_scores(qs: torch.Tensor, view: HierLayerView, n_hist: int, kv: str):
@@ -172,7 +196,9 @@ def hier_attention_ref(
     keys, values = dequantize_history(view, n_hist, kv)
     keys = torch.cat((keys, view.fp_k.float()), dim=2)  # [B, n_kv, n_hist + F, D]
     values = torch.cat((values, view.fp_v.float()), dim=2)
-    visible = _visibility(index, n_hist, view.fp_k.shape[2], int(view.fp_pos0), q.device)
+    visible = _visibility(
+        index, n_hist, view.fp_k.shape[2], int(view.fp_pos0), q.device, rows.parents
+    )
 
     qg = q.float().view(B, n_kv, H // n_kv, T, D)  # query heads grouped by their KV head
     if int_queries:

@@ -86,7 +86,8 @@ def stats_table(stats: ReplyStats, title: str) -> Table:
 
 
 def source_line(sources: dict) -> str:
-    """Acceptance per draft source: the 4-bit path and the document lookup."""
+    """Acceptance per draft source: the 4-bit path, the document lookup, the document's
+    token trees (tokens accepted of the nodes verified: a tree's alternatives cannot all be)."""
     parts = []
     for name, label in (("draft", "4-bit drafts"), ("lookup", "document drafts")):
         src = sources[name]
@@ -95,6 +96,12 @@ def source_line(sources: dict) -> str:
                 f"{label}: {src['accepted']}/{src['drafted']} accepted "
                 f"({src['acceptance_rate']:.0%}) in {src['rounds']} rounds"
             )
+    tree = sources.get("tree")
+    if tree and tree["rounds"]:
+        parts.append(
+            f"document trees: {tree['accepted']} tokens accepted of {tree['drafted']} nodes "
+            f"in {tree['rounds']} rounds"
+        )
     if sources["none"]["rounds"]:
         parts.append(f"{sources['none']['rounds']} plain target steps")
     return " · ".join(parts)
@@ -159,7 +166,8 @@ def bench_tables(report: dict) -> list[Table]:
             title_justify="left",
             caption=Text(
                 header + "\nKV B/token: bytes read per history token, all layers (draft / target)"
-                "\ndoc rounds: rounds drafted from the prompt (lookup), of all; their acceptance"
+                "\ndoc rounds: rounds drafted from the prompt (lookup), of all; their acceptance;"
+                " + rounds of the prompt's token trees"
             ),
             caption_justify="left",
             show_edge=False,
@@ -242,9 +250,11 @@ def _lookup_cell(spec: dict | None) -> str:
     if not spec:
         return ""
     lookup = spec["sources"]["lookup"]
+    trees = spec["sources"].get("tree", {}).get("rounds", 0)
+    more = f" +{trees} trees" if trees else ""
     if not lookup["rounds"]:
-        return "0"
-    return f"{lookup['rounds']}/{spec['rounds']} ({lookup['acceptance_rate']:.0%})"
+        return f"0{more}"
+    return f"{lookup['rounds']}/{spec['rounds']} ({lookup['acceptance_rate']:.0%}){more}"
 
 
 def _traffic_table(ctx: dict, gb_s: float) -> Table:

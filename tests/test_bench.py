@@ -40,9 +40,11 @@ def test_parse_contexts():
 
 
 def test_parse_modes():
-    # the default: every mode but the opt-in ones that force the checkpoint's weights
-    assert parse_modes(None) == tuple(m for m in MODES if not m.endswith("-full"))
+    # the default: every mode but the opt-in ones (the checkpoint's weights, no trees)
+    opt_in = ("-full", "-chain")
+    assert parse_modes(None) == tuple(m for m in MODES if not m.endswith(opt_in))
     assert "quantspec-full" in MODES and parse_modes("quantspec-full") == ("quantspec-full",)
+    assert parse_modes("quantspec-chain") == ("quantspec-chain",)
     assert parse_modes("ar,quantspec,ar") == ("ar", "quantspec")
     with pytest.raises(QspecError, match="unknown nope"):
         parse_modes("ar,nope")

@@ -17,6 +17,7 @@ from qspec_core.engine.plan import DecodePlan
 from qspec_core.engine.proposers import RoundContext
 from qspec_core.engine.sampling import SamplingParams
 from qspec_core.engine.speculative import SpecStats, speculative_decode
+from qspec_core.engine.tree import DraftTree
 from qspec_core.precision import DRAFT, DRAFT_KV4, DRAFT_W4, FP, TARGET
 from qspec_core.runner import build_runner
 
@@ -44,7 +45,7 @@ class Oracle:
             self.proposed += 1
             token = self.expected[j] if j < len(self.expected) else 0
             tokens.append((token + 1) % 101 if self.proposed % self.wrong == 0 else token)
-        return tokens, None
+        return DraftTree.chain(tokens)
 
     def observe(self, accepted: list[int]) -> None:
         self.observed += accepted

@@ -64,6 +64,7 @@ def hier_attention_cpu(
         int8=kv == "int8",  # both planes; else the upper plane only
         int_queries=bool(int_queries),
         softcap=float(softcap or 0.0),
+        parents=None if rows.parents is None else torch.as_tensor(rows.parents),
     )
     return cache.attend(0, q, step).to(q.dtype)
 

@@ -46,6 +46,9 @@ struct Args {
   const float *fk, *fv;
   int64_t fk_b, fk_h, fk_t, fv_b, fv_h, fv_t;  // fp region strides (elements)
   const int64_t *nq, *fp_lo, *pos;
+  // a token tree's rows (HierStep::parents): each row's path from its root, paths[t * T + i]
+  // the row at depth i, and depth[t]; nullptr: a chain
+  const int64_t *paths, *depth;
   const int64_t* perm;  // [D] deinterleaved position -> original dim
   int64_t B, n_kv, R, T, D, S, G, n_fp, fp_pos0, chunk, n_chunks, max_nq;
   bool target, int_queries;
@@ -285,9 +288,74 @@ void full_precision_task(const Args& a, int64_t bh, Rows& rows) {
   }
 }
 
+// The full-precision region of a token tree's verify. Row t folds the keys before the
+// forward's rows (region [0, w)), then the rows of its path (root first): the very keys, in
+// the very order and blocks, that the chain token at its position folds, so its bits are that
+// token's, decoded alone or in a chain. The blocks' shared part is read once; each t patches
+// in its path's keys (at most T of them) before its rows fold.
+template <int64_t DT, class A = simd::Attn>
+void tree_task(const Args& a, int64_t bh, Rows& rows) {
+  constexpr bool FAST = DT != 0 && A::kVector;
+  const int64_t D = DT ? DT : a.D, T = a.T, R = a.R;
+  const int64_t b = bh / a.n_kv, h = bh % a.n_kv;
+  const int64_t w = a.pos[0] - a.fp_pos0;  // the forward's first row (a root) in the region
+  const float* fk = a.fk + b * a.fk_b + h * a.fk_h;
+  const float* fv = a.fv + b * a.fv_b + h * a.fv_h;
+  std::vector<float> buf(2 * BLOCK * D + 8);
+  float* kb = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buf.data()) + 31) & ~31);
+  float* vb = kb + BLOCK * D;
+  alignas(32) float p[BLOCK];
+  float zacc = 0.f;
+  auto load = [&](int64_t slot, int64_t j) {  // region key `slot` into block row j
+    const float* kj = fk + slot * a.fk_t;
+    const float* vj = fv + slot * a.fv_t;
+    if constexpr (FAST) {
+      for (int64_t s = 0; s < D; s += 64) {
+        A::deinterleave_segment(kj + s, kb + j * D + s);
+        A::deinterleave_segment(vj + s, vb + j * D + s);
+      }
+    } else {
+      for (int64_t d = 0; d < D; ++d) {
+        kb[j * D + d] = kj[a.perm[d]];
+        vb[j * D + d] = vj[a.perm[d]];
+      }
+    }
+  };
+  int64_t keys = 0;  // the longest row's keys: w + its depth + 1
+  for (int64_t t = 0; t < T; ++t) keys = std::max(keys, w + a.depth[t] + 1);
+  for (int64_t b0 = 0; b0 < keys; b0 += BLOCK) {
+    const int64_t shared = std::clamp<int64_t>(w - b0, 0, BLOCK);
+    for (int64_t j = 0; j < shared; ++j) load(b0 + j, j);
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t hi = std::min<int64_t>(w + a.depth[t] + 1 - b0, BLOCK);  // keys [lo, hi)
+      const int64_t lo = std::max<int64_t>(a.fp_lo[t] - b0, 0);
+      if (hi <= lo) continue;
+      for (int64_t j = shared; j < hi; ++j) load(w + a.paths[t * T + (b0 + j - w)], j);
+      for (int64_t rr = 0; rr < R; ++rr) {
+        const int64_t r = rr * T + t;
+        const float* qr = a.q + (bh * rows.RT + r) * D;
+        if constexpr (FAST)
+          scores_vector<A, DT>(qr, kb, hi, 0.f, p);
+        else
+          scores_portable(qr, kb, hi, D, 0.f, p);
+        softcap_scores(p, hi, a.softcap);
+        for (int64_t j = 0; j < lo; ++j) p[j] = NEG_INF;
+        if constexpr (FAST)
+          fold_row_vector<A, DT>(p, hi, vb, nullptr, nullptr, rows.acc + r * D, rows.m[r],
+                                 rows.l[r], zacc);
+        else
+          fold_row_portable(p, hi, vb, nullptr, nullptr, D, rows.acc + r * D, rows.m[r],
+                            rows.l[r], zacc);
+      }
+    }
+  }
+}
+
 template <int64_t DT>
 void run_task(const Args& a, int64_t bh, int64_t c, Rows& rows) {
-  if (c == a.n_chunks) {
+  if (c == a.n_chunks && a.paths) {
+    tree_task<DT>(a, bh, rows);
+  } else if (c == a.n_chunks) {
     full_precision_task<DT>(a, bh, rows);
   } else if (a.int_queries) {
     a.target ? quantized_task<DT, true, true>(a, bh, c, rows)
@@ -310,7 +378,7 @@ at::Tensor dense(const at::Tensor& x) { return x.is_contiguous() ? x : x.contigu
 struct HierAttention::State {
   at::Tensor k_upper, k_lower, v_upper, v_lower, k_scale, k_zero, v_scale, v_zero;
   at::Tensor n_quant_q, fp_lo, input_pos, fp_k, fp_v;  // (kept alive: Args points into them)
-  std::vector<int64_t> perm;
+  std::vector<int64_t> perm, paths, depth;  // (a tree's: Args::paths, Args::depth)
   std::unique_ptr<float[]> qd, acc, ml;
   Args a;
   int64_t B, H, T, D, tasks, n_tasks;
@@ -374,6 +442,27 @@ HierAttention::HierAttention(const at::Tensor& q, const HierLayer& layer, const 
   a.nq = s.n_quant_q.data_ptr<int64_t>();
   a.fp_lo = s.fp_lo.data_ptr<int64_t>();
   a.pos = s.input_pos.data_ptr<int64_t>();
+  a.paths = a.depth = nullptr;
+  if (step.parents.defined()) {
+    // each row's path from its root, checked: a parent is an earlier row or -1, row 0 a
+    // root, a child one position after its parent, every path inside the region
+    const auto parents = as_long(step.parents);
+    TORCH_CHECK(parents.numel() == T, "parents: one entry per query row");
+    const int64_t* par = parents.data_ptr<int64_t>();
+    s.paths.assign(T * T, 0), s.depth.assign(T, 0);
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t up = par[t];
+      TORCH_CHECK(up >= -1 && up < t && (t > 0 || up == -1),
+                  "parents[t] must be an earlier row or -1 (row 0: -1)");
+      TORCH_CHECK(a.pos[t] == (up < 0 ? a.pos[0] : a.pos[up] + 1),
+                  "a tree row's position is its parent's + 1 (a root's: the first row's)");
+      s.depth[t] = up < 0 ? 0 : s.depth[up] + 1;
+      if (up >= 0) std::copy_n(&s.paths[up * T], s.depth[up] + 1, &s.paths[t * T]);
+      s.paths[t * T + s.depth[t]] = t;
+    }
+    TORCH_CHECK(a.pos[0] - fp_pos0 + T <= fp_k.size(2), "a tree's rows lie in the region");
+    a.paths = s.paths.data(), a.depth = s.depth.data();
+  }
   a.perm = s.perm.data();
   a.B = B, a.n_kv = n_kv, a.R = R, a.T = T, a.D = D, a.S = s.k_upper.size(2);
   a.G = group_size, a.n_fp = fp_k.size(2), a.fp_pos0 = fp_pos0;

@@ -33,6 +33,11 @@ struct HierStep {
   // Gemma 2's attn_logit_softcapping: each scaled score s becomes cap * tanh(s / cap) before
   // the softmax; 0: none
   float softcap = 0.f;
+  // [T] int, or undefined: a chain (row t sees rows <= t of this forward). A token tree's
+  // verify: row t's parent row (< t; -1: a root, which sees only the keys before the
+  // forward's rows); row t sees the keys before the forward's rows, then its path from its
+  // root, at the positions input_pos gives (its depth); row 0 is a root.
+  at::Tensor parents;
 };
 
 // One layer's attention over the hierarchical cache in three phases, so that a team of

@@ -18,14 +18,14 @@ void bind_kv_cache(py::module& m) {
   py::class_<HierStep>(m, "HierStep", "one forward over the hierarchical cache (kv_cache.h)")
       .def(py::init([](int64_t lo, int64_t n_fp, int64_t n_quant, at::Tensor n_quant_q,
                        at::Tensor shift, at::Tensor input_pos, bool int8, bool int_queries,
-                       double softcap) {
+                       double softcap, c10::optional<at::Tensor> parents) {
              TORCH_CHECK(softcap >= 0, "softcap must be >= 0 (0: none)");
              return HierStep{lo, n_fp, n_quant, n_quant_q, shift, input_pos, int8,
-                             int_queries, float(softcap)};
+                             int_queries, float(softcap), parents.value_or(at::Tensor())};
            }),
            py::kw_only(), py::arg("lo"), py::arg("n_fp"), py::arg("n_quant"),
            py::arg("n_quant_q"), py::arg("shift"), py::arg("input_pos"), py::arg("int8"),
-           py::arg("int_queries"), py::arg("softcap") = 0.0)
+           py::arg("int_queries"), py::arg("softcap") = 0.0, py::arg("parents") = py::none())
       .def_readonly("lo", &HierStep::lo)
       .def_readonly("n_fp", &HierStep::n_fp)
       .def_readonly("n_quant", &HierStep::n_quant)
@@ -34,7 +34,8 @@ void bind_kv_cache(py::module& m) {
       .def_readonly("input_pos", &HierStep::input_pos)
       .def_readonly("int8", &HierStep::int8)
       .def_readonly("int_queries", &HierStep::int_queries)
-      .def_readonly("softcap", &HierStep::softcap);
+      .def_readonly("softcap", &HierStep::softcap)
+      .def_readonly("parents", &HierStep::parents);
   py::class_<HierKV>(m, "HierKV", "the hierarchical cache's buffers, all layers (kv_cache.h)")
       .def(py::init<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
                     at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t, int64_t>(),

@@ -302,6 +302,8 @@ def hier_attention_launcher(
     rows on the CPU to avoid a device sync (the grid size needs max(n_quant_q) on the host).
     """
     view.check(q, kv)
+    if rows.parents is not None:  # (`kernels.attention` sends a tree's rows to the reference)
+        raise ValueError("the Triton kernel reads chains of queries, not a token tree's")
     B, H, T, D = q.shape
     if D & (D - 1) or D < 16:
         raise ValueError(f"the Triton kernel needs a power-of-two head_dim >= 16, got {D}")

@@ -49,6 +49,7 @@ class Mode:
     weights: str | None = None  # target weights: None follows --target-weights; else forced
     lookup: bool | None = None  # drafts from the prompt too: None follows --lookup
     gamma: int | None = None  # None follows --gamma
+    trees: bool = True  # with --gamma auto and the lookup: the document's token trees too
 
     @property
     def speculative(self) -> bool:
@@ -63,6 +64,9 @@ MODES = {
         Mode("quantspec", TARGET, DRAFT, "draft 4-bit weights + INT4 KV; verify INT8"),
         Mode("quantspec-g4", TARGET, DRAFT, "the earlier recipe: 4 drafts a round, all 4-bit",
              lookup=False, gamma=4),
+        # (opt-in: quantspec without token trees, beside it in the same run)
+        Mode("quantspec-chain", TARGET, DRAFT, "quantspec with one chain a round, no trees",
+             trees=False),
         Mode("draft-w4", FP, DRAFT_W4, "ablation: draft 4-bit weights, full KV"),
         Mode("draft-kv4", TARGET, DRAFT_KV4, "ablation: draft full weights, INT4 KV"),
         Mode("ar-w8", FP, None, "autoregressive, INT8 weights, full KV", "int8"),
@@ -80,8 +84,8 @@ MODES = {
              "full"),
     )
 }  # fmt: skip
-DEFAULT_MODES = tuple(m for m in MODES if not m.endswith("-full"))
-SPEC_STAGES = ("lookup", "draft", "verify", "accept", "rollback", "rotate")
+DEFAULT_MODES = tuple(m for m in MODES if not m.endswith(("-full", "-chain")))
+SPEC_STAGES = ("lookup", "tree", "draft", "verify", "accept", "rollback", "rotate")
 WARMUP_TOKENS = 8
 
 
@@ -163,7 +167,7 @@ class BenchConfig:
             mode.draft if mode.draft.weights == "int4" else mode.draft.with_weights(target.weights)
         )
         lookup = self.lookup if mode.lookup is None else mode.lookup
-        return DecodePlan(target, draft, self.gamma_of(mode_name), lookup)
+        return DecodePlan(target, draft, self.gamma_of(mode_name), lookup, trees=mode.trees)
 
 
 def needs_converted_model(config: BenchConfig) -> bool:

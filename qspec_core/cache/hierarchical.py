@@ -33,6 +33,8 @@ the rotation later fills with the very same values. The full-precision buffer th
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -131,6 +133,7 @@ class HierarchicalKVCache(torch.nn.Module):
         # host read and the per-query index tensors are made once, not once per layer.
         self._pos_memo: tuple | None = None
         self._rows_memo: tuple | None = None
+        self._parents: torch.Tensor | None = None  # a tree forward's (`tree_rows`), else None
         self._native = cpu_kv.NativeMemo()  # the C++ `HierKV` over the buffers
 
     # ------------------------------------------------------------------ lengths and protocol
@@ -191,6 +194,46 @@ class HierarchicalKVCache(torch.nn.Module):
         self.fp_len = [n_fp] * len(self.fp_len)
         self.committed = point.n_quant + n_fp
         self._staged = [-1] * len(self._staged)  # the next slot holds later data now
+
+    @contextmanager
+    def tree_rows(self, parents: Sequence[int]) -> Iterator[None]:
+        """The forwards inside are a token tree's verify (`kernels.planes.QueryRows`): row t
+        of T goes to slot start + t (start = its first position), at the position its depth
+        gives, and sees the committed keys and its ancestors' only. parents [T]: each row's
+        parent row (earlier), -1 for a root (row 0 is one). Then `keep_rows` moves the
+        accepted path's K/V into place."""
+        parents = torch.as_tensor(parents, dtype=torch.int64).reshape(-1)
+        if parents.numel() and int(parents[0]) != -1:
+            raise ValueError("a tree's first row is a root (parents[0] = -1)")
+        self._parents, self._pos_memo, self._rows_memo = parents, None, None
+        try:
+            yield
+        finally:
+            self._parents, self._pos_memo, self._rows_memo = None, None, None
+
+    def keep_rows(self, start: int, rows: Sequence[int]) -> None:
+        """After a tree forward from `start`: the K/V of its rows `rows` (a path from the
+        root, increasing) move to slots start, start + 1, ... in every layer, where a chain's
+        would be; then truncate to start + len(rows) to drop the rest."""
+        rows = [int(r) for r in rows]
+        if any(b <= a for a, b in zip(rows, rows[1:], strict=False)) or (rows and rows[0] < 0):
+            raise ValueError(f"rows {rows} are not increasing")
+        end = start + len(rows)
+        if rows and start + rows[-1] >= self.seq_len:
+            raise ValueError(f"row {rows[-1]} from {start} is past the cache ({self.seq_len})")
+        moved = [(i, r) for i, r in enumerate(rows) if r != i]
+        if moved:
+            dst = torch.tensor([i for i, _ in moved])
+            src = torch.tensor([r for _, r in moved])
+            for layer in range(len(self.n_quant)):
+                lo = start - self.n_quant[layer]
+                if lo < 0:
+                    raise ValueError(f"cannot move rows below {self.n_quant[layer]}: quantized")
+                if lo < self.group_size:
+                    self._staged[layer] = -1  # (F1's slots change: its staged copy is stale)
+                for fp in (self.fp_k, self.fp_v):
+                    fp[layer, :, :, lo + dst] = fp[layer, :, :, lo + src]
+        self.truncate(end)
 
     # ------------------------------------------------------------------ writes
     def _rotate(self, layer: int) -> None:
@@ -302,7 +345,7 @@ class HierarchicalKVCache(torch.nn.Module):
         for layer in range(L):
             lo, hi = self._claim(layer, start, end)
         nq = self.n_quant[0]
-        any_late, n_quant_q, shift = self._query_rows(start, end, nq)
+        any_late, n_quant_q, shift = self._query_rows(input_pos, start, end, nq)
         if any_late:  # late queries read F1 quantized from the planes' next slot
             for layer in range(L):
                 if self._staged[layer] != nq:
@@ -322,6 +365,7 @@ class HierarchicalKVCache(torch.nn.Module):
             int8=kv == "int8",  # (the target's view: both planes)
             int_queries=int_queries,
             softcap=float(self.softcap or 0.0),
+            parents=self._parents,
         )
 
     def attend(self, layer, q, k, v, input_pos, path: Precision):
@@ -334,7 +378,7 @@ class HierarchicalKVCache(torch.nn.Module):
         # Late queries read F1 quantized from the planes' next slot, staged there once (the
         # rotation later writes the very same values), and skip it in the fp region.
         nq = self.n_quant[layer]
-        any_late, n_quant_q, shift = self._query_rows(start, end, nq)
+        any_late, n_quant_q, shift = self._query_rows(input_pos, start, end, nq)
         if any_late and self._staged[layer] != nq:
             self._stage_f1(layer)
         fused = self.fused is not False
@@ -343,7 +387,7 @@ class HierarchicalKVCache(torch.nn.Module):
         if native is not None and fused:  # (the C++ kernel, as in the stack's step)
             step = self._step(lo, hi, nq, n_quant_q, shift, input_pos, kv, iq)
             return native.attend(layer, q, step).to(q.dtype)
-        rows = QueryRows(n_quant_q=n_quant_q, fp_lo=shift, input_pos=input_pos)
+        rows = QueryRows(n_quant_q, shift, input_pos, self._parents)
         chunk = self.chunk_size if q.device.type == "cpu" else None  # Triton: fill the GPU
         return hier_attention(q, self.layer_view(layer), rows, kv, chunk, fused, iq, self.softcap)
 
@@ -372,21 +416,25 @@ class HierarchicalKVCache(torch.nn.Module):
         )
 
     def _span(self, input_pos: torch.Tensor) -> tuple[int, int]:
-        """(first position, last + 1) of input_pos, read from it once per forward."""
+        """The slots [first, first + T) a forward of input_pos [T] writes (a chain's positions;
+        a tree's rows, `tree_rows`), read from it once per forward."""
         memo = self._pos_memo
         if memo is None or memo[0] is not input_pos:
-            first, last = input_pos[[0, -1]].tolist()
-            memo = self._pos_memo = (input_pos, (first, last + 1))  # (holds the tensor alive)
+            first = int(input_pos[0])
+            memo = self._pos_memo = (input_pos, (first, first + input_pos.numel()))  # (alive)
         return memo[1]
 
-    def _query_rows(self, start: int, end: int, nq: int):
-        """For queries at positions [start, end) over a layer with nq quantized positions:
-        (any late query, n_quant per query [T], shift per query [T]); late queries see F1 as
-        history (`_boundary(p) > nq`), which the kernel reads from the planes' next slot."""
-        key = (start, end, nq)
+    def _query_rows(self, input_pos: torch.Tensor, start: int, end: int, nq: int):
+        """For the queries of a forward writing slots [start, end) over a layer with nq
+        quantized positions: (any late query, n_quant per query [T], shift per query [T]);
+        late queries see F1 as history (`_boundary(p) > nq`, p a query's position: a tree
+        row's is its depth's), which the kernel reads from the planes' next slot."""
+        tree = self._parents is not None
+        key = (start, end, nq, tuple(input_pos.tolist()) if tree else None)
         if self._rows_memo is None or self._rows_memo[0] != key:
             G = self.group_size
-            late = [max(0, (p // G - 1) * G) > nq for p in range(start, end)]  # _boundary
+            positions = key[3] if tree else range(start, end)
+            late = [max(0, (p // G - 1) * G) > nq for p in positions]  # _boundary
             shift = torch.tensor([G if x else 0 for x in late], dtype=torch.int64)
             self._rows_memo = (key, (any(late), nq + shift, shift))
         return self._rows_memo[1]

@@ -90,6 +90,34 @@ class DocumentLookup:
             out.append(out[start + len(out) - end])
         return out
 
+    def continuations(self, k: int, width: int) -> list[list[int]]:
+        """Up to `width` different continuations of the sequence's tail: the k tokens (fewer
+        where the sequence ends) after each earlier occurrence of its last min_ngram tokens,
+        the occurrences with the longest match first, the latest first among equals; the
+        first is `propose(k)`'s. [] when the tail never occurred before."""
+        first = self.propose(k)
+        if not first or width <= 1:
+            return [first] if first else []
+        seq, end, lo = self.tokens, len(self.tokens), self.min_ngram
+        hashes = self._hashes
+        at = np.flatnonzero(hashes[lo - 1 : end - 1] == hashes[end - 1]) + lo  # [C]
+        J = min(self.max_ngram, end)
+        back = at[:, None] - 1 - np.arange(J)  # [C, J]: each occurrence's tokens, backwards
+        same = (back >= 0) & (self._seq[np.maximum(back, 0)] == self._seq[end - J : end][::-1])
+        length = np.cumprod(same, axis=1).sum(axis=1)  # [C]
+        order = np.lexsort((-at, -length))  # longest, then latest, first
+        out, seen = [first], {tuple(first)}
+        for i in order.tolist():
+            if length[i] < lo:
+                break
+            path = seq[int(at[i]) : int(at[i]) + k]
+            if path and tuple(path) not in seen:
+                seen.add(tuple(path))
+                out.append(path)
+                if len(out) == width:
+                    break
+        return out
+
     def _latest_longest_few(self, candidates: list[int], J: int) -> int:
         """Of the candidates (hash matches; at = c + min_ngram), the latest whose match with
         the suffix is longest, at least min_ngram tokens (up to J), checked token by token;

@@ -26,13 +26,15 @@ class DecodePlan:
     """Autoregressive on `target` (draft None), or speculative: drafts on the `draft` path
     (and from the prompt, with `lookup`), `gamma` a round or "auto", verified on `target`.
     `draft_common`: the draft scores the prompt's ids and the ids below it only
-    (`draft_vocab.py`); None: the whole vocabulary."""
+    (`draft_vocab.py`); None: the whole vocabulary. `trees`: with gamma "auto" and the lookup,
+    the planner may verify the document's continuations as a token tree (`tree.py`)."""
 
     target: Precision
     draft: Precision | None = None
     gamma: int | str = "auto"
     lookup: bool = True
     draft_common: int | None = COMMON_IDS
+    trees: bool = True
 
     @property
     def speculative(self) -> bool:
@@ -85,6 +87,6 @@ class DecodePlan:
         tokens = speculative_decode(
             *common, stop_ids, self.gamma, timer, stats, draft_path=self.draft,
             target_path=self.target, lookup=index, planner=planner, draft_vocab=vocab,
-            costs=costs,
+            costs=costs, trees=self.trees,
         )  # fmt: skip
         return tokens, stats

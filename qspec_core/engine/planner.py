@@ -27,6 +27,13 @@ summary copies nothing for 100 tokens, then whole clauses), and a decode that re
 verify timings from an earlier document (`from_costs`) would otherwise never time a 2-row
 verify again. One try costs one verify row, about a tenth of a step, every RETRY_FREE + 1
 rounds at worst.
+A token tree (the document's continuations merged, `proposers.DocumentTree`) is shaped here
+(`shape_tree`, `tree.priced_tree`): of the continuations' trie, the nodes whose chance of
+acceptance (the lookup's, split by how many continuations agree) pays for their verify rows
+on the measured line. It is then taken whole: its rate is (1 + n) / v(m + 1), m its nodes
+and n the tokens its rounds accepted on average (until measured, the shape's own estimate,
+weight PRIOR_TOKENS rounds), so it runs only where its alternatives pay; the retry above
+alternates between the free sources.
 A choice depends only on the past, so every round stays an exact speculative round: greedy
 output is target-ar's and sampled output follows the target's law whatever the planner picks.
 
@@ -40,6 +47,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from qspec_core.engine.tree import DraftTree, priced_tree
 from qspec_core.timing import StepCosts
 
 DECAY = 0.9  # weight of the past in the acceptance estimates: about the last 10 rounds
@@ -51,6 +59,7 @@ EXPLORE_EVERY = 32  # rounds without a 4-bit draft before one may be tried again
 OPTIMISM = 0.1  # acceptance added to the 4-bit path's when deciding whether to try it again
 START_GAMMA = 2  # the first round drafts this many on the 4-bit path, to time a step
 RETRY_FREE = 8  # offers of a free source passed over before it is tried for one token
+WHOLE = ("tree",)  # sources whose proposal is verified whole: rated per round, not per token
 
 
 def expected_tokens(acceptance: float, k: int) -> float:
@@ -114,6 +123,8 @@ class RoundPlanner:
     accepted: dict[str, _Decayed] = field(default_factory=dict)  # source -> drafts accepted
     rounds_since_draft: int = 0
     passed_over: int = 0  # free-source offers passed over in a row
+    retries: int = 0  # free sources retried so far (the retry alternates between them)
+    shaped: float = 0.0  # the last tree's expected accepted tokens (`shape_tree`)
 
     @classmethod
     def from_costs(cls, limit: int, costs: StepCosts | None, context: int) -> RoundPlanner:
@@ -144,6 +155,26 @@ class RoundPlanner:
         a = (acc.total if acc else 0.0) + prior * PRIOR_TOKENS
         t = (tested.total if tested else 0.0) + PRIOR_TOKENS
         return min(a / t, 0.999)
+
+    def shape_tree(self, paths: list[list[int]], limit: int) -> DraftTree:
+        """The tree worth verifying of the document's continuations `paths` (likeliest
+        first), at most `limit` nodes (`tree.priced_tree`); empty before a verify is timed."""
+        v = self.verify_line()
+        if v is None:
+            return DraftTree([], [])
+        base = v(1)
+        tree, expected = priced_tree(
+            paths, self.acceptance("lookup"), base, v(2) - base, min(limit, self.limit)
+        )
+        self.shaped = expected - 1
+        return tree
+
+    def whole_tokens(self, source: str) -> float:
+        """Tokens a round of `source` (one of WHOLE) accepts on average: its rounds' decayed
+        mean, starting from the last shape's estimate."""
+        acc, rounds = self.accepted.get(source), self.tested.get(source)
+        a = (acc.total if acc else 0.0) + self.shaped * PRIOR_TOKENS
+        return a / ((rounds.total if rounds else 0.0) + PRIOR_TOKENS)
 
     def verify_seconds(self, rows: int) -> float | None:
         """v(rows), from `verify_line`."""
@@ -185,7 +216,10 @@ class RoundPlanner:
             step, most = (d, self.limit) if stepped else (0.0, min(offers[source], self.limit))
             if not stepped and most < 1:
                 continue  # (nothing offered)
-            k, rate = _best_length(self.acceptance(source), step, v, 0 if stepped else 1, most)
+            if source in WHOLE:
+                k, rate = most, (1 + self.whole_tokens(source)) / v(most + 1)
+            else:
+                k, rate = _best_length(self.acceptance(source), step, v, 0 if stepped else 1, most)
             if rate > best_rate:
                 best, best_rate = (source, k), rate
         # (counted against plain steps only: where the 4-bit path wins, its rounds pay more)
@@ -196,7 +230,9 @@ class RoundPlanner:
             self.passed_over += bool(free)
             if self.passed_over > RETRY_FREE:
                 self.passed_over = 0
-                return free[0], 1
+                self.retries += 1
+                name = free[self.retries % len(free)]
+                return name, min(offers[name], self.limit) if name in WHOLE else 1
         if best[0] == "draft" and best[1] or self.rounds_since_draft < EXPLORE_EVERY:
             return best
         # Time to try the 4-bit path again (its acceptance may have moved), but only where it
@@ -219,4 +255,5 @@ class RoundPlanner:
         self.verify.setdefault(k + 1, _Recent()).add(verify_seconds)
         if k:
             self.accepted.setdefault(source, _Decayed()).add(n)
-            self.tested.setdefault(source, _Decayed()).add(n + (n < k))
+            # (a whole proposal's rounds; else the tokens tested: up to the first rejection)
+            self.tested.setdefault(source, _Decayed()).add(1 if source in WHOLE else n + (n < k))

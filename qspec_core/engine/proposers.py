@@ -3,15 +3,17 @@
 A round (`speculative.py`) asks each proposer how many tokens it could draft now (`offer`),
 lets the planner (or a fixed gamma) pick one proposer and a length, takes that many tokens
 from it (`propose`), verifies them, and tells every proposer what was emitted (`observe`).
-Two sources ship: the 4-bit self-draft (`SelfDraft`: k forward passes on the draft path) and
+Three sources ship: the 4-bit self-draft (`SelfDraft`: k forward passes on the draft path),
 the document lookup (`DocumentDraft`: the tokens that followed the context's tail earlier in
-it, `lookup.py`). A third one only has to follow the protocol; its round counts appear in
-`SpecStats` under its `name`.
+it, `lookup.py`), and the document's token tree (`DocumentTree`: the continuations of several
+earlier occurrences at once, merged where they agree, `tree.py`). Another one only has to
+follow the protocol; its round counts appear in `SpecStats` under its `name`.
 
-`propose` returns the tokens and their draft distributions q [k, V], or None for a point mass
-on each token (a deterministic proposal, or a greedy draft): the verifier needs q only when
-sampling, and builds the one-hot itself then. Whatever a proposer returns, the round stays an
-exact speculative round as long as the tokens were drawn from q (`verify.py`).
+`propose` returns a `DraftTree` (a chain, `DraftTree.chain`, for the first two) with the draft
+distributions q [k, V], or None for a point mass on each token (a deterministic proposal, or a
+greedy draft): the verifier needs q only when sampling, and builds the one-hot itself then.
+Whatever a proposer returns, the round stays an exact speculative round as long as the tokens
+were drawn from q (`verify.py`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch
 from qspec_core.engine.draft_vocab import DraftVocab
 from qspec_core.engine.lookup import DocumentLookup
 from qspec_core.engine.sampling import SamplingParams, probabilities
+from qspec_core.engine.tree import TREE_DEPTH, TREE_WIDTH, DraftTree
 from qspec_core.precision import Precision
 from qspec_core.timing import StageTimer
 
@@ -48,8 +51,8 @@ class Proposer(Protocol):
         """How many of the next k tokens it could propose now (0: none)."""
         ...
 
-    def propose(self, context: RoundContext, k: int) -> tuple[list[int], torch.Tensor | None]:
-        """k draft tokens (k <= the last offer) and their q [k, V], or None: a point mass."""
+    def propose(self, context: RoundContext, k: int) -> DraftTree:
+        """k draft tokens (k <= the last offer), with their q [k, V] or None: point masses."""
         ...
 
     def observe(self, accepted: list[int]) -> None:
@@ -109,7 +112,7 @@ class SelfDraft:
     def offer(self, k: int) -> int:
         return k  # (any length: a forward pass per token)
 
-    def propose(self, context: RoundContext, k: int) -> tuple[list[int], torch.Tensor | None]:
+    def propose(self, context: RoundContext, k: int) -> DraftTree:
         tokens: list[int] = []
         probs = []
         self.step_seconds = []
@@ -136,7 +139,7 @@ class SelfDraft:
                 tokens.append(token)
                 self.step_seconds.append(time.perf_counter() - started)
         move_rotation_time(self.cache, self.timer, self.name, rotated)
-        return tokens, torch.stack(probs) if probs else None
+        return DraftTree.chain(tokens, torch.stack(probs) if probs else None)
 
     def observe(self, accepted: list[int]) -> None:
         pass  # (the cache already holds what it needs)
@@ -159,9 +162,47 @@ class DocumentDraft:
             self.proposal = self.index.propose(k)
         return len(self.proposal)
 
-    def propose(self, context: RoundContext, k: int) -> tuple[list[int], torch.Tensor | None]:
+    def propose(self, context: RoundContext, k: int) -> DraftTree:
         # (a proposal of k tokens is the first k of a longer one: `DocumentLookup.propose`)
-        return self.proposal[:k], None
+        return DraftTree.chain(self.proposal[:k])
 
     def observe(self, accepted: list[int]) -> None:
         self.unseen += accepted
+
+
+class DocumentTree:
+    """The document's continuations as one tree (`DocumentLookup.continuations`: the tokens
+    after up to TREE_WIDTH earlier occurrences of the context's tail, TREE_DEPTH each, merged
+    where they agree), shaped by `shape(paths, k)` (the planner's `shape_tree`: the nodes
+    that pay for their verify rows) or, without one, the first k nodes of the merge, each
+    continuation at most half of them. Offered only where it branches: else the lookup's
+    chain is the same round. Shares the lookup's index (`DocumentDraft` extends it);
+    point-mass q."""
+
+    name = "tree"
+
+    def __init__(self, lookup: DocumentDraft, timer: StageTimer, shape=None):
+        self.lookup, self.timer, self.shape = lookup, timer, shape
+        self.proposal = DraftTree([], [])
+
+    def offer(self, k: int) -> int:
+        # (after the lookup's own offer in a round, which has indexed the emitted tokens)
+        with self.timer.stage(self.name):
+            self.lookup.index.extend(self.lookup.unseen)
+            self.lookup.unseen = []
+            if self.shape is not None:
+                paths = self.lookup.index.continuations(TREE_DEPTH, TREE_WIDTH)
+                tree = self.shape(paths, k) if len(paths) > 1 else DraftTree([], [])
+            else:
+                depth = min(TREE_DEPTH, max(1, k // 2))
+                tree = DraftTree.merged(self.lookup.index.continuations(depth, TREE_WIDTH), k)
+        self.proposal = tree if not tree.is_chain else DraftTree([], [])
+        return len(self.proposal)
+
+    def propose(self, context: RoundContext, k: int) -> DraftTree:
+        # (a parent comes before its children: the first k nodes are a tree too)
+        tree = self.proposal
+        return DraftTree(tree.tokens[:k], tree.parents[:k])
+
+    def observe(self, accepted: list[int]) -> None:
+        pass  # (the lookup it shares indexes them)

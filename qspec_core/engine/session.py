@@ -109,6 +109,7 @@ class ChatSession:
         gamma: int | str = "auto",
         group_size: int | None = None,
         lookup: bool = True,
+        trees: bool = True,
     ):
         if mode not in MODES:
             raise QspecError(f"mode {mode!r} is not available (have: {', '.join(MODES)})")
@@ -121,6 +122,7 @@ class ChatSession:
         self.gamma = gamma
         self.group_size = group_size
         self.lookup = lookup  # quantspec also drafts from the conversation (`lookup.py`)
+        self.trees = trees  # ... and may verify its continuations as a tree (`tree.py`)
         self.planner = None  # with gamma "auto": a `RoundPlanner` to use instead of a new one
         self.runtime = runtime
         self.params = params or SamplingParams()
@@ -189,7 +191,7 @@ class ChatSession:
     def plan(self) -> DecodePlan:
         """How this session's mode decodes (`engine/plan.py`)."""
         if self.mode == "quantspec":
-            return DecodePlan(self.runtime.target, DRAFT, self.gamma, self.lookup)
+            return DecodePlan(self.runtime.target, DRAFT, self.gamma, self.lookup, trees=self.trees)
         return DecodePlan(self.path)
 
     @property

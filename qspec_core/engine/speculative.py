@@ -33,6 +33,7 @@ from qspec_core.engine.lookup import DocumentLookup
 from qspec_core.engine.planner import RoundPlanner
 from qspec_core.engine.proposers import (
     DocumentDraft,
+    DocumentTree,
     Proposer,
     RoundContext,
     SelfDraft,
@@ -40,7 +41,13 @@ from qspec_core.engine.proposers import (
     move_rotation_time,
 )
 from qspec_core.engine.sampling import SamplingParams, probabilities, sample
-from qspec_core.engine.verify import verify_greedy, verify_sampling
+from qspec_core.engine.tree import DraftTree
+from qspec_core.engine.verify import (
+    verify_greedy,
+    verify_sampling,
+    verify_tree_greedy,
+    verify_tree_sampling,
+)
 from qspec_core.precision import DRAFT, TARGET, Precision
 from qspec_core.runner import Runner
 from qspec_core.timing import StageTimer, StepCosts
@@ -107,14 +114,15 @@ class SpecStats:
             mine.drafted += theirs.drafted
             mine.accepted += theirs.accepted
 
-    def count(self, source: str, g: int, n: int) -> None:
-        """One round: g drafts from `source` (a proposer's name), n of them accepted; a round
-        of no drafts counts as PLAIN whatever its source."""
+    def count(self, source: str, g: int, n: int, bonus: bool | None = None) -> None:
+        """One round: g drafts from `source` (a proposer's name), n of them accepted, ending
+        in a bonus token (None: n == g, a chain's; a tree's: its path reached a leaf) or a
+        recovered one; a round of no drafts counts as PLAIN whatever its source."""
         self.rounds += 1
         self.drafted += g
         self.accepted += n
         self.accepted_hist[n] += 1
-        if n < g:
+        if not (n == g if bonus is None else bonus):
             self.recovered += 1
         else:
             self.bonus += 1
@@ -192,6 +200,7 @@ def speculative_decode(
     proposers: Sequence[Proposer] = (),
     draft_vocab: DraftVocab | Callable[[], DraftVocab | None] | None = None,
     costs: StepCosts | None = None,
+    trees: bool = True,
 ) -> Iterator[int]:
     """Yield up to `max_new_tokens` ids following the target path's distribution.
 
@@ -206,6 +215,8 @@ def speculative_decode(
     self-speculation); an INT8 verifier is TARGET.with_weights("int8").
     `lookup`: an index over the prompt's ids (`DocumentLookup(prompt)`); each round first asks
     it for drafts, and the emitted tokens are appended to it. None: every draft is the model's.
+    With gamma "auto", a cache that verifies token trees (`tree_rows`) and `trees`, the planner
+    may also verify several of the document's continuations at once (`DocumentTree`).
     `proposers`: more draft sources (`proposers.py`), asked before those two; with a fixed
     gamma the first one that offers tokens drafts the round. `draft_vocab`: the slice of the
     vocabulary the 4-bit draft scores (`draft_vocab.py`), or a function making it at the first
@@ -227,6 +238,9 @@ def speculative_decode(
     sources = list(proposers)
     if lookup is not None:
         sources.append(DocumentDraft(lookup, timer))
+        if trees and planner is not None and verifier is None and hasattr(cache, "tree_rows"):
+            shape = getattr(planner, "shape_tree", None)  # (a scripted planner: the merge)
+            sources.append(DocumentTree(sources[-1], timer, shape))
     sources.append(SelfDraft(runner, cache, draft_path, params, generator, timer, draft_vocab))
     by_name = {p.name: p for p in sources}
 
@@ -251,27 +265,48 @@ def speculative_decode(
             source, g = planner.plan(offers) if planner else plan_fixed(offers, int(gamma))
             g = min(g, offers[source])  # (a planner may ask the 4-bit path past room)
             rotated, started = rotation(), time.perf_counter()
-            drafts, draft_probs = [], None
+            drafts, draft_probs, tree = [], None, None
             if g:
-                drafts, draft_probs = by_name[source].propose(RoundContext(pending, committed), g)
-                if draft_probs is None and not params.greedy:  # a point mass on each token
+                proposal = by_name[source].propose(RoundContext(pending, committed), g)
+                if proposal.is_chain:
+                    drafts, draft_probs = proposal.tokens, proposal.probs
+                else:
+                    tree = proposal
+                if draft_probs is None and tree is None and not params.greedy:  # point masses
                     draft_probs = torch.zeros(g, first_logits.shape[-1], device=runner.device)
                     draft_probs[torch.arange(g), torch.tensor(drafts)] = 1.0
             draft_s = time.perf_counter() - started - (rotation() - rotated)
             rotated, started = rotation(), time.perf_counter()
             with timer.stage("verify"):
-                target_logits = forward(runner, cache, [pending] + drafts, committed, target_path)
+                if tree is None:
+                    target_logits = forward(
+                        runner, cache, [pending] + drafts, committed, target_path
+                    )
+                else:
+                    target_logits = forward_tree(
+                        runner, cache, pending, tree, committed, target_path
+                    )
             move_rotation_time(cache, timer, "verify", rotated)
             with timer.stage("accept"):
-                n, nxt = _accept(drafts, draft_probs, target_logits, params, generator, verifier)
+                if tree is None:
+                    n, nxt = _accept(
+                        drafts, draft_probs, target_logits, params, generator, verifier
+                    )
+                    path, leaf = None, None
+                else:
+                    path, nxt = _accept_tree(tree, target_logits, params, generator)
+                    drafts = [tree.tokens[row - 1] for row in path[1:]]
+                    n, leaf = len(drafts), not tree.children()[path[-1]]
             # (the accept stage ends the verify on a GPU: its first read of the logits waits)
             verify_s = time.perf_counter() - started - (rotation() - rotated)
             with timer.stage("rollback"):
                 base = committed
                 committed = base + 1 + n
+                if path is not None:  # the accepted path's K/V where a chain's would be
+                    cache.keep_rows(base, path)
                 cache.truncate(committed)
                 cache.commit(committed)
-            stats.count(source, g, n)
+            stats.count(source, g, n, leaf)
             if planner is not None:
                 steps = getattr(by_name[source], "step_seconds", None) if g else None
                 planner.record(source, g, n, draft_s, verify_s, steps)
@@ -290,6 +325,24 @@ def speculative_decode(
         cache.commit(committed)
         if own_planner and costs is not None:
             planner.keep(costs, start_pos)
+
+
+def forward_tree(runner, cache, pending: int, tree: DraftTree, position: int, path):
+    """The verify of `tree` after the pending token at `position`: logits [1 + len(tree), V],
+    row 0 the pending token's, row i + 1 node i's, each seeing its ancestors only."""
+    ids = torch.tensor([[pending] + tree.tokens], device=runner.device)
+    positions = torch.tensor(tree.depths(), device=runner.device) + position
+    with cache.tree_rows(tree.rows()):
+        return runner(ids, positions, cache, path)[0]
+
+
+def _accept_tree(tree: DraftTree, target_logits, params, generator) -> tuple[list[int], int]:
+    """(the accepted path's verify rows, root first; the next token) of a tree round."""
+    tokens, children = [-1] + tree.tokens, tree.children()
+    if params.greedy:
+        return verify_tree_greedy(tokens, children, target_logits)
+    probs = probabilities(target_logits, params)
+    return verify_tree_sampling(tokens, children, tree.probs, probs, generator)
 
 
 def _accept(drafts, draft_probs, target_logits, params, generator, verifier) -> tuple[int, int]:

@@ -63,3 +63,59 @@ def verify_sampling(
     else:
         dist = target_probs[gamma]
     return n, int(torch.multinomial(dist, 1, generator=generator))
+
+
+# ------------------------------------------------------------------ token trees (`tree.py`)
+# A tree's verify rows: row 0 the pending token, row r > 0 a draft node with token tokens[r]
+# whose children rows are children[r] (in the order they were proposed). The verifier walks
+# down from row 0 and returns (the accepted path's rows, root first, the next token).
+
+
+def verify_tree_greedy(
+    tokens: list[int], children: list[list[int]], target_logits: torch.Tensor
+) -> tuple[list[int], int]:
+    """target_logits [rows, V]: at each row on the path, the child whose token is the target's
+    argmax there is accepted; the next token is the argmax where no child matches. The same
+    tokens as greedy target decoding, as a chain's."""
+    top = target_logits.argmax(-1).tolist()
+    path = [0]
+    while True:
+        want = top[path[-1]]
+        row = next((r for r in children[path[-1]] if tokens[r] == want), None)
+        if row is None:
+            return path, want
+        path.append(row)
+
+
+def verify_tree_sampling(
+    tokens: list[int],
+    children: list[list[int]],
+    draft_probs: torch.Tensor | None,
+    target_probs: torch.Tensor,
+    generator: torch.Generator | None,
+) -> tuple[list[int], int]:
+    """Exact multi-candidate speculative sampling (SpecInfer's recursive rejection): at a row
+    with target distribution r = p, its children c_1, c_2, ... are tried in order, each
+    accepted with probability min(1, r(x) / q(x)) (x its token, q the law it was drawn from:
+    draft_probs[c - 1], or a point mass on x where draft_probs is None); a rejection replaces r
+    by norm(max(r - q, 0)), an acceptance moves to that child. With every child rejected (or
+    none), the next token is drawn from r. Each step is an exact rejection step whatever its
+    q, so the emitted tokens follow the target's law p (tests/test_tree_verify.py enumerates
+    it). target_probs [rows, V]; draft_probs [rows - 1, V] or None."""
+    path = [0]
+    while True:
+        r = target_probs[path[-1]]
+        for row in children[path[-1]]:
+            x = tokens[row]
+            if draft_probs is None:
+                q = torch.zeros_like(r)
+                q[x] = 1.0
+            else:
+                q = draft_probs[row - 1]
+            u = float(torch.rand(1, generator=generator, device=r.device))
+            if u * float(q[x]) < float(r[x]):  # u < r/q without dividing
+                path.append(row)
+                break
+            r = residual_distribution(r, q)
+        else:
+            return path, int(torch.multinomial(r, 1, generator=generator))
