@@ -86,11 +86,12 @@ def test_the_document_offers_every_occurrences_continuation():
 @native
 @pytest.mark.parametrize("kind", ["stack", "loop"])
 @pytest.mark.parametrize("path", [TARGET, W8_TARGET, W8_TARGET.with_weights("w8a8")])
-@pytest.mark.parametrize("head_dim, start", [(64, 123), (64, 60), (16, 45)])
+@pytest.mark.parametrize("head_dim, start", [(64, 126), (64, 60), (16, 45)])
 def test_tree_rows_have_the_bits_of_the_chain_that_reaches_them(kind, path, head_dim, start):
     """Each row of a tree verify (the target paths: a verify's) against the chain of its path, fed
-    alone over the same committed cache: equal logits, bit for bit. start 123 puts rows past
-    the next group boundary (late queries, F1 read from the planes), start 60 inside F1."""
+    alone over the same committed cache: equal logits, bit for bit. start 126 puts the rows at
+    depth 2-3 past the group boundary at 128 (late queries, F1 read from the planes) and their
+    paths across a block of keys; start 60 inside F1."""
     model = _model(head_dim)
     attach_int8(model, {n: Int8Linear.from_linear(m) for n, m in linear_layers(model).items()})
     if path.weights not in model.weight_sets:
@@ -135,35 +136,45 @@ def test_the_reference_attention_sees_the_same_tree(path):
 
 
 @pytest.mark.parametrize("kind", ["stack", "torch"])
-def test_keep_rows_leaves_the_kv_a_chain_would(kind):
-    """After a tree verify, keeping path rows [0, 1, 2, 7] leaves the cache as feeding those
-    four tokens as a chain does: the same region, and the next step's logits."""
+@pytest.mark.parametrize("start", [120, 40])
+def test_keep_rows_leaves_the_kv_a_chain_would(kind, start):
+    """After a tree verify, keeping path rows [0, 1, 2, 7] moves exactly those rows' K/V to
+    slots start..start + 3 in every layer (start 40: inside F1); on the C++ stack the cache
+    then equals one fed those four tokens as a chain, and so do the next step's logits."""
     if kind == "stack" and not cpu_ext.available():
         pytest.skip("no C++ compiler here")
     model = _model(64)
     runner = _runner(kind, model)
     ids = torch.randint(0, 101, (130,), generator=_g(3)).tolist()
+    path = [0, 1, 2, 7]
     with torch.no_grad():
         caches = []
         for use_tree in (True, False):
             cache = HierarchicalKVCache(model.config, 300, dtype=torch.float32)
-            prefill_hierarchical(runner, cache, ids[:120])
+            prefill_hierarchical(runner, cache, ids[:start])
+            lo = start - cache.n_quant[0]
             if use_tree:
-                forward_tree(runner, cache, ids[120], TREE, 120, TARGET)
-                cache.keep_rows(120, [0, 1, 2, 7])
+                forward_tree(runner, cache, ids[start], TREE, start, TARGET)
+                written = cache.fp_k.clone(), cache.fp_v.clone()
+                cache.keep_rows(start, path)
+                for fp, before in zip((cache.fp_k, cache.fp_v), written, strict=True):
+                    for i, row in enumerate(path):
+                        assert torch.equal(fp[:, :, :, lo + i], before[:, :, :, lo + row])
+                    assert torch.equal(fp[:, :, :, :lo], before[:, :, :, :lo])
             else:
-                fed = torch.tensor([[ids[120], 11, 12, 14]])
-                runner(fed, torch.arange(120, 124), cache, TARGET)
-                cache.truncate(124)
-            cache.commit(124)
-            nxt = runner(torch.tensor([[5]]), torch.tensor([124]), cache, TARGET)[0, -1]
-            caches.append((cache, nxt))
+                fed = torch.tensor([[ids[start], 11, 12, 14]])
+                runner(fed, torch.arange(start, start + 4), cache, TARGET)
+                cache.truncate(start + 4)
+            cache.commit(start + 4)
+            step = torch.tensor([[5]]), torch.tensor([start + 4])
+            caches.append((cache, runner(*step, cache, TARGET)[0, -1]))
         (tree, a), (chain, b) = caches
-        assert tree.seq_len == chain.seq_len == 125 and tree.fp_len == chain.fp_len
-        n = tree.fp_len[0]
-        assert torch.equal(tree.fp_k[:, :, :, :n], chain.fp_k[:, :, :, :n])
-        assert torch.equal(tree.fp_v[:, :, :, :n], chain.fp_v[:, :, :, :n])
-        assert torch.equal(a, b)
+        assert tree.seq_len == chain.seq_len == start + 5 and tree.fp_len == chain.fp_len
+        if kind == "stack":  # (the C++ kernels: a row's bits whatever rows come with it)
+            n = tree.fp_len[0]
+            assert torch.equal(tree.fp_k[:, :, :, :n], chain.fp_k[:, :, :, :n])
+            assert torch.equal(tree.fp_v[:, :, :, :n], chain.fp_v[:, :, :, :n])
+            assert torch.equal(a, b)
 
 
 def test_tree_greedy_walks_down_the_targets_argmax():
@@ -180,8 +191,10 @@ def test_tree_greedy_walks_down_the_targets_argmax():
 
 
 def test_recursive_rejection_over_siblings_keeps_the_law_by_enumeration():
-    """Siblings x_1, x_2, x_3 tried in order with any laws q_i (point masses among them), each
-    rejection leaving norm(max(r - q_i, 0)): P(emit y) sums to p(y) exactly."""
+    """The rule `verify_tree_sampling` implements, written out: siblings x_1, x_2, x_3 tried
+    in order with any laws q_i (point masses among them), each rejection leaving
+    norm(max(r - q_i, 0)): P(emit y) sums to p(y) exactly. (The function itself: by
+    frequencies below, and end to end.)"""
     g = _g(4)
     for _ in range(30):
         p = torch.rand(6, generator=g) ** 3
@@ -396,3 +409,24 @@ def test_a_priced_tree_keeps_the_nodes_that_pay_for_their_rows():
     dear, _ = priced_tree(paths, 0.8, 1.0, 0.3, 16)
     assert dear.is_chain and dear.tokens == [1, 2, 3][: len(dear)]
     assert len(priced_tree(paths, 0.8, 1.0, 0.02, 3)[0]) == 3
+
+
+def test_a_tree_where_the_cache_cannot_verify_one_is_refused():
+    """A proposer's tree over a cache whose attention is the reference (or any cache without
+    the C++ tree mask) is an error, not a silently inexact round; the document's trees are
+    simply not offered there."""
+    model = _model(16)
+    prompt = torch.randint(0, 101, (20,), generator=_g(8)).tolist()
+    runner = build_runner(model)
+    cache = HierarchicalKVCache(model.config, 64, dtype=torch.float32)
+    cache.fused = False
+    logits = prefill_hierarchical(runner, cache, prompt)
+    oracle = TreeOracle([0] * 40, len(prompt))
+    with pytest.raises(ValueError, match="token tree"):
+        list(
+            speculative_decode(
+                runner, cache, logits, len(prompt), 8, SamplingParams(), _g(0), gamma="auto",
+                planner=Always("oracle", 6), proposers=[oracle],
+            )
+        )  # fmt: skip
+    assert cache.seq_len == cache.committed == len(prompt)

@@ -447,7 +447,10 @@ HierAttention::HierAttention(const at::Tensor& q, const HierLayer& layer, const 
     // each row's path from its root, checked: a parent is an earlier row or -1, row 0 a
     // root, a child one position after its parent, every path inside the region
     const auto parents = as_long(step.parents);
-    TORCH_CHECK(parents.numel() == T, "parents: one entry per query row");
+    TORCH_CHECK(parents.device().is_cpu() && parents.numel() == T,
+                "parents: one entry per query row, on the CPU");
+    TORCH_CHECK(T <= 64, "a token tree of at most 64 rows (a verify's)");
+    TORCH_CHECK(a.pos[0] >= fp_pos0, "a tree's rows start in the full-precision region");
     const int64_t* par = parents.data_ptr<int64_t>();
     s.paths.assign(T * T, 0), s.depth.assign(T, 0);
     for (int64_t t = 0; t < T; ++t) {

@@ -211,6 +211,12 @@ class HierarchicalKVCache(torch.nn.Module):
         finally:
             self._parents, self._pos_memo, self._rows_memo = None, None, None
 
+    @property
+    def verifies_trees(self) -> bool:
+        """Whether a tree's verify here gives each row its chain's bits: where the C++
+        attention runs (`native`, not the reference); the Triton kernel reads chains only."""
+        return self.native is not None and self.fused is not False
+
     def keep_rows(self, start: int, rows: Sequence[int]) -> None:
         """After a tree forward from `start`: the K/V of its rows `rows` (a path from the
         root, increasing) move to slots start, start + 1, ... in every layer, where a chain's
@@ -429,11 +435,11 @@ class HierarchicalKVCache(torch.nn.Module):
         quantized positions: (any late query, n_quant per query [T], shift per query [T]);
         late queries see F1 as history (`_boundary(p) > nq`, p a query's position: a tree
         row's is its depth's), which the kernel reads from the planes' next slot."""
-        tree = self._parents is not None
-        key = (start, end, nq, tuple(input_pos.tolist()) if tree else None)
+        tree = self._parents is not None  # (its positions: fixed while `tree_rows` holds it)
+        key = (start, end, nq, id(self._parents) if tree else None)
         if self._rows_memo is None or self._rows_memo[0] != key:
             G = self.group_size
-            positions = key[3] if tree else range(start, end)
+            positions = input_pos.tolist() if tree else range(start, end)
             late = [max(0, (p // G - 1) * G) > nq for p in positions]  # _boundary
             shift = torch.tensor([G if x else 0 for x in late], dtype=torch.int64)
             self._rows_memo = (key, (any(late), nq + shift, shift))

@@ -202,7 +202,8 @@ class DocumentTree:
     def propose(self, context: RoundContext, k: int) -> DraftTree:
         # (a parent comes before its children: the first k nodes are a tree too)
         tree = self.proposal
-        return DraftTree(tree.tokens[:k], tree.parents[:k])
+        probs = None if tree.probs is None else tree.probs[:k]
+        return DraftTree(tree.tokens[:k], tree.parents[:k], probs)
 
     def observe(self, accepted: list[int]) -> None:
         pass  # (the lookup it shares indexes them)

@@ -238,7 +238,7 @@ def speculative_decode(
     sources = list(proposers)
     if lookup is not None:
         sources.append(DocumentDraft(lookup, timer))
-        if trees and planner is not None and verifier is None and hasattr(cache, "tree_rows"):
+        if trees and planner is not None and verifier is None and _verifies_trees(cache):
             shape = getattr(planner, "shape_tree", None)  # (a scripted planner: the merge)
             sources.append(DocumentTree(sources[-1], timer, shape))
     sources.append(SelfDraft(runner, cache, draft_path, params, generator, timer, draft_vocab))
@@ -270,6 +270,12 @@ def speculative_decode(
                 proposal = by_name[source].propose(RoundContext(pending, committed), g)
                 if proposal.is_chain:
                     drafts, draft_probs = proposal.tokens, proposal.probs
+                elif verifier is not None or not _verifies_trees(cache):
+                    raise ValueError(
+                        f"proposer {source!r} drafted a token tree, which this cache cannot "
+                        "verify exactly (trees need the C++ attention over a hierarchical "
+                        "cache) or a custom verifier cannot take"
+                    )
                 else:
                     tree = proposal
                 if draft_probs is None and tree is None and not params.greedy:  # point masses
@@ -301,9 +307,9 @@ def speculative_decode(
             verify_s = time.perf_counter() - started - (rotation() - rotated)
             with timer.stage("rollback"):
                 base = committed
-                committed = base + 1 + n
                 if path is not None:  # the accepted path's K/V where a chain's would be
-                    cache.keep_rows(base, path)
+                    cache.keep_rows(base, path)  # (before `committed` moves: a Ctrl-C inside
+                committed = base + 1 + n  # leaves the round uncommitted, as a chain's)
                 cache.truncate(committed)
                 cache.commit(committed)
             stats.count(source, g, n, leaf)
@@ -325,6 +331,10 @@ def speculative_decode(
         cache.commit(committed)
         if own_planner and costs is not None:
             planner.keep(costs, start_pos)
+
+
+def _verifies_trees(cache) -> bool:
+    return bool(getattr(cache, "verifies_trees", False))
 
 
 def forward_tree(runner, cache, pending: int, tree: DraftTree, position: int, path):

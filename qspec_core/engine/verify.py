@@ -100,8 +100,9 @@ def verify_tree_sampling(
     draft_probs[c - 1], or a point mass on x where draft_probs is None); a rejection replaces r
     by norm(max(r - q, 0)), an acceptance moves to that child. With every child rejected (or
     none), the next token is drawn from r. Each step is an exact rejection step whatever its
-    q, so the emitted tokens follow the target's law p (tests/test_tree_verify.py enumerates
-    it). target_probs [rows, V]; draft_probs [rows - 1, V] or None."""
+    q, so the emitted tokens follow the target's law p (tests/test_tree.py: the rule by
+    enumeration, this function by frequencies and end to end). target_probs [rows, V];
+    draft_probs [rows - 1, V] or None."""
     path = [0]
     while True:
         r = target_probs[path[-1]]
