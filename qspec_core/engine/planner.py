@@ -29,11 +29,12 @@ verify again. One try costs one verify row, about a tenth of a step, every RETRY
 rounds at worst.
 A token tree (the document's continuations merged, `proposers.DocumentTree`) is shaped here
 (`shape_tree`, `tree.priced_tree`): of the continuations' trie, the nodes whose chance of
-acceptance (the lookup's, split by how many continuations agree) pays for their verify rows
-on the measured line. It is then taken whole: its rate is (1 + n) / v(m + 1), m its nodes
-and n the tokens its rounds accepted on average (until measured, the shape's own estimate,
-weight PRIOR_TOKENS rounds), so it runs only where its alternatives pay; the retry above
-alternates between the free sources.
+acceptance (the lookup's for the main continuation; for another, where the main one is wrong,
+split by how many continuations agree) pays for their verify rows on the measured line.
+It is then taken whole: its rate is (1 + n) / v(m + 1), m its nodes and n the tokens its
+rounds accepted on average (until measured, the shape's own estimate, weight PRIOR_TOKENS
+rounds), so it runs only where its alternatives pay; the retry above alternates between the
+free sources.
 A choice depends only on the past, so every round stays an exact speculative round: greedy
 output is target-ar's and sampled output follows the target's law whatever the planner picks.
 

@@ -15,6 +15,9 @@ One round, with the pending token t (sampled, not yet fed) at position c = commi
   4. accept (`verify.py`): n accepted drafts + one recovered or bonus token;
   5. rollback: truncate the cache to c + 1 + n and commit it: t and g_1..g_n now hold
      target-path KV, the rejected tail is gone. The new pending token is the recovered/bonus.
+A round may instead verify a token tree (`tree.py`: several continuations at once, each node
+seeing its ancestors only); the verifier walks down it, and the rollback first moves the
+accepted path's KV to where a chain's would be (`keep_rows`).
 Greedy output is token-for-token that of autoregressive decoding on the target path.
 """
 
@@ -215,8 +218,9 @@ def speculative_decode(
     self-speculation); an INT8 verifier is TARGET.with_weights("int8").
     `lookup`: an index over the prompt's ids (`DocumentLookup(prompt)`); each round first asks
     it for drafts, and the emitted tokens are appended to it. None: every draft is the model's.
-    With gamma "auto", a cache that verifies token trees (`tree_rows`) and `trees`, the planner
-    may also verify several of the document's continuations at once (`DocumentTree`).
+    With gamma "auto", `trees` and a cache that verifies token trees exactly
+    (`verifies_trees`), the planner may also verify several of the document's continuations
+    at once (`DocumentTree`).
     `proposers`: more draft sources (`proposers.py`), asked before those two; with a fixed
     gamma the first one that offers tokens drafts the round. `draft_vocab`: the slice of the
     vocabulary the 4-bit draft scores (`draft_vocab.py`), or a function making it at the first
