@@ -163,18 +163,13 @@ def test_greedy_equals_target_ar_over_every_kind_of_round():
     assert 0 < src["lookup"]["accepted"] < src["lookup"]["drafted"]
 
 
-def test_sampled_mixed_rounds_follow_the_target_path_distribution():
-    """V = 8, a prompt with tokens 0-3 only and one-token matches: a pending token in 0-3 can
-    draft from the prompt; rounds are plain steps, 4-bit drafts or lookups at random. The
-    laws of the second and third emitted tokens against their exact laws on the target path
-    (enumerated), n = 1500 seeded runs, TV bound 0.08 each (expected ~0.03)."""
-    params = SamplingParams(temperature=1.0)
-    model = _model(vocab=8)
-    prompt = [0, 1, 2, 3, 1, 0, 3, 2]
-    P = len(prompt)
+def exact_laws(model, prompt: list[int], params) -> tuple[torch.Tensor, torch.Tensor]:
+    """The exact laws [V] of the second and third tokens emitted after `prompt` on the target
+    path (the first sampled from the prefill's logits), enumerated over a small vocabulary."""
+    P, V = len(prompt), model.config.vocab_size
 
     def next_law(tokens: list[int]) -> torch.Tensor:
-        c = HierarchicalKVCache(model.config, 16, dtype=torch.float32)
+        c = HierarchicalKVCache(model.config, P + 8, dtype=torch.float32)
         logits = prefill_hierarchical(model, c, prompt)
         with torch.no_grad():
             for i, t in enumerate(tokens):
@@ -183,13 +178,24 @@ def test_sampled_mixed_rounds_follow_the_target_path_distribution():
         return probabilities(logits, params)
 
     first = next_law([])
-    second = torch.zeros(8)
-    third = torch.zeros(8)
-    for x in range(8):
+    second, third = torch.zeros(V), torch.zeros(V)
+    for x in range(V):
         law_x = next_law([x])
         second += first[x] * law_x
-        for y in range(8):
+        for y in range(V):
             third += first[x] * law_x[y] * next_law([x, y])
+    return second, third
+
+
+def test_sampled_mixed_rounds_follow_the_target_path_distribution():
+    """V = 8, a prompt with tokens 0-3 only and one-token matches: a pending token in 0-3 can
+    draft from the prompt; rounds are plain steps, 4-bit drafts or lookups at random. The
+    laws of the second and third emitted tokens against their exact laws on the target path
+    (enumerated), n = 1500 seeded runs, TV bound 0.08 each (expected ~0.03)."""
+    params = SamplingParams(temperature=1.0)
+    model = _model(vocab=8)
+    prompt = [0, 1, 2, 3, 1, 0, 3, 2]
+    second, third = exact_laws(model, prompt, params)
     counts2, counts3 = torch.zeros(8), torch.zeros(8)
     sources = SpecStats()
     for seed in range(1500):

@@ -9,7 +9,7 @@ tree rounds is target-ar's; the multi-candidate rejection rule keeps the target'
 import pytest
 import torch
 from hf_tiny import ours_from_hf, tiny_hf
-from test_lookup import RandomPlanner
+from test_lookup import RandomPlanner, exact_laws
 from test_speculative import _g, _run
 
 from kernels.cpu import build as cpu_ext
@@ -18,7 +18,7 @@ from qspec_core.engine.generate import prefill_hierarchical
 from qspec_core.engine.lookup import DocumentLookup
 from qspec_core.engine.planner import RoundPlanner
 from qspec_core.engine.proposers import RoundContext
-from qspec_core.engine.sampling import SamplingParams, probabilities
+from qspec_core.engine.sampling import SamplingParams
 from qspec_core.engine.speculative import SpecStats, forward_tree, speculative_decode
 from qspec_core.engine.tree import DraftTree, priced_tree
 from qspec_core.engine.verify import (
@@ -342,22 +342,7 @@ def test_sampled_tree_rounds_follow_the_target_path_distribution():
     prompt = [0, 1, 2, 3, 1, 0, 3, 2, 1, 3]
     P = len(prompt)
 
-    def next_law(tokens):
-        c = HierarchicalKVCache(model.config, 24, dtype=torch.float32)
-        logits = prefill_hierarchical(model, c, prompt)
-        with torch.no_grad():
-            for i, t in enumerate(tokens):
-                logits = model(torch.tensor([[t]]), torch.tensor([P + i]), c, TARGET)[0, -1]
-                c.commit(P + i + 1)
-        return probabilities(logits, params)
-
-    first = next_law([])
-    second, third = torch.zeros(8), torch.zeros(8)
-    for x in range(8):
-        law_x = next_law([x])
-        second += first[x] * law_x
-        for y in range(8):
-            third += first[x] * law_x[y] * next_law([x, y])
+    second, third = exact_laws(model, prompt, params)
     counts2, counts3, trees = torch.zeros(8), torch.zeros(8), 0
     runner = build_runner(model)
     for seed in range(1200):

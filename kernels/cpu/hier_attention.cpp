@@ -231,10 +231,57 @@ void quantized_task(const Args& a, int64_t bh, int64_t c, Rows& rows) {
   }
 }
 
+// Region key `slot` of head (b, h) into row j of the block buffers kb/vb [BLOCK, D],
+// deinterleaved as the queries are.
+template <int64_t DT, class A>
+inline void load_key(const Args& a, const float* fk, const float* fv, int64_t slot, int64_t j,
+                     float* kb, float* vb) {
+  constexpr bool FAST = DT != 0 && A::kVector;
+  const int64_t D = DT ? DT : a.D;
+  const float* kj = fk + slot * a.fk_t;
+  const float* vj = fv + slot * a.fv_t;
+  if constexpr (FAST) {
+    for (int64_t s = 0; s < D; s += 64) {
+      A::deinterleave_segment(kj + s, kb + j * D + s);
+      A::deinterleave_segment(vj + s, vb + j * D + s);
+    }
+  } else {
+    for (int64_t d = 0; d < D; ++d) {
+      kb[j * D + d] = kj[a.perm[d]];
+      vb[j * D + d] = vj[a.perm[d]];
+    }
+  }
+}
+
+// Row r folds block keys [lo, hi) of kb/vb into its online softmax (keys before lo masked).
+// The row folds keys [0, hi) of the block, never the keys after its own position: how many
+// of those there are depends on how many tokens came with it (a verify's later drafts), and
+// folding them, even masked, would move where the vector body ends and the scalar tail
+// begins (another exp, another summation order). `hi` is a function of the row's position
+// (and a tree row's path) alone, so the row's bits are too.
+template <int64_t DT, class A>
+inline void fold_block_row(const Args& a, int64_t bh, int64_t r, Rows& rows, const float* kb,
+                           const float* vb, int64_t lo, int64_t hi, float* p, float& zacc) {
+  constexpr bool FAST = DT != 0 && A::kVector;
+  const int64_t D = DT ? DT : a.D;
+  const float* qr = a.q + (bh * rows.RT + r) * D;
+  if constexpr (FAST)
+    scores_vector<A, DT>(qr, kb, hi, 0.f, p);
+  else
+    scores_portable(qr, kb, hi, D, 0.f, p);
+  softcap_scores(p, hi, a.softcap);
+  for (int64_t j = 0; j < lo; ++j) p[j] = NEG_INF;
+  if constexpr (FAST)
+    fold_row_vector<A, DT>(p, hi, vb, nullptr, nullptr, rows.acc + r * D, rows.m[r], rows.l[r],
+                           zacc);
+  else
+    fold_row_portable(p, hi, vb, nullptr, nullptr, D, rows.acc + r * D, rows.m[r], rows.l[r],
+                      zacc);
+}
+
 // The full-precision region, with each query's mask, in blocks of BLOCK tokens.
 template <int64_t DT, class A = simd::Attn>
 void full_precision_task(const Args& a, int64_t bh, Rows& rows) {
-  constexpr bool FAST = DT != 0 && A::kVector;
   const int64_t D = DT ? DT : a.D, RT = rows.RT;
   const int64_t b = bh / a.n_kv, h = bh % a.n_kv;
   const float* fk = a.fk + b * a.fk_b + h * a.fk_h;
@@ -246,44 +293,12 @@ void full_precision_task(const Args& a, int64_t bh, Rows& rows) {
   float zacc = 0.f;  // (no zeros here)
   for (int64_t b0 = 0; b0 < a.n_fp; b0 += BLOCK) {
     const int64_t n = std::min(BLOCK, a.n_fp - b0);
-    for (int64_t j = 0; j < n; ++j) {
-      const float* kj = fk + (b0 + j) * a.fk_t;
-      const float* vj = fv + (b0 + j) * a.fv_t;
-      if constexpr (FAST) {
-        for (int64_t s = 0; s < D; s += 64) {
-          A::deinterleave_segment(kj + s, kb + j * D + s);
-          A::deinterleave_segment(vj + s, vb + j * D + s);
-        }
-      } else {
-        for (int64_t d = 0; d < D; ++d) {
-          kb[j * D + d] = kj[a.perm[d]];
-          vb[j * D + d] = vj[a.perm[d]];
-        }
-      }
-    }
+    for (int64_t j = 0; j < n; ++j) load_key<DT, A>(a, fk, fv, b0 + j, j, kb, vb);
     for (int64_t r = 0; r < RT; ++r) {
       const int64_t t = r % a.T;
       const int64_t lo = std::max<int64_t>(a.fp_lo[t] - b0, 0);
       const int64_t hi = std::min<int64_t>(a.pos[t] - a.fp_pos0 - b0 + 1, n);  // keys [lo, hi)
-      if (hi <= lo) continue;
-      // The row folds keys [0, hi) of the block, never the keys after its own position:
-      // how many of those there are depends on how many tokens came with it (a verify's
-      // later drafts), and folding them, even masked, would move where the vector body ends
-      // and the scalar tail begins (another exp, another summation order). `hi` is a
-      // function of the row's position alone, so the row's bits are too.
-      const float* qr = a.q + (bh * RT + r) * D;
-      if constexpr (FAST)
-        scores_vector<A, DT>(qr, kb, hi, 0.f, p);
-      else
-        scores_portable(qr, kb, hi, D, 0.f, p);
-      softcap_scores(p, hi, a.softcap);
-      for (int64_t j = 0; j < lo; ++j) p[j] = NEG_INF;
-      if constexpr (FAST)
-        fold_row_vector<A, DT>(p, hi, vb, nullptr, nullptr, rows.acc + r * D, rows.m[r],
-                               rows.l[r], zacc);
-      else
-        fold_row_portable(p, hi, vb, nullptr, nullptr, D, rows.acc + r * D, rows.m[r],
-                          rows.l[r], zacc);
+      if (hi > lo) fold_block_row<DT, A>(a, bh, r, rows, kb, vb, lo, hi, p, zacc);
     }
   }
 }
@@ -295,7 +310,6 @@ void full_precision_task(const Args& a, int64_t bh, Rows& rows) {
 // in its path's keys (at most T of them) before its rows fold.
 template <int64_t DT, class A = simd::Attn>
 void tree_task(const Args& a, int64_t bh, Rows& rows) {
-  constexpr bool FAST = DT != 0 && A::kVector;
   const int64_t D = DT ? DT : a.D, T = a.T, R = a.R;
   const int64_t b = bh / a.n_kv, h = bh % a.n_kv;
   const int64_t w = a.pos[0] - a.fp_pos0;  // the forward's first row (a root) in the region
@@ -306,47 +320,19 @@ void tree_task(const Args& a, int64_t bh, Rows& rows) {
   float* vb = kb + BLOCK * D;
   alignas(32) float p[BLOCK];
   float zacc = 0.f;
-  auto load = [&](int64_t slot, int64_t j) {  // region key `slot` into block row j
-    const float* kj = fk + slot * a.fk_t;
-    const float* vj = fv + slot * a.fv_t;
-    if constexpr (FAST) {
-      for (int64_t s = 0; s < D; s += 64) {
-        A::deinterleave_segment(kj + s, kb + j * D + s);
-        A::deinterleave_segment(vj + s, vb + j * D + s);
-      }
-    } else {
-      for (int64_t d = 0; d < D; ++d) {
-        kb[j * D + d] = kj[a.perm[d]];
-        vb[j * D + d] = vj[a.perm[d]];
-      }
-    }
-  };
   int64_t keys = 0;  // the longest row's keys: w + its depth + 1
   for (int64_t t = 0; t < T; ++t) keys = std::max(keys, w + a.depth[t] + 1);
   for (int64_t b0 = 0; b0 < keys; b0 += BLOCK) {
     const int64_t shared = std::clamp<int64_t>(w - b0, 0, BLOCK);
-    for (int64_t j = 0; j < shared; ++j) load(b0 + j, j);
+    for (int64_t j = 0; j < shared; ++j) load_key<DT, A>(a, fk, fv, b0 + j, j, kb, vb);
     for (int64_t t = 0; t < T; ++t) {
       const int64_t hi = std::min<int64_t>(w + a.depth[t] + 1 - b0, BLOCK);  // keys [lo, hi)
       const int64_t lo = std::max<int64_t>(a.fp_lo[t] - b0, 0);
       if (hi <= lo) continue;
-      for (int64_t j = shared; j < hi; ++j) load(w + a.paths[t * T + (b0 + j - w)], j);
-      for (int64_t rr = 0; rr < R; ++rr) {
-        const int64_t r = rr * T + t;
-        const float* qr = a.q + (bh * rows.RT + r) * D;
-        if constexpr (FAST)
-          scores_vector<A, DT>(qr, kb, hi, 0.f, p);
-        else
-          scores_portable(qr, kb, hi, D, 0.f, p);
-        softcap_scores(p, hi, a.softcap);
-        for (int64_t j = 0; j < lo; ++j) p[j] = NEG_INF;
-        if constexpr (FAST)
-          fold_row_vector<A, DT>(p, hi, vb, nullptr, nullptr, rows.acc + r * D, rows.m[r],
-                                 rows.l[r], zacc);
-        else
-          fold_row_portable(p, hi, vb, nullptr, nullptr, D, rows.acc + r * D, rows.m[r],
-                            rows.l[r], zacc);
-      }
+      for (int64_t j = shared; j < hi; ++j)
+        load_key<DT, A>(a, fk, fv, w + a.paths[t * T + (b0 + j - w)], j, kb, vb);
+      for (int64_t rr = 0; rr < R; ++rr)
+        fold_block_row<DT, A>(a, bh, rr * T + t, rows, kb, vb, lo, hi, p, zacc);
     }
   }
 }
