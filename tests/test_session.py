@@ -76,8 +76,15 @@ def test_reset_keeps_the_document_cached(tiny):
 
 def test_too_long_is_refused_with_lengths_and_truncation_fits(tiny):
     long_doc = DOC * 20  # > 512 tokens, the tiny model's context
-    with pytest.raises(QspecError, match=r"document is \d+ tokens.*context is 512 tokens"):
+    with pytest.raises(QspecError, match=r"document is \d+ tokens.*context is 512 tokens") as e:
         _answer(ChatSession(tiny, long_doc, max_new_tokens=8), "Summarize.")
+    # (the advice: what helps a first question; /reset only once turns take room)
+    assert str(e.value).endswith("Use --truncate to keep the start of the document or lower "
+                                 "--max-new-tokens")  # fmt: skip
+    chat = ChatSession(tiny, DOC, max_new_tokens=8)
+    _answer(chat, "Summarize.")
+    with pytest.raises(QspecError, match=r"lower --max-new-tokens or /reset the conversation$"):
+        _answer(chat, "Say more. " * 300)
     session = ChatSession(tiny, long_doc, max_new_tokens=8, truncate=True)
     assert session.truncated_tokens > 0
     _answer(session, "Summarize the document above.")

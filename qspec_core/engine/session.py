@@ -161,11 +161,16 @@ class ChatSession:
             if self.document is not None:
                 n_doc = len(self.runtime.tokenizer.encode(self.document))
                 doc = f"the document is {n_doc} tokens, "
+            # (what helps here: /reset only where earlier turns take room)
+            fixes = ["--truncate to keep the start of the document"] if doc else []
+            fixes.append("lower --max-new-tokens")
+            if self.history:
+                fixes.append("/reset the conversation")
+            advice = ", ".join(fixes[:-1]) + (" or " if len(fixes) > 1 else "") + fixes[-1]
             raise QspecError(
                 f"too long for {self.runtime.name}: {doc}the prompt is {prompt_tokens} tokens and "
                 f"{self.max_new_tokens} new tokens are allowed, {need} in all, but the model's "
-                f"context is {self.limit} tokens. Use --truncate to keep the start of the "
-                f"document, lower --max-new-tokens, or /reset the conversation"
+                f"context is {self.limit} tokens. Use {advice}"
             )
 
     def _fit_document(self, document: str | None) -> str | None:
