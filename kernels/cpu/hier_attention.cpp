@@ -231,24 +231,36 @@ void quantized_task(const Args& a, int64_t bh, int64_t c, Rows& rows) {
   }
 }
 
-// Region key `slot` of head (b, h) into row j of the block buffers kb/vb [BLOCK, D],
-// deinterleaved as the queries are.
+// One head's full-precision region (b, h of task bh) and a block of its keys and values,
+// kb/vb [BLOCK, D] each, deinterleaved as the queries are (32-byte aligned).
+struct Block {
+  const float *fk, *fv;
+  std::vector<float> buf;
+  float *kb, *vb;
+  Block(const Args& a, int64_t bh, int64_t D)
+      : fk(a.fk + (bh / a.n_kv) * a.fk_b + (bh % a.n_kv) * a.fk_h),
+        fv(a.fv + (bh / a.n_kv) * a.fv_b + (bh % a.n_kv) * a.fv_h),
+        buf(2 * BLOCK * D + 8),
+        kb(reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buf.data()) + 31) & ~31)),
+        vb(kb + BLOCK * D) {}
+};
+
+// Region key `slot` into row j of the block.
 template <int64_t DT, class A>
-inline void load_key(const Args& a, const float* fk, const float* fv, int64_t slot, int64_t j,
-                     float* kb, float* vb) {
+inline void load_key(const Args& a, Block& blk, int64_t slot, int64_t j) {
   constexpr bool FAST = DT != 0 && A::kVector;
   const int64_t D = DT ? DT : a.D;
-  const float* kj = fk + slot * a.fk_t;
-  const float* vj = fv + slot * a.fv_t;
+  const float* kj = blk.fk + slot * a.fk_t;
+  const float* vj = blk.fv + slot * a.fv_t;
   if constexpr (FAST) {
     for (int64_t s = 0; s < D; s += 64) {
-      A::deinterleave_segment(kj + s, kb + j * D + s);
-      A::deinterleave_segment(vj + s, vb + j * D + s);
+      A::deinterleave_segment(kj + s, blk.kb + j * D + s);
+      A::deinterleave_segment(vj + s, blk.vb + j * D + s);
     }
   } else {
     for (int64_t d = 0; d < D; ++d) {
-      kb[j * D + d] = kj[a.perm[d]];
-      vb[j * D + d] = vj[a.perm[d]];
+      blk.kb[j * D + d] = kj[a.perm[d]];
+      blk.vb[j * D + d] = vj[a.perm[d]];
     }
   }
 }
@@ -282,23 +294,17 @@ inline void fold_block_row(const Args& a, int64_t bh, int64_t r, Rows& rows, con
 // The full-precision region, with each query's mask, in blocks of BLOCK tokens.
 template <int64_t DT, class A = simd::Attn>
 void full_precision_task(const Args& a, int64_t bh, Rows& rows) {
-  const int64_t D = DT ? DT : a.D, RT = rows.RT;
-  const int64_t b = bh / a.n_kv, h = bh % a.n_kv;
-  const float* fk = a.fk + b * a.fk_b + h * a.fk_h;
-  const float* fv = a.fv + b * a.fv_b + h * a.fv_h;
-  std::vector<float> buf(2 * BLOCK * D + 8);
-  float* kb = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buf.data()) + 31) & ~31);
-  float* vb = kb + BLOCK * D;
+  Block blk(a, bh, DT ? DT : a.D);
   alignas(32) float p[BLOCK];
   float zacc = 0.f;  // (no zeros here)
   for (int64_t b0 = 0; b0 < a.n_fp; b0 += BLOCK) {
     const int64_t n = std::min(BLOCK, a.n_fp - b0);
-    for (int64_t j = 0; j < n; ++j) load_key<DT, A>(a, fk, fv, b0 + j, j, kb, vb);
-    for (int64_t r = 0; r < RT; ++r) {
+    for (int64_t j = 0; j < n; ++j) load_key<DT, A>(a, blk, b0 + j, j);
+    for (int64_t r = 0; r < rows.RT; ++r) {
       const int64_t t = r % a.T;
       const int64_t lo = std::max<int64_t>(a.fp_lo[t] - b0, 0);
       const int64_t hi = std::min<int64_t>(a.pos[t] - a.fp_pos0 - b0 + 1, n);  // keys [lo, hi)
-      if (hi > lo) fold_block_row<DT, A>(a, bh, r, rows, kb, vb, lo, hi, p, zacc);
+      if (hi > lo) fold_block_row<DT, A>(a, bh, r, rows, blk.kb, blk.vb, lo, hi, p, zacc);
     }
   }
 }
@@ -310,29 +316,24 @@ void full_precision_task(const Args& a, int64_t bh, Rows& rows) {
 // in its path's keys (at most T of them) before its rows fold.
 template <int64_t DT, class A = simd::Attn>
 void tree_task(const Args& a, int64_t bh, Rows& rows) {
-  const int64_t D = DT ? DT : a.D, T = a.T, R = a.R;
-  const int64_t b = bh / a.n_kv, h = bh % a.n_kv;
+  const int64_t T = a.T;
   const int64_t w = a.pos[0] - a.fp_pos0;  // the forward's first row (a root) in the region
-  const float* fk = a.fk + b * a.fk_b + h * a.fk_h;
-  const float* fv = a.fv + b * a.fv_b + h * a.fv_h;
-  std::vector<float> buf(2 * BLOCK * D + 8);
-  float* kb = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buf.data()) + 31) & ~31);
-  float* vb = kb + BLOCK * D;
+  Block blk(a, bh, DT ? DT : a.D);
   alignas(32) float p[BLOCK];
   float zacc = 0.f;
   int64_t keys = 0;  // the longest row's keys: w + its depth + 1
   for (int64_t t = 0; t < T; ++t) keys = std::max(keys, w + a.depth[t] + 1);
   for (int64_t b0 = 0; b0 < keys; b0 += BLOCK) {
     const int64_t shared = std::clamp<int64_t>(w - b0, 0, BLOCK);
-    for (int64_t j = 0; j < shared; ++j) load_key<DT, A>(a, fk, fv, b0 + j, j, kb, vb);
+    for (int64_t j = 0; j < shared; ++j) load_key<DT, A>(a, blk, b0 + j, j);
     for (int64_t t = 0; t < T; ++t) {
       const int64_t hi = std::min<int64_t>(w + a.depth[t] + 1 - b0, BLOCK);  // keys [lo, hi)
       const int64_t lo = std::max<int64_t>(a.fp_lo[t] - b0, 0);
       if (hi <= lo) continue;
       for (int64_t j = shared; j < hi; ++j)
-        load_key<DT, A>(a, fk, fv, w + a.paths[t * T + (b0 + j - w)], j, kb, vb);
-      for (int64_t rr = 0; rr < R; ++rr)
-        fold_block_row<DT, A>(a, bh, rr * T + t, rows, kb, vb, lo, hi, p, zacc);
+        load_key<DT, A>(a, blk, w + a.paths[t * T + (b0 + j - w)], j);
+      for (int64_t rr = 0; rr < a.R; ++rr)
+        fold_block_row<DT, A>(a, bh, rr * T + t, rows, blk.kb, blk.vb, lo, hi, p, zacc);
     }
   }
 }

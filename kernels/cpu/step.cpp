@@ -17,6 +17,7 @@
 // [0, end) with the cache's mask or is_causal).
 #include <torch/extension.h>  // (the stack is a pybind11 class)
 
+#include <array>
 #include <cstring>
 #include <optional>
 #include <type_traits>
@@ -99,6 +100,11 @@ at::Tensor fp32_or_undefined(const c10::optional<at::Tensor>& t) {
 struct Layer {
   at::Tensor input_norm, post_norm;
   Projection q, k, v, o, gate, up, down;
+
+  // the projections in the order they are added and indexed (q k v o gate up down)
+  std::array<const Projection*, 7> projections() const {
+    return {&q, &k, &v, &o, &gate, &up, &down};
+  }
 };
 
 }  // namespace
@@ -134,8 +140,7 @@ class DecoderStack {
   int64_t compact_count() const {
     int64_t n = 0;
     for (const Layer& L : layers_)
-      for (const Projection* p : {&L.q, &L.k, &L.v, &L.o, &L.gate, &L.up, &L.down})
-        n += p->compact_current();
+      for (const Projection* p : L.projections()) n += p->compact_current();
     return n;
   }
 
@@ -221,8 +226,7 @@ class DecoderStack {
       TORCH_CHECK(!L.q.packed.defined() || M <= 8, "the W4A8 draft layers take at most 8 rows");
       inter = std::max(inter, L.gate.N);
       int j = 0;
-      for (const Projection* p : {&L.q, &L.k, &L.v, &L.o, &L.gate, &L.up, &L.down})
-        compact[7 * l + j++] = p->compact_current();
+      for (const Projection* p : L.projections()) compact[7 * l + j++] = p->compact_current();
     }
     // every buffer the team writes, made before it starts (its threads only run kernels)
     auto h = at::empty({M, hidden}, at::kFloat), y = at::empty({M, hidden}, at::kFloat);

@@ -90,12 +90,13 @@ class DocumentLookup:
             out.append(out[start + len(out) - end])
         return out
 
-    def continuations(self, k: int, width: int) -> list[list[int]]:
+    def continuations(self, k: int, width: int, first: list[int] | None = None) -> list[list[int]]:
         """Up to `width` different continuations of the sequence's tail: the k tokens (fewer
         where the sequence ends) after each earlier occurrence of its last min_ngram tokens,
         the occurrences with the longest match first, the latest first among equals; the
-        first is `propose(k)`'s. [] when the tail never occurred before."""
-        first = self.propose(k)
+        first is `propose(k)`'s (`first`: that proposal, made already). [] when the tail
+        never occurred before."""
+        first = self.propose(k) if first is None else first
         if not first or width <= 1:
             return [first] if first else []
         seq, end, lo = self.tokens, len(self.tokens), self.min_ngram

@@ -186,16 +186,19 @@ class DocumentTree:
         self.proposal = DraftTree([], [])
 
     def offer(self, k: int) -> int:
-        # (after the lookup's own offer in a round, which has indexed the emitted tokens)
-        with self.timer.stage(self.name):
-            self.lookup.index.extend(self.lookup.unseen)
-            self.lookup.unseen = []
-            if self.shape is not None:
-                paths = self.lookup.index.continuations(TREE_DEPTH, TREE_WIDTH)
-                tree = self.shape(paths, k) if len(paths) > 1 else DraftTree([], [])
-            else:
-                depth = min(TREE_DEPTH, max(1, k // 2))
-                tree = DraftTree.merged(self.lookup.index.continuations(depth, TREE_WIDTH), k)
+        # Asked after the lookup's own offer of the round (`speculative_decode` orders them),
+        # which indexed the emitted tokens and made the first continuation: its proposal.
+        tree = DraftTree([], [])
+        main = self.lookup.proposal
+        if main:
+            with self.timer.stage(self.name):
+                depth = TREE_DEPTH if self.shape is not None else min(TREE_DEPTH, max(1, k // 2))
+                depth = min(depth, len(main))
+                paths = self.lookup.index.continuations(depth, TREE_WIDTH, main[:depth])
+                if self.shape is not None:
+                    tree = self.shape(paths, k) if len(paths) > 1 else tree
+                else:
+                    tree = DraftTree.merged(paths, k)
         self.proposal = tree if not tree.is_chain else DraftTree([], [])
         return len(self.proposal)
 

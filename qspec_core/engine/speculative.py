@@ -304,9 +304,10 @@ def speculative_decode(
                     )
                     path, leaf = None, None
                 else:
-                    path, nxt = _accept_tree(tree, target_logits, params, generator)
+                    children = tree.children()
+                    path, nxt = _accept_tree(tree, children, target_logits, params, generator)
                     drafts = [tree.tokens[row - 1] for row in path[1:]]
-                    n, leaf = len(drafts), not tree.children()[path[-1]]
+                    n, leaf = len(drafts), not children[path[-1]]
             # (the accept stage ends the verify on a GPU: its first read of the logits waits)
             verify_s = time.perf_counter() - started - (rotation() - rotated)
             with timer.stage("rollback"):
@@ -350,9 +351,12 @@ def forward_tree(runner, cache, pending: int, tree: DraftTree, position: int, pa
         return runner(ids, positions, cache, path)[0]
 
 
-def _accept_tree(tree: DraftTree, target_logits, params, generator) -> tuple[list[int], int]:
-    """(the accepted path's verify rows, root first; the next token) of a tree round."""
-    tokens, children = [-1] + tree.tokens, tree.children()
+def _accept_tree(
+    tree: DraftTree, children: list[list[int]], target_logits, params, generator
+) -> tuple[list[int], int]:
+    """(the accepted path's verify rows, root first; the next token) of a tree round, its
+    rows' children `tree.children()`."""
+    tokens = [-1] + tree.tokens
     if params.greedy:
         return verify_tree_greedy(tokens, children, target_logits)
     probs = probabilities(target_logits, params)
