@@ -108,7 +108,9 @@ def test_summarize_json_on_the_real_model(default_model_dir):
     ):
         assert key in stats
     assert stats["gamma"] == "auto" and stats["rounds"] > 0 and 0 <= stats["acceptance_rate"] <= 1
-    assert set(stats["sources"]) == {"draft", "lookup", "none"}
+    # the planner's choices follow this machine's timings: a tree round is listed when one ran
+    always = {"draft", "lookup", "none"}
+    assert always <= set(stats["sources"]) <= always | {"tree"}
     assert sum(s["rounds"] for s in stats["sources"].values()) == stats["rounds"]
     assert stats["draft_steps"] >= START_GAMMA  # (auto's first round times the 4-bit path)
     assert result["tokens_per_s"] > 0 and len(result["text"].split()) >= 5
