@@ -157,6 +157,23 @@ def test_no_lookup_retry_displaces_a_draft_that_pays():
     assert all(source == "draft" and k >= 1 for source, k in plans)
 
 
+def test_a_plain_step_is_timed_before_drafting_is_priced_against_it():
+    """The Zen 4 at 8k: a draft step 0.7 of a target step and an extra verify row 0.45 of one.
+    From the timing round alone (v(3) = 1.9 and a prior slope) a plain step looked 1.58 and
+    1-token drafts won; the planner then never timed a plain step and drafted at 0.85x of
+    target-ar. A plain step is timed first, and drafting then loses to it."""
+    planner = RoundPlanner(limit=15)
+    assert planner.plan(offers(0)) == ("draft", START_GAMMA)
+    planner.record("draft", 2, 2, 1.4, 1.9, [0.7, 0.7])
+    assert planner.plan(offers(0)) == ("draft", 0)
+    assert planner.plan(offers(4)) == ("draft", 0)  # (a lookup waits for the baseline too)
+    planner.record("draft", 0, 0, 0.0, 1.0)
+    assert planner.verify_seconds(1) == pytest.approx(1.0)
+    for _ in range(3):
+        assert planner.plan(offers(0)) == ("draft", 0)
+        planner.record("draft", 0, 0, 0.0, 1.0)
+
+
 def test_a_slow_first_round_is_forgotten():
     """The first 4-bit round pays for lazy weight packing (or kernel compilation on a GPU):
     100 s a step here. It must not keep the planner from drafting once steps are cheap."""

@@ -15,7 +15,8 @@ measures, while decoding:
     7-row verify at 3x its time cut v(1) to 75% and then priced every lookup out);
   - per draft source, the acceptance a of a drafted token that was tested (the tokens up to
     and including the first rejection);
-and picks the option with the most expected tokens per second:
+and picks the option with the most expected tokens per second (the first rounds time a
+draft round, then a plain step, the baseline every option is priced against):
   E(k) / cost, E(k) = 1 + a + ... + a^k (the accepted run, plus the recovered/bonus token),
   cost = k d + v(k + 1) for the 4-bit path, v(k + 1) for the lookup.
 The 4-bit path's acceptance is measured only where it drafts, so every EXPLORE_EVERY rounds
@@ -209,6 +210,12 @@ class RoundPlanner:
         d, v = self.draft_step.value, self.verify_line()
         if len(self.draft_step) < 2 or v is None:
             return "draft", min(START_GAMMA, self.limit)  # time a draft step and a verify
+        if 1 not in self.verify:
+            # Time a plain step next: it is target-ar's own step, so it never loses against
+            # it, and every option is priced against it. Guessed from the timing round's
+            # verify by SLOPE_PRIOR, it was 1.6x too dear on a CPU whose extra verify rows
+            # cost 0.45 of a step, and the planner then drafted at a loss for a whole answer.
+            return "draft", 0
         best, best_rate = ("draft", 0), 0.0
         # the 4-bit path first: on a tie the earlier option stays
         for source in sorted(offers, key=lambda name: name != "draft"):
