@@ -1,6 +1,7 @@
 """The tiled causal attention of a prefill chunk (`kernels/cpu/flash_prefill.h`) against its
 twin, the reference's SDPA (`kernels.reference.causal_attention`), and its own promises: rows
-independent of the chunk they come in, GQA head groups, strided cache rows, the dispatch."""
+independent of the chunk they come in and of the heads that share their unit, GQA head groups,
+strided cache rows, the dispatch."""
 
 from __future__ import annotations
 
@@ -91,6 +92,31 @@ def test_a_row_does_not_depend_on_its_chunk():
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(whole, alone)
+
+
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_row_does_not_depend_on_the_heads_beside_it(D, threads):
+    """A unit takes several heads of one kv head (they share each block of keys while it is in
+    cache), as many as leave the threads enough units: each head alone (a call of one head)
+    gives the same bits as in its group. Qwen2.5's GQA, 7 heads a kv head: 237 rows are 8
+    blocks of rows, 16 units of 7 heads for 1 or 2 threads; the last block's 13 rows a head put
+    rows of two heads in one score tile."""
+    q, k, v = _qkv(1, 14, 2, 237, 307, D, seed=6 + D)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        grouped = cpu_attention.prefill_attention(q, k, v, 70)
+        for h in range(14):
+            g = h // 7
+            alone = cpu_attention.prefill_attention(
+                q[:, h : h + 1], k[:, g : g + 1], v[:, g : g + 1], 70
+            )
+            assert torch.equal(grouped[:, h : h + 1], alone), h
+    finally:
+        torch.set_num_threads(before)
+    want = causal_attention(q, k, v, torch.arange(70, 307))
+    torch.testing.assert_close(grouped, want, rtol=1e-5, atol=2e-6)
 
 
 def test_keys_past_a_row_are_invisible():

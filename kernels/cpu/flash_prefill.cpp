@@ -41,10 +41,11 @@ at::Tensor prefill_attention_cpu(at::Tensor q, at::Tensor k, at::Tensor v, int64
               "k and v alike, rows contiguous per head");
   q = q.contiguous();
   auto out = at::empty({B, H, T, D}, q.options());
+  const int64_t min_units = 4 * at::get_num_threads();  // (about 4 units a thread: even shares)
   for (int64_t b = 0; b < B; ++b)
     flash::causal(q.data_ptr<float>() + b * H * T * D, H, T, D,
                   k.data_ptr<float>() + b * k.stride(0), v.data_ptr<float>() + b * v.stride(0),
                   n_kv, k.stride(1), start, out.data_ptr<float>() + b * H * T * D, operands,
-                  TorchParallelFor{});
+                  min_units, TorchParallelFor{});
   return out;
 }

@@ -47,6 +47,9 @@ constexpr int ST = 2;
 constexpr int RG = 2;
 #endif
 constexpr int64_t KB = 16 * NV;  // keys per block: the softmax folds a block at a time
+// Heads of one kv head a unit may take (`unit_heads`): 8 x 32 rows' sums, 64 KB at D = 64,
+// stay in L2 beside the block being read.
+constexpr int64_t kMaxUnitHeads = 8;
 
 inline vf splat(float x) { return vf{} + x; }
 inline vf load(const float* p) {
@@ -135,11 +138,12 @@ inline void transpose_keys(const float* k, int64_t S, int64_t D, float* kt) {
 // The online softmax of a score tile's rows t0 .. t0 + ST - 1 (those below `rows`) over the
 // block of keys from k0: masks the keys past each row's position, sets p[r] = exp(s - new max)
 // and rescales the row's running max m, sum l and the factor alpha its accumulator takes.
-// l is kept per lane ([16] a row) and summed across lanes once, in `write`.
-inline void fold(vf sc[ST][NV], int64_t t0, int64_t rows, int64_t pos0, int64_t k0,
-                 float (*p)[KB], float* m, vf* l, float* alpha) {
+// l is kept per lane ([16] a row) and summed across lanes once, in `write`. Row r is row
+// r % per_head of its head, at position pos0 + r % per_head.
+inline void fold(vf sc[ST][NV], int64_t t0, int64_t rows, int64_t per_head, int64_t pos0,
+                 int64_t k0, float (*p)[KB], float* m, vf* l, float* alpha) {
   for (int i = 0; i < ST && t0 + i < rows; ++i) {
-    const int64_t r = t0 + i, last = pos0 + r;  // this row's newest visible key
+    const int64_t r = t0 + i, last = pos0 + r % per_head;  // this row's newest visible key
     if (k0 + KB - 1 > last) {
       for (int c = 0; c < NV; ++c)
         for (int j = 0; j < 16; ++j)
@@ -169,25 +173,24 @@ inline void fold(vf sc[ST][NV], int64_t t0, int64_t rows, int64_t pos0, int64_t 
 
 // A unit's rows: their output sums, the current block's probabilities, each row's running
 // softmax max and sum and the factor its sums take at a block's fold; `write` normalizes.
+// Sized per unit (up to kMaxUnitHeads heads of QB rows): vectors of vf, 64-byte aligned.
 template <int64_t D>
 struct Rows {
-  alignas(64) float acc[QB][D];
-  alignas(64) float p[QB + 4][KB];  // (+ 4: a value group of 3 rows may run past QB)
-  vf l[QB];  // each row's softmax sum, per lane
-  float m[QB], alpha[QB];
-  Rows() {
-    for (auto& row : p) std::fill(row, row + KB, 0.f);  // (rows past `rows` stay zeros)
-    for (int64_t i = 0; i < QB; ++i) {
-      std::fill(acc[i], acc[i] + D, 0.f);
-      m[i] = -INFINITY;
-      l[i] = vf{};
-      alpha[i] = 0.f;
-    }
-  }
-  void write(int64_t rows, float* out) const {
+  std::vector<vf> acc_, p_, l;  // acc [n][D], p [n + 4][KB] (+ 4: a value group may run past
+                                // the last row), l: each row's softmax sum, per lane
+  std::vector<float> m, alpha;
+  float (*acc)[D];
+  float (*p)[KB];
+  explicit Rows(int64_t n)
+      : acc_(n * D / 16, vf{}), p_((n + 4) * KB / 16, vf{}), l(n, vf{}), m(n, -INFINITY),
+        alpha(n, 0.f), acc(reinterpret_cast<float (*)[D]>(acc_.data())),
+        p(reinterpret_cast<float (*)[KB]>(p_.data())) {}
+  // rows [0, rows) to out, per_head rows a head, head i's at out + i * head_stride
+  void write(int64_t rows, int64_t per_head, float* out, int64_t head_stride) const {
     for (int64_t i = 0; i < rows; ++i) {
       const float inv = 1.f / hsum(l[i]);
-      for (int64_t d = 0; d < D; ++d) out[i * D + d] = acc[i][d] * inv;
+      float* o = out + (i / per_head) * head_stride + (i % per_head) * D;
+      for (int64_t d = 0; d < D; ++d) o[d] = acc[i][d] * inv;
     }
   }
 };
@@ -197,6 +200,7 @@ struct Rows {
 struct Fp32 {
   using E = float;  // the queries' and keys' element type
   using V = float;  // the values'
+  explicit Fp32(int64_t) {}
   // A score tile's sc[i] += q_i . keys of the block kb: q the tile's rows [ST, D].
   template <int64_t D>
   static void scores(const float* q, const float* kb, vf (&sc)[ST][NV]) {
@@ -233,23 +237,29 @@ struct Fp32 {
   }
 };
 
-// One unit: query rows [r0, r0 + rows) of a head (rows <= QB) against key blocks up to the
-// last row's position, on the products P (Fp32, or bf16::Products of flash_bf16.h): P gives
-// the element type E of the queries, keys and values as laid out for it, a score tile's dot
-// products, the block's probabilities as its value products take them, and a value group's
-// sums; the tiles, the fold and the fp32 accumulators are the same for both. qs: the rows
-// pre-scaled by 1/sqrt(D) [QB, D] (rows past `rows` zero); kt, v: its kv head's keys and
-// values as P lays them out, D KB entries a block of KB keys; out rows [rows, D].
+// One unit: query rows [r0, r0 + per_head) of `heads` heads sharing a kv head (per_head <=
+// QB, heads <= kMaxUnitHeads) against key blocks up to the last row's position, on the
+// products P (Fp32, or bf16::Products of flash_bf16.h): P gives the element type E of the
+// queries, keys and values as laid out for it, a score tile's dot products, the block's
+// probabilities as its value products take them, and a value group's sums; the tiles, the
+// fold and the fp32 accumulators are the same for both. The heads share each block of keys
+// and values while it is in cache: with one head a unit, a long prompt's history was streamed
+// once per head from memory, and the kernel ran 20% slower after 16k-32k tokens than after
+// 8k (docs/PERF.md). A row's arithmetic is its own whatever rows share the unit or a tile.
+// qs: the rows pre-scaled by 1/sqrt(D) [heads * per_head, D], head-major, then zeros to a
+// whole tile; kt, v: the kv head's keys and values as P lays them out, D KB entries a block
+// of KB keys; out: head i's rows [per_head, D] at out + i * head_stride.
 template <int DV, class P>
-void unit(const typename P::E* qs, int64_t rows, int64_t pos0, const typename P::E* kt,
-          const typename P::V* v, float* out) {
+void unit(const typename P::E* qs, int64_t per_head, int64_t heads, int64_t pos0,
+          const typename P::E* kt, const typename P::V* v, float* out, int64_t head_stride) {
   using E = typename P::E;
   constexpr int64_t D = 16 * DV;
-  Rows<D> s;
+  const int64_t rows = per_head * heads;
+  Rows<D> s(rows);
   auto& acc = s.acc;
-  float* alpha = s.alpha;
-  P products;
-  const int64_t end = pos0 + rows;  // keys [0, end) exist; row i sees [0, pos0 + i]
+  float* alpha = s.alpha.data();
+  P products(rows);
+  const int64_t end = pos0 + per_head;  // keys [0, end) exist; row i sees [0, pos0 + i]
   const int64_t blocks = (end + KB - 1) / KB;
   for (int64_t b = 0; b < blocks; ++b) {
     const E* kb = kt + b * D * KB;
@@ -262,7 +272,7 @@ void unit(const typename P::E* qs, int64_t rows, int64_t pos0, const typename P:
 #pragma GCC unroll 8
         for (int c = 0; c < NV; ++c) sc[i][c] = vf{};
       P::template scores<D>(qs + t0 * D, kb, sc);
-      fold(sc, t0, rows, pos0, k0, s.p, s.m, s.l, alpha);
+      fold(sc, t0, rows, per_head, pos0, k0, s.p, s.m.data(), s.l.data(), alpha);
     }
     products.probabilities(s.p, rows);
     // acc = alpha acc + p V over the block's keys, G rows at a time (RG for D = 64; fewer
@@ -279,21 +289,31 @@ void unit(const typename P::E* qs, int64_t rows, int64_t pos0, const typename P:
         for (int c = 0; c < DV; ++c) store(acc[r0 + i] + 16 * c, a[i][c]);
     }
   }
-  s.write(rows, out);
+  s.write(rows, per_head, out, head_stride);
 }
 
 // Head dims with a compiled unit (D = 16 DV).
 inline bool supported(int64_t D) { return D == 64 || D == 80 || D == 96 || D == 128; }
 
 template <class P>
-inline void run_unit(int64_t D, const typename P::E* qs, int64_t rows, int64_t pos0,
-                     const typename P::E* kt, const typename P::V* v, float* out) {
+inline void run_unit(int64_t D, const typename P::E* qs, int64_t per_head, int64_t heads,
+                     int64_t pos0, const typename P::E* kt, const typename P::V* v, float* out,
+                     int64_t head_stride) {
   switch (D) {
-    case 64: unit<4, P>(qs, rows, pos0, kt, v, out); break;
-    case 80: unit<5, P>(qs, rows, pos0, kt, v, out); break;
-    case 96: unit<6, P>(qs, rows, pos0, kt, v, out); break;
-    default: unit<8, P>(qs, rows, pos0, kt, v, out); break;
+    case 64: unit<4, P>(qs, per_head, heads, pos0, kt, v, out, head_stride); break;
+    case 80: unit<5, P>(qs, per_head, heads, pos0, kt, v, out, head_stride); break;
+    case 96: unit<6, P>(qs, per_head, heads, pos0, kt, v, out, head_stride); break;
+    default: unit<8, P>(qs, per_head, heads, pos0, kt, v, out, head_stride); break;
   }
+}
+
+// Heads a unit takes (`unit`): the most of a kv head's `group` that divide it, at most
+// kMaxUnitHeads, and leave at least `min_units` units (n_kv * group / heads * q_blocks) for
+// the threads to share, where one head a unit would give that many.
+inline int64_t unit_heads(int64_t group, int64_t n_kv, int64_t q_blocks, int64_t min_units) {
+  for (int64_t h = std::min(group, kMaxUnitHeads); h > 1; --h)
+    if (group % h == 0 && n_kv * (group / h) * q_blocks >= min_units) return h;
+  return 1;
 }
 
 }  // namespace flash
@@ -306,10 +326,12 @@ enum class Operands { kFp32, kBf16, kBf16Values };
 
 // One batch item: q [H, T, D] (contiguous) at positions start .. start + T - 1 over the rows
 // of k/v (kv head g's row j at k + g * head_stride + j D, for j < start + T) -> out [H, T, D],
-// on the products P. parallel_for(begin, end, grain, fn) as in int_dot.h.
+// on the products P, in at least min_units units where the heads allow (`unit_heads`: about
+// 4 a thread keeps the threads' shares even). parallel_for(begin, end, grain, fn) as in
+// int_dot.h.
 template <class P, class For>
 void causal_on(const float* q, int64_t H, int64_t T, int64_t D, const float* k, const float* v,
-               int64_t n_kv, int64_t head_stride, int64_t start, float* out,
+               int64_t n_kv, int64_t head_stride, int64_t start, float* out, int64_t min_units,
                const For& parallel_for) {
   using E = typename P::E;  // the queries' and keys' element type
   using V = typename P::V;  // the values'
@@ -331,27 +353,31 @@ void causal_on(const float* q, int64_t H, int64_t T, int64_t D, const float* k, 
   });
   const float scale = 1.f / std::sqrt(float(D));
   const int64_t q_blocks = (T + QB - 1) / QB;
-  // units (head, block of QB rows), head-major: each thread's share holds early and late
-  // blocks of a causal chunk alike
-  parallel_for(0, H * q_blocks, 1, [&](int64_t u0, int64_t u1) {
-    std::vector<E> qs(QB * D);
+  const int64_t heads = unit_heads(group, n_kv, q_blocks, min_units), subs = group / heads;
+  // units (kv head, its heads' share, block of QB rows), kv-head-major: each thread's share
+  // holds early and late blocks of a causal chunk alike
+  parallel_for(0, n_kv * subs * q_blocks, 1, [&](int64_t u0, int64_t u1) {
+    std::vector<E> qs(heads * QB * D);
     for (int64_t u = u0; u < u1; ++u) {
-      const int64_t h = u / q_blocks, r0 = (u % q_blocks) * QB, g = h / group;
-      const int64_t rows = std::min(QB, T - r0);
-      const float* qp = q + (h * T + r0) * D;
-      float* o = out + (h * T + r0) * D;
+      const int64_t g = u / (subs * q_blocks), h0 = g * group + (u / q_blocks) % subs * heads;
+      const int64_t r0 = (u % q_blocks) * QB, rows = std::min(QB, T - r0);
       std::fill(qs.begin(), qs.end(), E{});
-      if constexpr (kBf16Keys) {
-        for (int64_t i = 0; i < rows * D; ++i) qs[i] = bf16::round(qp[i] * scale);
-      } else {
-        for (int64_t i = 0; i < rows * D; ++i) qs[i] = qp[i] * scale;
+      for (int64_t i = 0; i < heads; ++i) {
+        const float* qp = q + ((h0 + i) * T + r0) * D;
+        E* qi = qs.data() + i * rows * D;  // (the heads' rows back to back)
+        if constexpr (kBf16Keys) {
+          for (int64_t j = 0; j < rows * D; ++j) qi[j] = bf16::round(qp[j] * scale);
+        } else {
+          for (int64_t j = 0; j < rows * D; ++j) qi[j] = qp[j] * scale;
+        }
       }
       const V* values;  // (bf16: paired; fp32: the rows as they are)
       if constexpr (kBf16Values)
         values = vt.data() + g * per_head;
       else
         values = v + g * head_stride;
-      run_unit<P>(D, qs.data(), rows, start + r0, kt.data() + g * per_head, values, o);
+      run_unit<P>(D, qs.data(), rows, heads, start + r0, kt.data() + g * per_head, values,
+                  out + (h0 * T + r0) * D, T * D);
     }
   });
 }
@@ -360,16 +386,16 @@ void causal_on(const float* q, int64_t H, int64_t T, int64_t D, const float* k, 
 template <class For>
 void causal(const float* q, int64_t H, int64_t T, int64_t D, const float* k, const float* v,
             int64_t n_kv, int64_t head_stride, int64_t start, float* out, Operands operands,
-            const For& parallel_for) {
+            int64_t min_units, const For& parallel_for) {
   if constexpr (bf16::kAvailable) {
     if (operands == Operands::kBf16)
       return causal_on<bf16::Products>(q, H, T, D, k, v, n_kv, head_stride, start, out,
-                                       parallel_for);
+                                       min_units, parallel_for);
     if (operands == Operands::kBf16Values)
       return causal_on<bf16::ValueProducts>(q, H, T, D, k, v, n_kv, head_stride, start, out,
-                                            parallel_for);
+                                            min_units, parallel_for);
   }
-  causal_on<Fp32>(q, H, T, D, k, v, n_kv, head_stride, start, out, parallel_for);
+  causal_on<Fp32>(q, H, T, D, k, v, n_kv, head_stride, start, out, min_units, parallel_for);
 }
 
 }  // namespace flash
