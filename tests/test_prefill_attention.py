@@ -97,25 +97,26 @@ def test_a_row_does_not_depend_on_its_chunk():
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_a_row_does_not_depend_on_the_heads_beside_it(D, threads):
-    """A unit takes several heads of one kv head (they share each block of keys while it is in
-    cache), as many as leave the threads enough units: each head alone (a call of one head)
-    gives the same bits as in its group. Qwen2.5's GQA, 7 heads a kv head: 237 rows are 8
-    blocks of rows, 16 units of 7 heads for 1 or 2 threads; the last block's 13 rows a head put
-    rows of two heads in one score tile."""
-    q, k, v = _qkv(1, 14, 2, 237, 307, D, seed=6 + D)
+    """A unit takes several heads of one kv head, each through a span of key blocks before
+    the next (they share the span while it is in cache), as many as leave the threads enough
+    units: each head alone (a call of one head) gives the same bits as in its group. Qwen2.5's
+    GQA, 7 heads a kv head: 237 rows are 8 blocks of rows, 16 units of 7 heads for 1 or 2
+    threads, the last of 13 rows a head; with AVX-512 837 keys are one span of key blocks at D = 64
+    (1,024 keys a span) and two at D = 128 (512), so both walks are checked."""
+    q, k, v = _qkv(1, 14, 2, 237, 837, D, seed=6 + D)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(threads)
-        grouped = cpu_attention.prefill_attention(q, k, v, 70)
+        grouped = cpu_attention.prefill_attention(q, k, v, 600)
         for h in range(14):
             g = h // 7
             alone = cpu_attention.prefill_attention(
-                q[:, h : h + 1], k[:, g : g + 1], v[:, g : g + 1], 70
+                q[:, h : h + 1], k[:, g : g + 1], v[:, g : g + 1], 600
             )
             assert torch.equal(grouped[:, h : h + 1], alone), h
     finally:
         torch.set_num_threads(before)
-    want = causal_attention(q, k, v, torch.arange(70, 307))
+    want = causal_attention(q, k, v, torch.arange(600, 837))
     torch.testing.assert_close(grouped, want, rtol=1e-5, atol=2e-6)
 
 

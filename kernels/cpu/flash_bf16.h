@@ -87,17 +87,16 @@ inline __m512bh broadcast_pair(const uint16_t* p) {
   return (__m512bh)_mm512_set1_epi32(pair);
 }
 
-// flash_prefill.h's unit's products in bf16 (its P): the queries qs [rows][D] bf16, kt and vt
+// flash_prefill.h's unit's products in bf16 (its P): the queries qs [QB][D] bf16, kt and vt
 // one kv head's paired keys and values, and the block's probabilities rounded to bf16 pairs.
 struct Products {
   using E = uint16_t;
   using V = uint16_t;
-  std::vector<vf> pb_;  // p in bf16 [rows + 4][KB]: pairs of keys for the value products
-  uint16_t (*pb)[KB];
+  alignas(64) uint16_t pb[QB + 4][KB];  // p in bf16: pairs of keys for the value products
 
-  explicit Products(int64_t rows)  // (rows past `rows` stay zeros)
-      : pb_((rows + 4) * KB * 2 / 64, vf{}),
-        pb(reinterpret_cast<uint16_t (*)[KB]>(pb_.data())) {}
+  Products() {
+    for (auto& row : pb) std::fill(row, row + KB, uint16_t(0));  // (rows past `rows` stay zeros)
+  }
   // A score tile's sc[i] += q_i . keys of the block kb, two dims a product: q the tile's rows.
   template <int64_t D>
   static void scores(const uint16_t* q, const uint16_t* kb, vf (&sc)[ST][NV]) {
@@ -148,7 +147,6 @@ struct Products {
 // distribution by half of what all-bf16 products do (docs/PERF.md), so it is opt-in too.
 struct ValueProducts : Products {
   using E = float;
-  using Products::Products;
   template <int64_t D>
   static void scores(const float* q, const float* kb, vf (&sc)[ST][NV]) {
     Fp32::scores<D>(q, kb, sc);

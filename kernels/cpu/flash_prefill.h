@@ -47,9 +47,15 @@ constexpr int ST = 2;
 constexpr int RG = 2;
 #endif
 constexpr int64_t KB = 16 * NV;  // keys per block: the softmax folds a block at a time
-// Heads of one kv head a unit may take (`unit_heads`): 8 x 32 rows' sums, 64 KB at D = 64,
-// stay in L2 beside the block being read.
+// Heads of one kv head a unit may take (`unit_heads`), and the bytes of keys and values a
+// unit's heads take in turn (`span_blocks`): half of the smallest L2 of the CPUs we run on
+// (1 MB a core: Zen 4), beside the heads' rows (19 KB each at D = 64).
 constexpr int64_t kMaxUnitHeads = 8;
+constexpr int64_t kSpanBytes = 512 * 1024;
+// Key blocks in a unit's span, for a block of `block_bytes` (keys and values as laid out).
+inline int64_t span_blocks(int64_t block_bytes) {
+  return std::max<int64_t>(1, kSpanBytes / block_bytes);
+}
 
 inline vf splat(float x) { return vf{} + x; }
 inline vf load(const float* p) {
@@ -138,12 +144,11 @@ inline void transpose_keys(const float* k, int64_t S, int64_t D, float* kt) {
 // The online softmax of a score tile's rows t0 .. t0 + ST - 1 (those below `rows`) over the
 // block of keys from k0: masks the keys past each row's position, sets p[r] = exp(s - new max)
 // and rescales the row's running max m, sum l and the factor alpha its accumulator takes.
-// l is kept per lane ([16] a row) and summed across lanes once, in `write`. Row r is row
-// r % per_head of its head, at position pos0 + r % per_head.
-inline void fold(vf sc[ST][NV], int64_t t0, int64_t rows, int64_t per_head, int64_t pos0,
-                 int64_t k0, float (*p)[KB], float* m, vf* l, float* alpha) {
+// l is kept per lane ([16] a row) and summed across lanes once, in `write`.
+inline void fold(vf sc[ST][NV], int64_t t0, int64_t rows, int64_t pos0, int64_t k0,
+                 float (*p)[KB], float* m, vf* l, float* alpha) {
   for (int i = 0; i < ST && t0 + i < rows; ++i) {
-    const int64_t r = t0 + i, last = pos0 + r % per_head;  // this row's newest visible key
+    const int64_t r = t0 + i, last = pos0 + r;  // this row's newest visible key
     if (k0 + KB - 1 > last) {
       for (int c = 0; c < NV; ++c)
         for (int j = 0; j < 16; ++j)
@@ -171,26 +176,28 @@ inline void fold(vf sc[ST][NV], int64_t t0, int64_t rows, int64_t per_head, int6
   }
 }
 
-// A unit's rows: their output sums, the current block's probabilities, each row's running
-// softmax max and sum and the factor its sums take at a block's fold; `write` normalizes.
-// Sized per unit (up to kMaxUnitHeads heads of QB rows): vectors of vf, 64-byte aligned.
+// A head's rows in a unit: their output sums, the current block's probabilities, each row's
+// running softmax max and sum and the factor its sums take at a block's fold; `write`
+// normalizes. (19 KB at D = 64: L1 while its head works through a span of blocks.)
 template <int64_t D>
 struct Rows {
-  std::vector<vf> acc_, p_, l;  // acc [n][D], p [n + 4][KB] (+ 4: a value group may run past
-                                // the last row), l: each row's softmax sum, per lane
-  std::vector<float> m, alpha;
-  float (*acc)[D];
-  float (*p)[KB];
-  explicit Rows(int64_t n)
-      : acc_(n * D / 16, vf{}), p_((n + 4) * KB / 16, vf{}), l(n, vf{}), m(n, -INFINITY),
-        alpha(n, 0.f), acc(reinterpret_cast<float (*)[D]>(acc_.data())),
-        p(reinterpret_cast<float (*)[KB]>(p_.data())) {}
-  // rows [0, rows) to out, per_head rows a head, head i's at out + i * head_stride
-  void write(int64_t rows, int64_t per_head, float* out, int64_t head_stride) const {
+  alignas(64) float acc[QB][D];
+  alignas(64) float p[QB + 4][KB];  // (+ 4: a value group of 3 rows may run past QB)
+  vf l[QB];  // each row's softmax sum, per lane
+  float m[QB], alpha[QB];
+  Rows() {
+    for (auto& row : p) std::fill(row, row + KB, 0.f);  // (rows past `rows` stay zeros)
+    for (int64_t i = 0; i < QB; ++i) {
+      std::fill(acc[i], acc[i] + D, 0.f);
+      m[i] = -INFINITY;
+      l[i] = vf{};
+      alpha[i] = 0.f;
+    }
+  }
+  void write(int64_t rows, float* out) const {
     for (int64_t i = 0; i < rows; ++i) {
       const float inv = 1.f / hsum(l[i]);
-      float* o = out + (i / per_head) * head_stride + (i % per_head) * D;
-      for (int64_t d = 0; d < D; ++d) o[d] = acc[i][d] * inv;
+      for (int64_t d = 0; d < D; ++d) out[i * D + d] = acc[i][d] * inv;
     }
   }
 };
@@ -200,7 +207,6 @@ struct Rows {
 struct Fp32 {
   using E = float;  // the queries' and keys' element type
   using V = float;  // the values'
-  explicit Fp32(int64_t) {}
   // A score tile's sc[i] += q_i . keys of the block kb: q the tile's rows [ST, D].
   template <int64_t D>
   static void scores(const float* q, const float* kb, vf (&sc)[ST][NV]) {
@@ -237,73 +243,100 @@ struct Fp32 {
   }
 };
 
-// One unit: query rows [r0, r0 + per_head) of `heads` heads sharing a kv head (per_head <=
-// QB, heads <= kMaxUnitHeads) against key blocks up to the last row's position, on the
-// products P (Fp32, or bf16::Products of flash_bf16.h): P gives the element type E of the
-// queries, keys and values as laid out for it, a score tile's dot products, the block's
-// probabilities as its value products take them, and a value group's sums; the tiles, the
-// fold and the fp32 accumulators are the same for both. The heads share each block of keys
-// and values while it is in cache: with one head a unit, a long prompt's history was streamed
-// once per head from memory, and the kernel ran 20% slower after 16k-32k tokens than after
-// 8k (docs/PERF.md). A row's arithmetic is its own whatever rows share the unit or a tile.
-// qs: the rows pre-scaled by 1/sqrt(D) [heads * per_head, D], head-major, then zeros to a
-// whole tile; kt, v: the kv head's keys and values as P lays them out, D KB entries a block
-// of KB keys; out: head i's rows [per_head, D] at out + i * head_stride.
+// One unit: query rows [r0, r0 + rows) (rows <= QB) of `heads` heads sharing a kv head
+// (heads <= kMaxUnitHeads) against key blocks up to the last row's position, on the products
+// P (Fp32, or bf16::Products of flash_bf16.h): P gives the element type E of the queries,
+// keys and values as laid out for it, a score tile's dot products, the block's probabilities
+// as its value products take them, and a value group's sums; the tiles, the fold and the fp32
+// accumulators are the same for both. The blocks are taken a span at a time (`span_blocks`:
+// about half of L2), every head through the span before the next: the span is read from
+// memory once for all heads, and a head's rows stay in L1 while it works. (With one head a
+// unit, a long prompt's history was streamed from memory once per head, and the fp32 kernel
+// ran 20% slower after 16k-32k tokens than after 8k: docs/PERF.md.) Each row's arithmetic is
+// the same, in the same order, whatever heads share its unit. qs: head i's rows pre-scaled
+// by 1/sqrt(D) at qs + i QB D [QB, D] (rows past `rows` zero); kt, v: the kv head's keys and
+// values as P lays them out, D KB entries a block of KB keys; out: head i's rows [rows, D] at
+// out + i head_stride.
+// One block of KB keys from k0 for one head's rows (`unit`): their scores, the softmax fold,
+// the value sums.
 template <int DV, class P>
-void unit(const typename P::E* qs, int64_t per_head, int64_t heads, int64_t pos0,
+__attribute__((always_inline)) inline void block(Rows<16 * DV>& s, P& products,
+                                                 const typename P::E* q, const typename P::E* kb,
+                                                 const typename P::V* vb, int64_t k0,
+                                                 int64_t rows, int64_t pos0) {
+  constexpr int64_t D = 16 * DV;
+  auto& acc = s.acc;
+  float* alpha = s.alpha;
+  const int64_t end = pos0 + rows;
+  for (int64_t t0 = 0; t0 < rows; t0 += ST) {
+    vf sc[ST][NV];
+#pragma GCC unroll 8
+    for (int i = 0; i < ST; ++i)
+#pragma GCC unroll 8
+      for (int c = 0; c < NV; ++c) sc[i][c] = vf{};
+    P::template scores<D>(q + t0 * D, kb, sc);
+    fold(sc, t0, rows, pos0, k0, s.p, s.m, s.l, alpha);
+  }
+  products.probabilities(s.p, rows);
+  // acc = alpha acc + p V over the block's keys, G rows at a time (RG for D = 64; fewer for
+  // wider heads, whose rows take more registers)
+  constexpr int G = RG * 4 / DV > 0 ? RG * 4 / DV : 1;  // (DV = 4 for D = 64)
+  const int64_t nk = std::min(KB, end - k0);
+  for (int64_t r0 = 0; r0 < rows; r0 += G) {
+    vf a[G][DV];
+    for (int i = 0; i < G; ++i)
+      for (int c = 0; c < DV; ++c)
+        a[i][c] = r0 + i < rows ? load(acc[r0 + i] + 16 * c) * alpha[r0 + i] : vf{};
+    products.template values<D, G>(a, r0, nk, vb, s.p);
+    for (int i = 0; i < G && r0 + i < rows; ++i)
+      for (int c = 0; c < DV; ++c) store(acc[r0 + i] + 16 * c, a[i][c]);
+  }
+}
+
+// `block` as a call, for the unit's walk over spans and heads: inlined there, GCC 12 spilled
+// the bf16 products' pointers from their hot loops (15-25% slower); alone it compiles as the
+// loop over one head's blocks does.
+template <int DV, class P>
+__attribute__((noinline)) void block_call(Rows<16 * DV>& s, P& products, const typename P::E* q,
+                                          const typename P::E* kb, const typename P::V* vb,
+                                          int64_t k0, int64_t rows, int64_t pos0) {
+  block<DV>(s, products, q, kb, vb, k0, rows, pos0);
+}
+
+template <int DV, class P>
+void unit(const typename P::E* qs, int64_t rows, int64_t heads, int64_t pos0,
           const typename P::E* kt, const typename P::V* v, float* out, int64_t head_stride) {
   using E = typename P::E;
   constexpr int64_t D = 16 * DV;
-  const int64_t rows = per_head * heads;
-  Rows<D> s(rows);
-  auto& acc = s.acc;
-  float* alpha = s.alpha.data();
-  P products(rows);
-  const int64_t end = pos0 + per_head;  // keys [0, end) exist; row i sees [0, pos0 + i]
-  const int64_t blocks = (end + KB - 1) / KB;
-  for (int64_t b = 0; b < blocks; ++b) {
-    const E* kb = kt + b * D * KB;
-    const typename P::V* vb = v + b * D * KB;
-    const int64_t k0 = b * KB;
-    for (int64_t t0 = 0; t0 < rows; t0 += ST) {
-      vf sc[ST][NV];
-#pragma GCC unroll 8
-      for (int i = 0; i < ST; ++i)
-#pragma GCC unroll 8
-        for (int c = 0; c < NV; ++c) sc[i][c] = vf{};
-      P::template scores<D>(qs + t0 * D, kb, sc);
-      fold(sc, t0, rows, per_head, pos0, k0, s.p, s.m.data(), s.l.data(), alpha);
-    }
-    products.probabilities(s.p, rows);
-    // acc = alpha acc + p V over the block's keys, G rows at a time (RG for D = 64; fewer
-    // for wider heads, whose rows take more registers)
-    constexpr int G = RG * 4 / DV > 0 ? RG * 4 / DV : 1;  // (DV = 4 for D = 64)
-    const int64_t nk = std::min(KB, end - k0);
-    for (int64_t r0 = 0; r0 < rows; r0 += G) {
-      vf a[G][DV];
-      for (int i = 0; i < G; ++i)
-        for (int c = 0; c < DV; ++c)
-          a[i][c] = r0 + i < rows ? load(acc[r0 + i] + 16 * c) * alpha[r0 + i] : vf{};
-      products.template values<D, G>(a, r0, nk, vb, s.p);
-      for (int i = 0; i < G && r0 + i < rows; ++i)
-        for (int c = 0; c < DV; ++c) store(acc[r0 + i] + 16 * c, a[i][c]);
-    }
+  std::vector<Rows<D>> state(heads);
+  P products;  // (a block's probabilities as its value products take them: one head at a time)
+  const int64_t blocks = (pos0 + rows + KB - 1) / KB;  // keys [0, pos0 + rows) exist
+  if (heads == 1) {  // (one head: its blocks in one loop, as fast as the loop can be)
+    for (int64_t b = 0; b < blocks; ++b)
+      block<DV>(state[0], products, qs, kt + b * D * KB, v + b * D * KB, b * KB, rows, pos0);
+  } else {
+    const int64_t span = span_blocks(D * KB * (sizeof(E) + sizeof(typename P::V)));
+    for (int64_t b0 = 0; b0 < blocks; b0 += span)
+      for (int64_t h = 0; h < heads; ++h)
+        for (int64_t b = b0; b < std::min(blocks, b0 + span); ++b)
+          block_call<DV>(state[h], products, qs + h * QB * D, kt + b * D * KB, v + b * D * KB,
+                         b * KB, rows, pos0);
   }
-  s.write(rows, per_head, out, head_stride);
+  for (int64_t h = 0; h < heads; ++h) state[h].write(rows, out + h * head_stride);
 }
 
 // Head dims with a compiled unit (D = 16 DV).
 inline bool supported(int64_t D) { return D == 64 || D == 80 || D == 96 || D == 128; }
 
 template <class P>
-inline void run_unit(int64_t D, const typename P::E* qs, int64_t per_head, int64_t heads,
+inline void run_unit(int64_t D, const typename P::E* qs, int64_t rows, int64_t heads,
                      int64_t pos0, const typename P::E* kt, const typename P::V* v, float* out,
                      int64_t head_stride) {
   switch (D) {
-    case 64: unit<4, P>(qs, per_head, heads, pos0, kt, v, out, head_stride); break;
-    case 80: unit<5, P>(qs, per_head, heads, pos0, kt, v, out, head_stride); break;
-    case 96: unit<6, P>(qs, per_head, heads, pos0, kt, v, out, head_stride); break;
-    default: unit<8, P>(qs, per_head, heads, pos0, kt, v, out, head_stride); break;
+    case 64: unit<4, P>(qs, rows, heads, pos0, kt, v, out, head_stride); break;
+    case 80: unit<5, P>(qs, rows, heads, pos0, kt, v, out, head_stride); break;
+    case 96: unit<6, P>(qs, rows, heads, pos0, kt, v, out, head_stride); break;
+    default: unit<8, P>(qs, rows, heads, pos0, kt, v, out, head_stride); break;
   }
 }
 
@@ -364,7 +397,7 @@ void causal_on(const float* q, int64_t H, int64_t T, int64_t D, const float* k, 
       std::fill(qs.begin(), qs.end(), E{});
       for (int64_t i = 0; i < heads; ++i) {
         const float* qp = q + ((h0 + i) * T + r0) * D;
-        E* qi = qs.data() + i * rows * D;  // (the heads' rows back to back)
+        E* qi = qs.data() + i * QB * D;
         if constexpr (kBf16Keys) {
           for (int64_t j = 0; j < rows * D; ++j) qi[j] = bf16::round(qp[j] * scale);
         } else {
