@@ -243,20 +243,6 @@ struct Fp32 {
   }
 };
 
-// One unit: query rows [r0, r0 + rows) (rows <= QB) of `heads` heads sharing a kv head
-// (heads <= kMaxUnitHeads) against key blocks up to the last row's position, on the products
-// P (Fp32, or bf16::Products of flash_bf16.h): P gives the element type E of the queries,
-// keys and values as laid out for it, a score tile's dot products, the block's probabilities
-// as its value products take them, and a value group's sums; the tiles, the fold and the fp32
-// accumulators are the same for both. The blocks are taken a span at a time (`span_blocks`:
-// about half of L2), every head through the span before the next: the span is read from
-// memory once for all heads, and a head's rows stay in L1 while it works. (With one head a
-// unit, a long prompt's history was streamed from memory once per head, and the fp32 kernel
-// ran 20% slower after 16k-32k tokens than after 8k: docs/PERF.md.) Each row's arithmetic is
-// the same, in the same order, whatever heads share its unit. qs: head i's rows pre-scaled
-// by 1/sqrt(D) at qs + i QB D [QB, D] (rows past `rows` zero); kt, v: the kv head's keys and
-// values as P lays them out, D KB entries a block of KB keys; out: head i's rows [rows, D] at
-// out + i head_stride.
 // One block of KB keys from k0 for one head's rows (`unit`): their scores, the softmax fold,
 // the value sums.
 template <int DV, class P>
@@ -293,9 +279,9 @@ __attribute__((always_inline)) inline void block(Rows<16 * DV>& s, P& products,
   }
 }
 
-// `block` as a call, for the unit's walk over spans and heads: inlined there, GCC 12 spilled
-// the bf16 products' pointers from their hot loops (15-25% slower); alone it compiles as the
-// loop over one head's blocks does.
+// `block` as a call, for the unit's walk over spans and heads: inlined in that loop nest, GCC
+// 12's code ran the bf16 products 15-25% slower (measured, not traced); as a call, they run
+// at least as fast as before the grouping on GQA shapes (docs/PERF.md).
 template <int DV, class P>
 __attribute__((noinline)) void block_call(Rows<16 * DV>& s, P& products, const typename P::E* q,
                                           const typename P::E* kb, const typename P::V* vb,
@@ -303,6 +289,20 @@ __attribute__((noinline)) void block_call(Rows<16 * DV>& s, P& products, const t
   block<DV>(s, products, q, kb, vb, k0, rows, pos0);
 }
 
+// One unit: query rows [r0, r0 + rows) (rows <= QB) of `heads` heads sharing a kv head
+// (heads <= kMaxUnitHeads) against key blocks up to the last row's position, on the products
+// P (Fp32, or bf16::Products of flash_bf16.h): P gives the element type E of the queries,
+// keys and values as laid out for it, a score tile's dot products, the block's probabilities
+// as its value products take them, and a value group's sums; the tiles, the fold and the fp32
+// accumulators are the same for both. The blocks are taken a span at a time (`span_blocks`:
+// about half of L2), every head through the span before the next: the span is read from
+// memory once for all heads, and a head's rows stay in L1 while it works. (With one head a
+// unit, a long prompt's history was streamed from memory once per head, and the fp32 kernel
+// ran 20% slower after 16k-32k tokens than after 8k: docs/PERF.md.) Each row's arithmetic is
+// the same, in the same order, whatever heads share its unit. qs: head i's rows pre-scaled
+// by 1/sqrt(D) at qs + i QB D [QB, D] (rows past `rows` zero); kt, v: the kv head's keys and
+// values as P lays them out, D KB entries a block of KB keys; out: head i's rows [rows, D] at
+// out + i head_stride.
 template <int DV, class P>
 void unit(const typename P::E* qs, int64_t rows, int64_t heads, int64_t pos0,
           const typename P::E* kt, const typename P::V* v, float* out, int64_t head_stride) {
@@ -311,7 +311,7 @@ void unit(const typename P::E* qs, int64_t rows, int64_t heads, int64_t pos0,
   std::vector<Rows<D>> state(heads);
   P products;  // (a block's probabilities as its value products take them: one head at a time)
   const int64_t blocks = (pos0 + rows + KB - 1) / KB;  // keys [0, pos0 + rows) exist
-  if (heads == 1) {  // (one head: its blocks in one loop, as fast as the loop can be)
+  if (heads == 1) {  // (one head: its blocks in one loop, `block` inlined)
     for (int64_t b = 0; b < blocks; ++b)
       block<DV>(state[0], products, qs, kt + b * D * KB, v + b * D * KB, b * KB, rows, pos0);
   } else {
