@@ -307,8 +307,28 @@ def test_uncovered_gguf_without_transformers_says_pip_install(tmp_path, monkeypa
         models.resolve_model(str(gguf))
     message = str(error.value)
     assert "\n" not in message and "pre-tokenizer 'some-new-pre'" in message
-    assert "pip install 'transformers>=5,<6' accelerate" in message
+    assert "pip install 'transformers>=5,<5.25' accelerate" in message
     assert not list((tmp_path / "home" / "models").iterdir())  # no half folder
+
+
+def test_uncovered_gguf_with_hub_kernels_installed_says_what_clashes(tmp_path, monkeypatch):
+    """transformers >= 5.25 brings Hugging Face's `kernels`, whose import name is qspec's own
+    package: its model code would fail to import, so qspec says so in one line first."""
+    gguf = write_gguf(tmp_path / "odd.gguf", pre="some-new-pre")
+    monkeypatch.setenv("QSPEC_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(models, "hub_kernels_installed", lambda: True)
+    with pytest.raises(QspecError) as error:
+        models.resolve_model(str(gguf))
+    message = str(error.value)
+    assert "\n" not in message and "Hugging Face's `kernels`" in message
+    assert "pip uninstall -y kernels && pip install 'transformers>=5,<5.25'" in message
+    assert not list((tmp_path / "home" / "models").iterdir())
+
+
+def test_hub_kernels_are_not_installed_beside_the_test_extra():
+    """The test extra pins transformers below 5.25, so Hugging Face's `kernels` is not pulled
+    in (a CI install of 5.25 failed 100 tests on the name clash)."""
+    assert not models.hub_kernels_installed()
 
 
 # Damaged files: one QspecError line, nothing left in the cache.

@@ -9,6 +9,7 @@ hub id (downloaded through huggingface_hub when online).
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -366,6 +367,20 @@ def _convert_gguf(gguf: Path, target: Path, provenance: dict, log=lambda msg: No
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+TRANSFORMERS_PIP = "pip install 'transformers>=5,<5.25' accelerate"  # (why <5.25: below)
+
+
+def hub_kernels_installed() -> bool:
+    """Whether Hugging Face's `kernels` distribution is installed: transformers >= 5.25 needs
+    it, and its import name is that of qspec's own `kernels` package, which comes first on
+    the path here, so transformers' `from kernels import ...` fails inside its model code."""
+    try:
+        importlib.metadata.version("kernels")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
 def _convert_with_transformers(gguf: Path, folder: Path, what: str, log) -> None:
     """A GGUF qspec's reader does not cover (`what` it has) is dequantized into the empty
     `folder` by transformers, where installed (it is no runtime dependency of qspec)."""
@@ -374,7 +389,14 @@ def _convert_with_transformers(gguf: Path, folder: Path, what: str, log) -> None
         raise QspecError(
             f"cannot convert GGUF {gguf}: qspec's GGUF reader does not cover this file "
             f"({what}), and converting it with transformers needs {' and '.join(missing)}: "
-            "pip install 'transformers>=5,<6' accelerate"
+            f"{TRANSFORMERS_PIP}"
+        )
+    if hub_kernels_installed():
+        raise QspecError(
+            f"cannot convert GGUF {gguf}: qspec's GGUF reader does not cover this file "
+            f"({what}), and the transformers installed here brings Hugging Face's `kernels` "
+            "package, whose name is qspec's own `kernels`: pip uninstall -y kernels && "
+            f"{TRANSFORMERS_PIP}"
         )
     log(f"qspec's GGUF reader does not cover this file ({what}): converting it with transformers")
     import torch
