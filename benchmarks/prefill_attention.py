@@ -8,8 +8,8 @@ bench's "attention GFLOP/s" column reports for a whole prefill.
 Shapes default to Qwen2.5-0.5B's (14 query heads, 2 kv heads, head_dim 64; SmolLM2: 9, 3) and
 a chunk of 512 rows, the prefill's. Products run interleaved in rounds, so drift of the
 machine hits them alike; the figure is each one's fastest call (the kernel's own cost on a
-shared machine). FLOPs: 4 D per visible (query, key) pair and head, the causal chunk's own
-pairs halved, as the bench counts them. bf16 products need a build with AVX512-BF16.
+shared machine). FLOPs as the bench counts them (`qspec_core.bench.compute.attention_flops`).
+bf16 products need a build with AVX512-BF16.
 """
 
 from __future__ import annotations
@@ -22,11 +22,7 @@ import time
 import torch
 
 from kernels.cpu import attention as cpu_attention
-
-
-def flops(H: int, T: int, D: int, start: int) -> float:
-    """Multiply-adds x 2 of a chunk of T rows after `start` keys: QK^T and PV."""
-    return 4 * D * H * T * (start + (T + 1) / 2)
+from qspec_core.bench.compute import attention_flops
 
 
 def run(args) -> list[dict]:
@@ -51,7 +47,7 @@ def run(args) -> list[dict]:
                 cpu_attention.prefill_attention(q, k, v, start)
                 best[p] = min(best[p], time.perf_counter() - t0)
         for p in products:
-            rate = flops(args.heads, args.rows, args.dim, start) / best[p] / 1e9
+            rate = attention_flops(args.dim, args.heads, args.rows, start) / best[p] / 1e9
             rows.append({"history": start, "products": p, "ms": best[p] * 1e3, "gflops": rate})
             print(f"history {start:>6}  {p:<11}  {best[p] * 1e3:8.1f} ms  {rate:6.0f} GFLOP/s")
     return rows

@@ -89,10 +89,16 @@ def prefill_flops(
     linears = (
         2 * tokens * per_token * c.num_hidden_layers + heads * 2 * c.hidden_size * c.vocab_size
     )
+    attention = attention_flops(c.head_dim, c.num_attention_heads, tokens, start)
+    return {"linears": float(linears), "attention": float(attention * c.num_hidden_layers)}
+
+
+def attention_flops(head_dim: int, heads: int, tokens: int, start: int = 0) -> float:
+    """FLOPs of one layer's causal attention for `tokens` new queries after `start` cached
+    keys: Q K^T and P V over every visible (query, key) pair of every query head."""
     # query i (0-based among the new) sees start + i + 1 keys; 2 products of 2 D FLOPs a pair
     pairs = tokens * start + tokens * (tokens + 1) / 2
-    attention = 4 * c.head_dim * pairs * c.num_attention_heads * c.num_hidden_layers
-    return {"linears": float(linears), "attention": float(attention)}
+    return 4 * head_dim * pairs * heads
 
 
 def prefill_compute(
