@@ -42,7 +42,8 @@ clean:
 # The C++ kernels built with AddressSanitizer and UndefinedBehaviorSanitizer (any finding stops
 # the run), then the kernel, batch-invariance and reproducibility tests against that build.
 SANITIZED_TESTS ?= tests/test_cpu_attention.py tests/test_cpu_linear.py tests/test_cpu_decode.py \
-	tests/test_cpu_step.py tests/test_batch_invariance.py tests/test_reproducible.py
+	tests/test_cpu_step.py tests/test_batch_invariance.py tests/test_reproducible.py \
+	tests/test_prefill_attention.py
 SANITIZE_ENV = QSPEC_CPU_SANITIZE=address,undefined QSPEC_CPU_BUILD_WAIT=3600 \
 	LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
 	ASAN_OPTIONS=detect_leaks=0:alloc_dealloc_mismatch=0:abort_on_error=1 \

@@ -3,13 +3,13 @@ of S tokens: GFLOP/s of the tiled kernel per history length and product type, th
 bench's "attention GFLOP/s" column reports for a whole prefill.
 
     python benchmarks/prefill_attention.py --history 8192,32256 [--heads 14 --kv-heads 2]
-        [--products fp32,bf16,bf16-values] [--json out.json]
+        [--products fp32,bf16,bf16-values,int16] [--json out.json]
 
 Shapes default to Qwen2.5-0.5B's (14 query heads, 2 kv heads, head_dim 64; SmolLM2: 9, 3) and
 a chunk of 512 rows, the prefill's. Products run interleaved in rounds, so drift of the
 machine hits them alike; the figure is each one's fastest call (the kernel's own cost on a
 shared machine). FLOPs as the bench counts them (`qspec_core.bench.compute.attention_flops`).
-bf16 products need a build with AVX512-BF16.
+bf16 products need a build with AVX512-BF16, int16 products one with AVX512-VNNI.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def run(args) -> list[dict]:
     for p in products:
         os.environ[cpu_attention.PRODUCTS_ENV] = p
         if cpu_attention.prefill_products() != p:  # (raises on an unknown name)
-            raise ValueError(f"products {p!r} need a build with AVX512-BF16")
+            raise ValueError(f"products {p!r} need AVX512-BF16 (bf16) or AVX512-VNNI (int16)")
     rows = []
     for start in (int(s) for s in args.history.split(",")):
         S = start + args.rows

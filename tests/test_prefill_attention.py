@@ -69,6 +69,62 @@ def test_bf16_products_match_their_twin_and_sdpa_to_bf16_rounding(
     assert torch.equal(got[:, :, 20:], tail)
 
 
+int16 = pytest.mark.skipif(
+    not build.available() or not build.load().PREFILL_INT16, reason="no AVX512-VNNI build here"
+)
+
+
+@int16
+@pytest.mark.parametrize("D", [64, 80, 96, 128])
+@pytest.mark.parametrize(
+    ("H", "n_kv", "start", "T"), [(9, 3, 0, 45), (6, 1, 70, 33), (4, 2, 5, 130), (14, 2, 600, 237)]
+)
+def test_int16_products_match_their_twin_and_sdpa_closer_than_bf16(
+    D, H, n_kv, start, T, monkeypatch
+):
+    """QSPEC_PREFILL_PRODUCTS=int16: the kernel equals its twin (the same codes and steps,
+    exact integer sums, the same block folds) but for a rare one-code step of a probability,
+    and SDPA to its rounding, which is real and several times smaller than bf16's; odd key
+    counts, partial key blocks, a channel 30 times the others (its step folds into the
+    queries) and GQA groups of 1 to 7 included; rows stay independent of their chunk."""
+    q, k, v = _qkv(1, H, n_kv, T, start + T, D, seed=D * 7 + H + T)
+    k[..., 3] *= 30
+    monkeypatch.setenv(cpu_attention.PRODUCTS_ENV, "int16")
+    assert cpu_attention.prefill_products() == "int16"
+    got = cpu_attention.prefill_attention(q, k, v, start)
+    twin = cpu_attention.prefill_attention_int16_ref(q, k, v, start)
+    torch.testing.assert_close(got, twin, rtol=1e-4, atol=2e-3)  # (a code step of a p: 2^-11)
+    assert (got - twin).abs().mean() < 2e-6
+    exact = causal_attention(q, k, v, torch.arange(start, start + T))
+    err = (got - exact).norm() / exact.norm()
+    bf16_err = (
+        cpu_attention.prefill_attention_bf16_ref(q, k, v, start) - exact
+    ).norm() / exact.norm()
+    assert 1e-6 < err < bf16_err / 2, (err, bf16_err)
+    tail = cpu_attention.prefill_attention(q[:, :, 20:], k, v, start + 20)
+    assert torch.equal(got[:, :, 20:], tail)
+
+
+@int16
+@pytest.mark.parametrize("D", [64, 128])
+def test_int16_sums_do_not_overflow_at_the_largest_codes(D, monkeypatch):
+    """Codes near their bounds, all of one sign: queries and keys of one sign and nearly one
+    magnitude (a score's D products near 4095 x 8191, or 4095 x 4095 at D = 128), values all 1
+    and near-equal scores (a block's probability codes near 4096, value codes 8191): the int32
+    sums come within 10% of 2^31, where a wrapped sum would be negative, and the output is the
+    plain mean, 1 (and -1 in a channel of -1)."""
+    q = torch.full((1, 4, 64, D), 0.01)
+    k = torch.full((1, 2, 512, D), 0.01)
+    k[:, :, :, 0] += torch.linspace(1e-3, 0, 512)  # (scores fall: p just under 1 after block 0)
+    v = torch.ones(1, 2, 512, D)
+    monkeypatch.setenv(cpu_attention.PRODUCTS_ENV, "int16")
+    got = cpu_attention.prefill_attention(q, k, v, 448)
+    torch.testing.assert_close(got, torch.ones_like(got), rtol=0, atol=1e-3)
+    v[:, :, :, 1] = -1.0  # (the negative bound too)
+    got = cpu_attention.prefill_attention(q, k, v, 448)
+    torch.testing.assert_close(got[..., 1], -torch.ones_like(got[..., 1]), rtol=0, atol=1e-3)
+
+
 def test_products_default_to_fp32_and_refuse_unknown_types(monkeypatch):
     monkeypatch.delenv(cpu_attention.PRODUCTS_ENV, raising=False)
     assert cpu_attention.prefill_products() == "fp32"

@@ -107,21 +107,25 @@ def prefill_usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
 
 
 PRODUCTS_ENV = "QSPEC_PREFILL_PRODUCTS"  # the prefill attention's products (PRODUCTS)
-PRODUCTS = ("fp32", "bf16", "bf16-values")
+PRODUCTS = ("fp32", "bf16", "bf16-values", "int16")
 
 
 def prefill_products() -> str:
-    """The products of the prefill attention (`flash_prefill.h`, `flash_bf16.h`): "fp32";
-    "bf16", every operand rounded to bf16 (queries, keys, probabilities, values); or
-    "bf16-values", fp32 scores and bf16 value sums (probabilities and values rounded). The bf16
-    ones only when asked for with QSPEC_PREFILL_PRODUCTS on a build that has them
-    (AVX512-BF16); else "fp32"."""
+    """The products of the prefill attention (`flash_prefill.h`, `flash_bf16.h`,
+    `flash_int16.h`): "fp32"; "bf16", every operand rounded to bf16 (queries, keys,
+    probabilities, values); "bf16-values", fp32 scores and bf16 value sums (probabilities and
+    values rounded); or "int16", every operand rounded to 12- or 14-bit integer codes with a
+    step per row, channel or block. Any but "fp32" only when asked for with
+    QSPEC_PREFILL_PRODUCTS on a build that has them (bf16: AVX512-BF16; int16: AVX512-VNNI);
+    else "fp32"."""
     asked = os.environ.get(PRODUCTS_ENV, "fp32").strip().lower() or "fp32"
     if asked not in PRODUCTS:
         raise cpu_ext.BuildSettingError(
             f"{PRODUCTS_ENV} is one of {', '.join(map(repr, PRODUCTS))}, not {asked!r}"
         )
-    return asked if cpu_ext.load().PREFILL_BF16 else "fp32"
+    ext = cpu_ext.load()
+    built = ext.PREFILL_INT16 if asked == "int16" else ext.PREFILL_BF16
+    return asked if built else "fp32"
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int):
@@ -164,3 +168,52 @@ def prefill_attention_bf16_ref(
         acc = acc * alpha + p.bfloat16().float() @ values[:, :, k0 : k0 + block]
         m = new_m
     return acc / total
+
+
+def prefill_attention_int16_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int):
+    """The int16 products' twin (`flash_int16.h`): keys and values rounded per channel over
+    their S = start + T rows to codes of step max|x| / 8191 (keys of heads wider than 64:
+    / 4095); q / sqrt(D) times the keys' steps rounded per row to step max / 4095; the scores
+    the exact integer dots times the row's step; the softmax folded over blocks of 64 keys in
+    order as the kernel folds them, each block's probabilities rounded per row to step
+    2^(e - 11), 2^e <= their max (below 2^-115: codes 0), and summed with the value codes
+    exactly; the values' steps applied at the end. It differs from the kernel by fp32
+    summation order and its exp polynomial, which may move a probability's code by one.
+    q [B, H, T, D] at positions start.. over k/v [B, n_kv, S, D]."""
+    B, H, T, D = q.shape
+    S, group, block = start + T, H // k.shape[1], 64
+
+    def rounded(x: torch.Tensor, dim: int, levels: float):
+        amax = x.abs().amax(dim, keepdim=True)
+        ok = amax >= 1e-30  # (isa.h's kMinAmax: below it, codes 0 and step 0)
+        step = torch.where(ok, amax / levels, torch.zeros_like(amax))
+        inv = torch.where(ok, levels / amax, torch.zeros_like(amax))
+        return (x * inv).round().clamp(-levels, levels), step
+
+    key_levels = 8191.0 if D <= 64 else 4095.0
+    key_codes, key_step = rounded(k[:, :, :S].float(), 2, key_levels)  # step [B, n_kv, 1, D]
+    value_codes, value_step = rounded(v[:, :, :S].float(), 2, 8191.0)
+    key_codes = key_codes.repeat_interleave(group, 1).double()
+    value_codes = value_codes.repeat_interleave(group, 1).double()
+    value_step = value_step.repeat_interleave(group, 1)
+    scale = 1 / torch.tensor(float(D)).sqrt()  # (1.f / sqrt(float(D)), as the kernel has it)
+    q_codes, q_step = rounded(q.float() * scale * key_step.repeat_interleave(group, 1), 3, 4095.0)
+    scores = (q_codes.double() @ key_codes.transpose(-1, -2)).float() * q_step  # [B, H, T, S]
+    visible = torch.arange(start, S)[:, None] >= torch.arange(S)[None, :]
+    scores = scores.masked_fill(~visible, float("-inf"))
+    m = torch.full((B, H, T, 1), float("-inf"))
+    acc, total = torch.zeros(B, H, T, D), torch.zeros(B, H, T, 1)
+    for k0 in range(0, S, block):
+        s_b = scores[..., k0 : k0 + block]
+        new_m = torch.maximum(m, s_b.amax(-1, keepdim=True))
+        alpha, p = (m - new_m).exp(), (s_b - new_m).exp()
+        total = total * alpha + p.sum(-1, keepdim=True)
+        top = p.amax(-1, keepdim=True)
+        e = torch.frexp(top).exponent - 1  # 2^e <= top < 2^(e + 1)
+        p_step = torch.where(e > -116, torch.ldexp(torch.ones_like(top), e - 11), 0.0)
+        inv = torch.where(e > -116, torch.ldexp(torch.ones_like(top), 11 - e), 0.0)
+        p_codes = (p * inv).round().clamp(0, 4096)
+        sums = (p_codes.double() @ value_codes[:, :, k0 : k0 + block]).float()
+        acc = acc * alpha + sums * p_step
+        m = new_m
+    return acc / total * value_step

@@ -93,13 +93,16 @@ struct Products {
   using E = uint16_t;
   using V = uint16_t;
   alignas(64) uint16_t pb[QB + 4][KB];  // p in bf16: pairs of keys for the value products
+  struct Context {};
 
-  Products() {
+  explicit Products(const Context&) {
     for (auto& row : pb) std::fill(row, row + KB, uint16_t(0));  // (rows past `rows` stay zeros)
   }
+  void head(int64_t) {}
+  void finish(float*, int64_t, int64_t) const {}
   // A score tile's sc[i] += q_i . keys of the block kb, two dims a product: q the tile's rows.
   template <int64_t D>
-  static void scores(const uint16_t* q, const uint16_t* kb, vf (&sc)[ST][NV]) {
+  static void scores(const uint16_t* q, int64_t, const uint16_t* kb, vf (&sc)[ST][NV]) {
     for (int64_t d2 = 0; d2 < D / 2; ++d2) {
       __m512bh kd[NV];
 #pragma GCC unroll 8
@@ -147,9 +150,10 @@ struct Products {
 // distribution by half of what all-bf16 products do (docs/PERF.md), so it is opt-in too.
 struct ValueProducts : Products {
   using E = float;
+  using Products::Products;
   template <int64_t D>
-  static void scores(const float* q, const float* kb, vf (&sc)[ST][NV]) {
-    Fp32::scores<D>(q, kb, sc);
+  static void scores(const float* q, int64_t t0, const float* kb, vf (&sc)[ST][NV]) {
+    Fp32::scores<D>(q, t0, kb, sc);
   }
 };
 #else

@@ -17,7 +17,8 @@ struct TorchParallelFor {
 // q [B, H, T, D] at positions start .. start + T - 1 over k/v [B, n_kv, S, D] (S >= start + T;
 // rows of a head contiguous: the cache's buffers, sliced), fp32 -> [B, H, T, D]. products:
 // "fp32", or "bf16" (every product) or "bf16-values" (the value sums) on flash_bf16.h's
-// products, which builds without AVX512-BF16 lack (PREFILL_BF16 false: refused).
+// products, which builds without AVX512-BF16 lack (PREFILL_BF16 false: refused), or "int16"
+// on flash_int16.h's, which need AVX512-VNNI (PREFILL_INT16).
 at::Tensor prefill_attention_cpu(at::Tensor q, at::Tensor k, at::Tensor v, int64_t start,
                                  const std::string& products) {
   flash::Operands operands = flash::Operands::kFp32;
@@ -25,10 +26,15 @@ at::Tensor prefill_attention_cpu(at::Tensor q, at::Tensor k, at::Tensor v, int64
     operands = flash::Operands::kBf16;
   else if (products == "bf16-values")
     operands = flash::Operands::kBf16Values;
+  else if (products == "int16")
+    operands = flash::Operands::kInt16;
   else
-    TORCH_CHECK(products == "fp32", "products: 'fp32', 'bf16' or 'bf16-values', not ", products);
-  TORCH_CHECK(operands == flash::Operands::kFp32 || flash::bf16::kAvailable,
-              "bf16 products need a build with AVX512-BF16");
+    TORCH_CHECK(products == "fp32", "products: 'fp32', 'bf16', 'bf16-values' or 'int16', not ",
+                products);
+  TORCH_CHECK(operands == flash::Operands::kFp32 || operands == flash::Operands::kInt16 ||
+                  flash::bf16::kAvailable, "bf16 products need a build with AVX512-BF16");
+  TORCH_CHECK(operands != flash::Operands::kInt16 || flash::int16::kAvailable,
+              "int16 products need a build with AVX512-VNNI");
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "q, k, v [B, heads, len, D]");
   TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat &&
                   v.scalar_type() == at::kFloat, "fp32 q, k, v");

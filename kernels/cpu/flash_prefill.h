@@ -207,9 +207,15 @@ struct Rows {
 struct Fp32 {
   using E = float;  // the queries' and keys' element type
   using V = float;  // the values'
-  // A score tile's sc[i] += q_i . keys of the block kb: q the tile's rows [ST, D].
+  struct Context {};  // (what a unit's products need beside its operands: nothing here)
+  Fp32() = default;
+  explicit Fp32(const Context&) {}
+  void head(int64_t) {}  // (the unit's head h is next: nothing to switch)
+  void finish(float*, int64_t, int64_t) const {}  // (a head's output rows are final as written)
+  // A score tile's sc[i] += q_i . keys of the block kb: q the tile's rows [ST, D], from the
+  // head's row t0.
   template <int64_t D>
-  static void scores(const float* q, const float* kb, vf (&sc)[ST][NV]) {
+  static void scores(const float* q, int64_t, const float* kb, vf (&sc)[ST][NV]) {
     for (int64_t d = 0; d < D; ++d) {
       vf kd[NV];
 #pragma GCC unroll 8
@@ -260,7 +266,7 @@ __attribute__((always_inline)) inline void block(Rows<16 * DV>& s, P& products,
     for (int i = 0; i < ST; ++i)
 #pragma GCC unroll 8
       for (int c = 0; c < NV; ++c) sc[i][c] = vf{};
-    P::template scores<D>(q + t0 * D, kb, sc);
+    products.template scores<D>(q + t0 * D, t0, kb, sc);
     fold(sc, t0, rows, pos0, k0, s.p, s.m, s.l, alpha);
   }
   products.probabilities(s.p, rows);
@@ -291,52 +297,61 @@ __attribute__((noinline)) void block_call(Rows<16 * DV>& s, P& products, const t
 
 // One unit: query rows [r0, r0 + rows) (rows <= QB) of `heads` heads sharing a kv head
 // (heads <= kMaxUnitHeads) against key blocks up to the last row's position, on the products
-// P (Fp32, or bf16::Products of flash_bf16.h): P gives the element type E of the queries,
-// keys and values as laid out for it, a score tile's dot products, the block's probabilities
-// as its value products take them, and a value group's sums; the tiles, the fold and the fp32
-// accumulators are the same for both. The blocks are taken a span at a time (`span_blocks`:
-// about half of L2), every head through the span before the next: the span is read from
-// memory once for all heads, and a head's rows stay in L1 while it works. (With one head a
-// unit, a long prompt's history was streamed from memory once per head, and the fp32 kernel
-// ran 20% slower after 16k-32k tokens than after 8k: docs/PERF.md.) Each row's arithmetic is
-// the same, in the same order, whatever heads share its unit. qs: head i's rows pre-scaled
-// by 1/sqrt(D) at qs + i QB D [QB, D] (rows past `rows` zero); kt, v: the kv head's keys and
-// values as P lays them out, D KB entries a block of KB keys; out: head i's rows [rows, D] at
-// out + i head_stride.
+// P (Fp32, bf16::Products of flash_bf16.h or int16::Products of flash_int16.h), made from its
+// Context ctx: P gives the element types E of the queries and keys and V of the values as
+// laid out for it, a score tile's dot products, the block's probabilities as its value
+// products take them, and a value group's sums; `head(h)` tells it which head's rows come
+// next, `finish` takes a head's written rows to their final values. The tiles, the fold and
+// the fp32 accumulators are the same for all. The blocks are taken a span at a time
+// (`span_blocks`: about half of L2), every head through the span before the next: the span is
+// read from memory once for all heads, and a head's rows stay in L1 while it works. (With one
+// head a unit, a long prompt's history was streamed from memory once per head, and the fp32
+// kernel ran 20% slower after 16k-32k tokens than after 8k: docs/PERF.md.) Each row's
+// arithmetic is the same, in the same order, whatever heads share its unit. qs: head i's rows
+// pre-scaled by 1/sqrt(D) at qs + i QB D [QB, D] (rows past `rows` zero); kt, v: the kv
+// head's keys and values as P lays them out, D KB entries a block of KB keys; out: head i's
+// rows [rows, D] at out + i head_stride.
 template <int DV, class P>
-void unit(const typename P::E* qs, int64_t rows, int64_t heads, int64_t pos0,
-          const typename P::E* kt, const typename P::V* v, float* out, int64_t head_stride) {
+void unit(const typename P::Context& ctx, const typename P::E* qs, int64_t rows, int64_t heads,
+          int64_t pos0, const typename P::E* kt, const typename P::V* v, float* out,
+          int64_t head_stride) {
   using E = typename P::E;
   constexpr int64_t D = 16 * DV;
   std::vector<Rows<D>> state(heads);
-  P products;  // (a block's probabilities as its value products take them: one head at a time)
+  P products(ctx);  // (a block's probabilities as its value products take them: a head at a time)
   const int64_t blocks = (pos0 + rows + KB - 1) / KB;  // keys [0, pos0 + rows) exist
   if (heads == 1) {  // (one head: its blocks in one loop, `block` inlined)
+    products.head(0);
     for (int64_t b = 0; b < blocks; ++b)
       block<DV>(state[0], products, qs, kt + b * D * KB, v + b * D * KB, b * KB, rows, pos0);
   } else {
     const int64_t span = span_blocks(D * KB * (sizeof(E) + sizeof(typename P::V)));
     for (int64_t b0 = 0; b0 < blocks; b0 += span)
-      for (int64_t h = 0; h < heads; ++h)
+      for (int64_t h = 0; h < heads; ++h) {
+        products.head(h);
         for (int64_t b = b0; b < std::min(blocks, b0 + span); ++b)
           block_call<DV>(state[h], products, qs + h * QB * D, kt + b * D * KB, v + b * D * KB,
                          b * KB, rows, pos0);
+      }
   }
-  for (int64_t h = 0; h < heads; ++h) state[h].write(rows, out + h * head_stride);
+  for (int64_t h = 0; h < heads; ++h) {
+    state[h].write(rows, out + h * head_stride);
+    products.finish(out + h * head_stride, rows, D);
+  }
 }
 
 // Head dims with a compiled unit (D = 16 DV).
 inline bool supported(int64_t D) { return D == 64 || D == 80 || D == 96 || D == 128; }
 
 template <class P>
-inline void run_unit(int64_t D, const typename P::E* qs, int64_t rows, int64_t heads,
-                     int64_t pos0, const typename P::E* kt, const typename P::V* v, float* out,
-                     int64_t head_stride) {
+inline void run_unit(int64_t D, const typename P::Context& ctx, const typename P::E* qs,
+                     int64_t rows, int64_t heads, int64_t pos0, const typename P::E* kt,
+                     const typename P::V* v, float* out, int64_t head_stride) {
   switch (D) {
-    case 64: unit<4, P>(qs, rows, heads, pos0, kt, v, out, head_stride); break;
-    case 80: unit<5, P>(qs, rows, heads, pos0, kt, v, out, head_stride); break;
-    case 96: unit<6, P>(qs, rows, heads, pos0, kt, v, out, head_stride); break;
-    default: unit<8, P>(qs, rows, heads, pos0, kt, v, out, head_stride); break;
+    case 64: unit<4, P>(ctx, qs, rows, heads, pos0, kt, v, out, head_stride); break;
+    case 80: unit<5, P>(ctx, qs, rows, heads, pos0, kt, v, out, head_stride); break;
+    case 96: unit<6, P>(ctx, qs, rows, heads, pos0, kt, v, out, head_stride); break;
+    default: unit<8, P>(ctx, qs, rows, heads, pos0, kt, v, out, head_stride); break;
   }
 }
 
@@ -353,9 +368,10 @@ inline int64_t unit_heads(int64_t group, int64_t n_kv, int64_t q_blocks, int64_t
 #include "flash_bf16.h"  // (the bf16 products: after the helpers they share)
 namespace flash {
 
-// The products a prefill's attention runs on: all fp32 (Fp32), all bf16 (bf16::Products), or
-// fp32 scores with bf16 value sums (bf16::ValueProducts). What each rounds: flash_bf16.h.
-enum class Operands { kFp32, kBf16, kBf16Values };
+// The products a prefill's attention runs on: all fp32 (Fp32), all bf16 (bf16::Products),
+// fp32 scores with bf16 value sums (bf16::ValueProducts), or int16 (int16::Products). What
+// each rounds: flash_bf16.h, flash_int16.h.
+enum class Operands { kFp32, kBf16, kBf16Values, kInt16 };
 
 // One batch item: q [H, T, D] (contiguous) at positions start .. start + T - 1 over the rows
 // of k/v (kv head g's row j at k + g * head_stride + j D, for j < start + T) -> out [H, T, D],
@@ -409,13 +425,18 @@ void causal_on(const float* q, int64_t H, int64_t T, int64_t D, const float* k, 
         values = vt.data() + g * per_head;
       else
         values = v + g * head_stride;
-      run_unit<P>(D, qs.data(), rows, heads, start + r0, kt.data() + g * per_head, values,
-                  out + (h0 * T + r0) * D, T * D);
+      run_unit<P>(D, typename P::Context{}, qs.data(), rows, heads, start + r0,
+                  kt.data() + g * per_head, values, out + (h0 * T + r0) * D, T * D);
     }
   });
 }
 
-// Operands other than kFp32 need bf16::kAvailable (the caller checks; elsewhere: fp32).
+}  // namespace flash
+#include "flash_int16.h"  // (the int16 products: after causal_on's helpers they share)
+namespace flash {
+
+// Operands kBf16 and kBf16Values need bf16::kAvailable, kInt16 int16::kAvailable (the caller
+// checks; elsewhere: fp32).
 template <class For>
 void causal(const float* q, int64_t H, int64_t T, int64_t D, const float* k, const float* v,
             int64_t n_kv, int64_t head_stride, int64_t start, float* out, Operands operands,
@@ -427,6 +448,11 @@ void causal(const float* q, int64_t H, int64_t T, int64_t D, const float* k, con
     if (operands == Operands::kBf16Values)
       return causal_on<bf16::ValueProducts>(q, H, T, D, k, v, n_kv, head_stride, start, out,
                                             min_units, parallel_for);
+  }
+  if constexpr (int16::kAvailable) {
+    if (operands == Operands::kInt16)
+      return int16::causal(q, H, T, D, k, v, n_kv, head_stride, start, out, min_units,
+                           parallel_for);
   }
   causal_on<Fp32>(q, H, T, D, k, v, n_kv, head_stride, start, out, min_units, parallel_for);
 }
