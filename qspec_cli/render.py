@@ -154,6 +154,8 @@ def bench_tables(report: dict) -> list[Table]:
     m, cfg = report["machine"], report["config"]
     gpu = f" · {m['gpu']}" if m["gpu"] else ""
     gpu += f" · INT8 prefill {m['int8_prefill']}" if m.get("int8_prefill") else ""
+    products = m.get("prefill_products")
+    gpu += f" · attention products {products}" if products and products != "fp32" else ""
     header = (
         f"{report['model']} · {m['dtype']} · {m['cpu']}, {m['threads']} threads{gpu} · torch "
         f"{m['torch']} · gen {cfg['gen']} · gamma {cfg['gamma']} · T {cfg['temperature']} · "

@@ -271,3 +271,35 @@ def test_decode_steps_script_times_every_step(default_model_dir, tmp_path):
         "ar", "draft", "verify", "ar without w4a8", "draft without w4a8", "verify without w4a8"
     }  # fmt: skip
     assert all(v > 0 for v in result["ms"].values()) and result["estimated_speedup"] > 0
+
+
+@pytest.mark.real_model
+def test_prefill_products_script_compares_each_product_type_with_fp32(default_model_dir, tmp_path):
+    """benchmarks/prefill_products.py at a tiny size: the fp32 run is its own reference (KL
+    0), another product type moves the last chunk's next-token laws a little but not to zero,
+    the one-chunk run is compared on the same positions; bad input is one `error:` line."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from kernels.cpu import build
+
+    ext = build.load()
+    other = "int16" if ext and ext.PREFILL_INT16 else "bf16" if ext and ext.PREFILL_BF16 else None
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "prefill_products.py"
+    bad = subprocess.run(
+        [sys.executable, str(script), "--tokens", "0"], capture_output=True, text=True
+    )
+    assert bad.returncode == 2 and bad.stderr.startswith("error:"), bad.stderr
+    if other is None:
+        pytest.skip("no bf16 or int16 products in this build")
+    out = tmp_path / "products.json"
+    cmd = [sys.executable, str(script), "--tokens", "1100", "--products", f"fp32,{other}"]
+    cmd += ["--target-weights", "full", "--fp32-history", "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    rows = {r["products"]: r for r in json.loads(out.read_text())}
+    assert set(rows) == {"fp32", other, "fp32 history"}
+    assert rows["fp32"]["kl_mean"] == 0 and rows["fp32"]["positions"] == 512  # (1,024 tokens)
+    assert 0 < rows[other]["kl_mean"] < 1e-2 and rows[other]["top1_agree"] > 0.9
+    assert rows["fp32 history"]["positions"] == 1024 and rows["fp32 history"]["kl_mean"] > 0

@@ -457,7 +457,15 @@ def machine_info(runtime: Runtime, dtype: str) -> dict:
         "cpu_bf16_native": _cpu_bf16(),
         # the INT8-weight prefill product this machine measured fastest (quant/prefill_choice)
         "int8_prefill": prefill_path() if device.type == "cpu" else None,
+        # the prefill attention's products (QSPEC_PREFILL_PRODUCTS, where this build has them)
+        "prefill_products": _prefill_products() if device.type == "cpu" else None,
     }
+
+
+def _prefill_products() -> str | None:
+    from kernels.cpu import attention as cpu_attention
+
+    return cpu_attention.prefill_products() if cpu_attention.available() else None
 
 
 def _cpu_bf16() -> bool:
