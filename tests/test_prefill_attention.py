@@ -125,6 +125,22 @@ def test_int16_sums_do_not_overflow_at_the_largest_codes(D, monkeypatch):
     torch.testing.assert_close(got[..., 1], -torch.ones_like(got[..., 1]), rtol=0, atol=1e-3)
 
 
+@int16
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_int16_products_carry_a_nan_or_an_infinity_to_the_output(bad, monkeypatch):
+    """A NaN or an infinity in a key, a value or a query becomes NaN in the output, as with the
+    fp32 products, never a finite-looking result (a NaN converts to the integer INT_MIN, which
+    a clamp would make a code like any other)."""
+    monkeypatch.setenv(cpu_attention.PRODUCTS_ENV, "int16")
+    for which in ("q", "k", "v"):
+        q, k, v = _qkv(1, 4, 2, 40, 100, 64, seed=9)
+        {"q": q, "k": k, "v": v}[which][0, 0, 30, 5] = bad
+        got = cpu_attention.prefill_attention(q, k, v, 60)
+        exact = causal_attention(q, k, v, torch.arange(60, 100))
+        assert torch.isnan(got).any(), which
+        assert torch.isnan(got[~torch.isfinite(exact)]).all(), which  # (where fp32 has one)
+
+
 def test_products_default_to_fp32_and_refuse_unknown_types(monkeypatch):
     monkeypatch.delenv(cpu_attention.PRODUCTS_ENV, raising=False)
     assert cpu_attention.prefill_products() == "fp32"

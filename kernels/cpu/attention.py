@@ -148,7 +148,7 @@ def prefill_attention_bf16_ref(
     the kernel by fp32 summation order and its exp polynomial, which may move a probability's
     bf16 rounding by one step. q [B, H, T, D] at positions start.. over k/v [B, n_kv, S, D]."""
     B, H, T, D = q.shape
-    S, group, block = start + T, H // k.shape[1], 64
+    S, group = start + T, H // k.shape[1]
     scale = 1 / torch.tensor(float(D)).sqrt()  # (1.f / sqrt(float(D)), as the kernel has it)
     qs = q.float() * scale
     keys = k[:, :, :S].repeat_interleave(group, 1).float()
@@ -156,16 +156,33 @@ def prefill_attention_bf16_ref(
         qs, keys = qs.bfloat16().float(), keys.bfloat16().float()
     values = v[:, :, :S].repeat_interleave(group, 1).bfloat16().float()
     scores = qs @ keys.transpose(-1, -2)  # [B, H, T, S]
+
+    def value_sums(p: torch.Tensor, k0: int) -> torch.Tensor:
+        return p.bfloat16().float() @ values[:, :, k0 : k0 + p.shape[-1]]
+
+    return _block_folds(scores, start, D, value_sums)
+
+
+FOLD_BLOCK = 64  # keys a fold takes (flash_prefill.h's KB with AVX-512: the twins' builds)
+
+
+def _block_folds(scores: torch.Tensor, start: int, D: int, value_sums) -> torch.Tensor:
+    """The kernel's online softmax, as its twins compute it: scores [B, H, T, S] of queries at
+    positions start.. (masked here past each one's position), folded over blocks of
+    FOLD_BLOCK keys in order, each block's probabilities p [B, H, T, <= FOLD_BLOCK] taken
+    against the running max and summed with the block's values by `value_sums(p, k0)` ->
+    [B, H, T, D]; the sums over the probabilities' total."""
+    B, H, T, S = scores.shape
     visible = torch.arange(start, S)[:, None] >= torch.arange(S)[None, :]
     scores = scores.masked_fill(~visible, float("-inf"))
     m = torch.full((B, H, T, 1), float("-inf"))
     acc, total = torch.zeros(B, H, T, D), torch.zeros(B, H, T, 1)
-    for k0 in range(0, S, block):
-        s_b = scores[..., k0 : k0 + block]
+    for k0 in range(0, S, FOLD_BLOCK):
+        s_b = scores[..., k0 : k0 + FOLD_BLOCK]
         new_m = torch.maximum(m, s_b.amax(-1, keepdim=True))
         alpha, p = (m - new_m).exp(), (s_b - new_m).exp()
         total = total * alpha + p.sum(-1, keepdim=True)
-        acc = acc * alpha + p.bfloat16().float() @ values[:, :, k0 : k0 + block]
+        acc = acc * alpha + value_sums(p, k0)
         m = new_m
     return acc / total
 
@@ -181,14 +198,15 @@ def prefill_attention_int16_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     summation order and its exp polynomial, which may move a probability's code by one.
     q [B, H, T, D] at positions start.. over k/v [B, n_kv, S, D]."""
     B, H, T, D = q.shape
-    S, group, block = start + T, H // k.shape[1], 64
+    S, group = start + T, H // k.shape[1]
 
     def rounded(x: torch.Tensor, dim: int, levels: float):
-        amax = x.abs().amax(dim, keepdim=True)
-        ok = amax >= 1e-30  # (isa.h's kMinAmax: below it, codes 0 and step 0)
+        amax = x.abs().amax(dim, keepdim=True)  # (NaN where x has one)
+        ok = amax.isfinite() & (amax >= 1e-30)  # (isa.h's kMinAmax: below it, codes 0, step 0)
         step = torch.where(ok, amax / levels, torch.zeros_like(amax))
+        step = torch.where(amax.isfinite(), step, float("nan"))  # (a NaN reaches the output)
         inv = torch.where(ok, levels / amax, torch.zeros_like(amax))
-        return (x * inv).round().clamp(-levels, levels), step
+        return (x * inv).nan_to_num(0.0).round().clamp(-levels, levels), step
 
     key_levels = 8191.0 if D <= 64 else 4095.0
     key_codes, key_step = rounded(k[:, :, :S].float(), 2, key_levels)  # step [B, n_kv, 1, D]
@@ -199,21 +217,14 @@ def prefill_attention_int16_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     scale = 1 / torch.tensor(float(D)).sqrt()  # (1.f / sqrt(float(D)), as the kernel has it)
     q_codes, q_step = rounded(q.float() * scale * key_step.repeat_interleave(group, 1), 3, 4095.0)
     scores = (q_codes.double() @ key_codes.transpose(-1, -2)).float() * q_step  # [B, H, T, S]
-    visible = torch.arange(start, S)[:, None] >= torch.arange(S)[None, :]
-    scores = scores.masked_fill(~visible, float("-inf"))
-    m = torch.full((B, H, T, 1), float("-inf"))
-    acc, total = torch.zeros(B, H, T, D), torch.zeros(B, H, T, 1)
-    for k0 in range(0, S, block):
-        s_b = scores[..., k0 : k0 + block]
-        new_m = torch.maximum(m, s_b.amax(-1, keepdim=True))
-        alpha, p = (m - new_m).exp(), (s_b - new_m).exp()
-        total = total * alpha + p.sum(-1, keepdim=True)
+
+    def value_sums(p: torch.Tensor, k0: int) -> torch.Tensor:
         top = p.amax(-1, keepdim=True)
         e = torch.frexp(top).exponent - 1  # 2^e <= top < 2^(e + 1)
         p_step = torch.where(e > -116, torch.ldexp(torch.ones_like(top), e - 11), 0.0)
         inv = torch.where(e > -116, torch.ldexp(torch.ones_like(top), 11 - e), 0.0)
         p_codes = (p * inv).round().clamp(0, 4096)
-        sums = (p_codes.double() @ value_codes[:, :, k0 : k0 + block]).float()
-        acc = acc * alpha + sums * p_step
-        m = new_m
-    return acc / total * value_step
+        block = value_codes[:, :, k0 : k0 + p.shape[-1]]
+        return (p_codes.double() @ block).float() * p_step
+
+    return _block_folds(scores, start, D, value_sums) * value_step

@@ -39,7 +39,6 @@ inline float key_levels(int64_t D) { return D <= 64 ? 8191.f : 4095.f; }
 constexpr int kProbBits = 11, kProbMax = 4096;  // p codes in [2^11, 2^12] for a block's largest
 
 inline __m512 as_m512(const vf& v) { return (__m512)v; }
-inline float max_lanes(__m512 v) { return _mm512_reduce_max_ps(v); }
 // Codes of x * inv, rounded to nearest even (the default rounding mode, as torch.round),
 // clamped to -levels..levels (levels an int).
 inline __m512i codes(__m512 x, __m512 inv, int levels) {
@@ -48,10 +47,17 @@ inline __m512i codes(__m512 x, __m512 inv, int levels) {
                           _mm512_set1_epi32(-levels));
 }
 // The step of amax over `levels` codes and its inverse (0 and 0 where amax < kMinAmax: all
-// codes 0). (volatile: -ffast-math would make amax / levels amax * (1 / levels), an ulp off
-// the twin's division.)
+// codes 0). A NaN or an infinity among the rounded values (amax NaN or infinite) gives codes
+// 0 and a step of NaN or infinity, so the NaN reaches every output the step scales, as with
+// the fp32 products (not a finite-looking code: a NaN converts to INT_MIN). (volatile:
+// -ffast-math would make amax / levels amax * (1 / levels), an ulp off the twin's division.)
 inline void step_of(float amax, float levels, float& step, float& inv) {
   volatile float l = levels;
+  if (std::isnan(amax) || std::isinf(amax)) {
+    step = std::numeric_limits<float>::quiet_NaN();
+    inv = 0.f;
+    return;
+  }
   if (!(amax >= kMinAmax)) {
     step = inv = 0.f;
     return;
@@ -60,18 +66,33 @@ inline void step_of(float amax, float levels, float& step, float& inv) {
   inv = l / amax;
 }
 
+// The largest |x| of each lane over v's, a NaN kept (vmaxps returns its second operand where
+// either is a NaN, so a NaN would be dropped by the next finite value).
+struct AbsMax {
+  __m512 m = _mm512_setzero_ps();
+  __mmask16 nan = 0;
+  void add(__m512 v) {
+    m = _mm512_max_ps(m, _mm512_abs_ps(v));
+    nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  }
+  __m512 get() const {
+    return _mm512_mask_mov_ps(m, nan, _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN()));
+  }
+  float top() const {  // (the largest of all lanes)
+    return nan ? std::numeric_limits<float>::quiet_NaN() : _mm512_reduce_max_ps(m);
+  }
+};
+
 // The channels' steps of rows x [S, D] (D a multiple of 16, at most 128) over `levels` codes
 // each side of 0, and their inverses.
 inline void channel_steps(const float* x, int64_t S, int64_t D, float levels, float* step,
                           float* inv) {
-  __m512 m[8];
-  for (int64_t c = 0; c < D / 16; ++c) m[c] = _mm512_setzero_ps();
+  AbsMax m[8];
   for (int64_t t = 0; t < S; ++t)
-    for (int64_t c = 0; c < D / 16; ++c)
-      m[c] = _mm512_max_ps(m[c], _mm512_abs_ps(_mm512_loadu_ps(x + t * D + 16 * c)));
+    for (int64_t c = 0; c < D / 16; ++c) m[c].add(_mm512_loadu_ps(x + t * D + 16 * c));
   for (int64_t c = 0; c < D / 16; ++c) {
     alignas(64) float amax[16];
-    _mm512_store_ps(amax, m[c]);
+    _mm512_store_ps(amax, m[c].get());
     for (int j = 0; j < 16; ++j) step_of(amax[j], levels, step[16 * c + j], inv[16 * c + j]);
   }
 }
@@ -122,14 +143,15 @@ inline void pair_values(const float* v, int64_t S, int64_t D, const float* inv, 
 // returns the row's step (0 for a row of zeros).
 inline float round_query(const float* q, float scale, const float* key_step, int64_t D,
                          int16_t* out) {
-  __m512 x[8], m = _mm512_setzero_ps();
+  __m512 x[8];
+  AbsMax m;
   for (int64_t c = 0; c < D / 16; ++c) {
     x[c] = _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(q + 16 * c), _mm512_set1_ps(scale)),
                          _mm512_loadu_ps(key_step + 16 * c));
-    m = _mm512_max_ps(m, _mm512_abs_ps(x[c]));
+    m.add(x[c]);
   }
   float step, inv;
-  step_of(max_lanes(m), kQueryLevels, step, inv);
+  step_of(m.top(), kQueryLevels, step, inv);
   for (int64_t c = 0; c < D / 16; ++c)
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 16 * c),
                         _mm512_cvtepi32_epi16(codes(x[c], _mm512_set1_ps(inv),
@@ -211,18 +233,21 @@ struct Products {
   }
   // The block's probabilities p [rows][KB] (in [0, 1], masked keys 0; a positive p is at
   // least exp(-87), a normal float) -> codes in pb, a step a row: 2^(e - 11) for the
-  // largest's exponent e, made from its exponent bits (exact, no division).
+  // largest's exponent e, made from its exponent bits (exact, no division). (A NaN p, from
+  // a NaN score, makes the step NaN: step_of's rule.)
   void probabilities(const float (*p)[KB], int64_t rows) {
     for (int64_t r = 0; r < rows; ++r) {
-      __m512 m = _mm512_loadu_ps(p[r]);
-      for (int c = 1; c < NV; ++c) m = _mm512_max_ps(m, _mm512_loadu_ps(p[r] + 16 * c));
+      AbsMax m;
+      for (int c = 0; c < NV; ++c) m.add(_mm512_loadu_ps(p[r] + 16 * c));
       uint32_t bits;
-      const float top = max_lanes(m);
+      const float top = m.top();
       std::memcpy(&bits, &top, 4);
-      const uint32_t e = bits >> 23;  // biased exponent (p >= 0: no sign bit)
+      const uint32_t e = (bits >> 23) & 0xFF;  // biased exponent (p >= 0)
       float inv = 0.f;
       p_step[r] = 0.f;
-      if (e > kProbBits) {  // (else all zeros, or too small to matter: codes 0)
+      if (e == 0xFF) {
+        p_step[r] = std::numeric_limits<float>::quiet_NaN();
+      } else if (e > kProbBits) {  // (else all zeros, or too small to matter: codes 0)
         const uint32_t step_bits = (e - kProbBits) << 23, inv_bits = (254 - e + kProbBits) << 23;
         std::memcpy(&p_step[r], &step_bits, 4);
         std::memcpy(&inv, &inv_bits, 4);
