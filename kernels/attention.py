@@ -84,12 +84,14 @@ def causal_attention(
     input_pos: torch.Tensor,
     mask: torch.Tensor | None = None,
     softcap: float | None = None,
+    products: str | None = None,
 ) -> torch.Tensor:
     """`kernels.reference.causal_attention` (queries at `input_pos` over keys 0..S-1), with a
     prefill's chunk on a CPU through the tiled C++ kernel (`cpu_attention.prefill_attention`:
-    no [T, S] scores in memory, 2-3x SDPA's speed there, docs/PERF.md). Decode and verify
-    steps (at most 17 rows), other devices and soft-capped scores (`softcap`, Gemma 2: the
-    tiled kernel has no cap) take the reference."""
+    no [T, S] scores in memory, 2-3x SDPA's speed there, docs/PERF.md), its products
+    `products` (`cpu_attention.prefill_products`; None: QSPEC_PREFILL_PRODUCTS, else fp32).
+    Decode and verify steps (at most 17 rows), other devices and soft-capped scores
+    (`softcap`, Gemma 2: the tiled kernel has no cap) take the reference."""
     T = q.shape[2]
     if softcap is not None:
         return causal_attention_ref(q, k, v, input_pos, mask, softcap)
@@ -98,5 +100,5 @@ def causal_attention(
         if start + T <= k.shape[2] and torch.equal(
             input_pos, torch.arange(start, start + T, device=input_pos.device)
         ):
-            return cpu_attention.prefill_attention(q, k, v, start)
+            return cpu_attention.prefill_attention(q, k, v, start, products)
     return causal_attention_ref(q, k, v, input_pos, mask)

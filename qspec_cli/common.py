@@ -169,6 +169,7 @@ def check_session_options(
 def check_run_options(dtype: str, threads: int | None, target_weights: str = "full") -> None:
     """Options `load` uses, checked before anything is read or loaded; then the qspec folder
     (QSPEC_HOME), before the CPU kernels would build in it."""
+    from qspec_core.cache import products_choice
     from qspec_core.paths import check_home
     from qspec_core.quant.prefill_choice import override
     from qspec_core.registry.runtime import DTYPES, TARGET_WEIGHTS
@@ -184,6 +185,7 @@ def check_run_options(dtype: str, threads: int | None, target_weights: str = "fu
             f"--target-weights must be one of {', '.join(TARGET_WEIGHTS)}, not {target_weights!r}"
         )
     override()  # (QSPEC_INT8_PREFILL: a bad value is an error now, not at the first prefill)
+    products_choice.override()  # (QSPEC_PREFILL_PRODUCTS, likewise)
     check_home()
 
 

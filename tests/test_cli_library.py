@@ -125,7 +125,7 @@ def test_weight_error_summary():
 # ----------------------------------------------------------------------------- summary record
 
 
-def _session(mode: str, spec: SpecStats | None):
+def _session(mode: str, spec: SpecStats | None, device: str = "cpu"):
     stats = ReplyStats(
         prompt_tokens=120,
         prefilled_tokens=120,
@@ -133,12 +133,14 @@ def _session(mode: str, spec: SpecStats | None):
         timings_s={"prefill": 0.5, "decode": 1.23456789},
         spec=spec,
     )
+    runtime = SimpleNamespace(model=SimpleNamespace(device=torch.device(device)))
     return SimpleNamespace(
-        last=stats, last_text="A summary.", mode=mode, truncated_tokens=7, gamma=4
+        last=stats, last_text="A summary.", mode=mode, truncated_tokens=7, gamma=4, runtime=runtime
     )
 
 
-def test_summary_record_of_a_quantspec_reply():
+def test_summary_record_of_a_quantspec_reply(monkeypatch):
+    monkeypatch.setenv("QSPEC_PREFILL_PRODUCTS", "fp32")
     spec = SpecStats(rounds=10, drafted=40, accepted=30, recovered=6, bonus=4)
     record = summary_record(_session("quantspec", spec), "tiny", "full")
     assert record == {
@@ -146,6 +148,7 @@ def test_summary_record_of_a_quantspec_reply():
         "mode": "quantspec",
         "target_weights": "full",
         "reproduces": TARGET_DISTRIBUTION["full"],
+        "prefill_products": "fp32",
         "model": "tiny",
         "prompt_tokens": 120,
         "new_tokens": 30,
@@ -163,6 +166,23 @@ def test_summary_record_without_speculation_has_no_stats():
     record = summary_record(_session("target-ar", None), "tiny", "int8")
     assert "stats" not in record
     assert record["reproduces"] == TARGET_DISTRIBUTION["int8"]
+
+
+def test_summary_record_names_the_prefill_products(monkeypatch):
+    """The measured (or forced) products of the QuantSpec prefill; ar's full-precision cache
+    keeps the kernel's fp32 unless QSPEC_PREFILL_PRODUCTS asks; none off the CPU."""
+    from kernels.cpu import attention as cpu_attention
+    from qspec_core.cache import products_choice
+
+    monkeypatch.delenv("QSPEC_PREFILL_PRODUCTS", raising=False)
+    measured = products_choice.prefill_products()
+    assert summary_record(_session("quantspec", None), "t", "w8a8")["prefill_products"] == measured
+    assert summary_record(_session("ar", None), "t", "w8a8")["prefill_products"] == "fp32"
+    assert summary_record(_session("ar", None, "meta"), "t", "w8a8")["prefill_products"] is None
+    monkeypatch.setenv("QSPEC_PREFILL_PRODUCTS", "int16")
+    forced = cpu_attention.prefill_products("int16") if cpu_attention.available() else "fp32"
+    for mode in ("ar", "target-ar"):
+        assert summary_record(_session(mode, None), "t", "w8a8")["prefill_products"] == forced
 
 
 @pytest.mark.parametrize(

@@ -209,7 +209,7 @@ def test_dispatch_takes_the_kernel_for_a_prefill_chunk_only(monkeypatch):
     calls = []
     real = cpu_attention.prefill_attention
     monkeypatch.setattr(
-        cpu_attention, "prefill_attention", lambda *a: calls.append(a[-1]) or real(*a)
+        cpu_attention, "prefill_attention", lambda *a: calls.append(a[3]) or real(*a)
     )
     q, k, v = _qkv(1, 4, 2, 40, 60, 64, seed=5)
     out = dispatch.causal_attention(q, k, v, torch.arange(20, 60))

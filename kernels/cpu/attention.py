@@ -110,32 +110,53 @@ PRODUCTS_ENV = "QSPEC_PREFILL_PRODUCTS"  # the prefill attention's products (PRO
 PRODUCTS = ("fp32", "bf16", "bf16-values", "int16")
 
 
-def prefill_products() -> str:
+def built_products() -> tuple[str, ...]:
+    """The products this build computes: "fp32" always, "bf16" and "bf16-values" with
+    AVX512-BF16, "int16" with AVX512-VNNI (none without the C++ kernels)."""
+    if not cpu_ext.available():  # (QSPEC_CPU_KERNELS=0, or a failed build)
+        return ()
+    ext = cpu_ext.load()
+    bf16 = ("bf16", "bf16-values") if ext.PREFILL_BF16 else ()
+    return ("fp32", *bf16, *(("int16",) if ext.PREFILL_INT16 else ()))
+
+
+def asked_products() -> str | None:
+    """What QSPEC_PREFILL_PRODUCTS asks for, None when unset or "auto"; a BuildSettingError
+    for a name not in PRODUCTS."""
+    asked = os.environ.get(PRODUCTS_ENV, "").strip().lower()
+    if asked in ("", "auto"):
+        return None
+    if asked not in PRODUCTS:
+        raise cpu_ext.BuildSettingError(
+            f"{PRODUCTS_ENV} is auto or one of {', '.join(map(repr, PRODUCTS))}, not {asked!r}"
+        )
+    return asked
+
+
+def prefill_products(asked: str | None = None) -> str:
     """The products of the prefill attention (`flash_prefill.h`, `flash_bf16.h`,
     `flash_int16.h`): "fp32"; "bf16", every operand rounded to bf16 (queries, keys,
     probabilities, values); "bf16-values", fp32 scores and bf16 value sums (probabilities and
     values rounded); or "int16", every operand rounded to 12- or 14-bit integer codes with a
-    step per row, channel or block. Any but "fp32" only when asked for with
-    QSPEC_PREFILL_PRODUCTS on a build that has them (bf16: AVX512-BF16; int16: AVX512-VNNI);
-    else "fp32"."""
-    asked = os.environ.get(PRODUCTS_ENV, "fp32").strip().lower() or "fp32"
+    step per row, channel or block. `asked` (else QSPEC_PREFILL_PRODUCTS, else "fp32") where
+    this build has it (`built_products`), else "fp32". The QuantSpec prefill asks for the
+    products measured fastest on this machine (`qspec_core/cache/products_choice.py`)."""
+    asked = asked or asked_products() or "fp32"
     if asked not in PRODUCTS:
-        raise cpu_ext.BuildSettingError(
-            f"{PRODUCTS_ENV} is one of {', '.join(map(repr, PRODUCTS))}, not {asked!r}"
-        )
-    ext = cpu_ext.load()
-    built = ext.PREFILL_INT16 if asked == "int16" else ext.PREFILL_BF16
-    return asked if built else "fp32"
+        raise cpu_ext.BuildSettingError(f"no prefill attention products {asked!r}")
+    return asked if asked in built_products() else "fp32"
 
 
-def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int):
+def prefill_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, products: str | None = None
+):
     """Causal attention of queries at positions start .. start + T - 1 (q [B, H, T, D]) over
     keys 0 .. start + T - 1 (k/v [B, n_kv, S, D], S >= start + T, GQA by head groups): tiled
     in C++ (`flash_prefill.h`), no [T, S] scores in memory; fp32 -> [B, H, T, D]. Equals
-    `kernels.reference.causal_attention` (SDPA) to rounding, its twin in the tests (with bf16
-    products, `prefill_products()`, to bf16 rounding of the operands)."""
-    products = prefill_products()
-    return cpu_ext.load().prefill_attention_cpu(q, k, v, start, products=products)
+    `kernels.reference.causal_attention` (SDPA) to rounding, its twin in the tests (with
+    other products, `prefill_products(products)`, to the rounding of the operands)."""
+    chosen = prefill_products(products)
+    return cpu_ext.load().prefill_attention_cpu(q, k, v, start, products=chosen)
 
 
 def prefill_attention_bf16_ref(

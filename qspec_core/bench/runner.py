@@ -457,15 +457,17 @@ def machine_info(runtime: Runtime, dtype: str) -> dict:
         "cpu_bf16_native": _cpu_bf16(),
         # the INT8-weight prefill product this machine measured fastest (quant/prefill_choice)
         "int8_prefill": prefill_path() if device.type == "cpu" else None,
-        # the prefill attention's products (QSPEC_PREFILL_PRODUCTS, where this build has them)
+        # the QuantSpec prefill attention's products (cache/products_choice: measured, or
+        # QSPEC_PREFILL_PRODUCTS), None without the C++ kernels (the reference's fp32)
         "prefill_products": _prefill_products() if device.type == "cpu" else None,
     }
 
 
 def _prefill_products() -> str | None:
     from kernels.cpu import attention as cpu_attention
+    from qspec_core.cache.products_choice import prefill_products
 
-    return cpu_attention.prefill_products() if cpu_attention.available() else None
+    return prefill_products() if cpu_attention.available() else None
 
 
 def _cpu_bf16() -> bool:

@@ -15,9 +15,11 @@ full precision, causally; the tiled C++ kernel computes it on a CPU
 (`kernels.attention.causal_attention`). A query at position p thus sees at least as much in
 full precision as the target path gives it in decoding (which quantizes up to
 (p // G - 1) G), and a prompt of one chunk is attended exactly as before, all in full
-precision. The paper's prefill attends over the whole prompt in full precision, which needs
-a full-precision copy of all of it: [L, n_kv, S, D] twice, 0.4 GB for SmolLM2 at 8k, 0.8 GB
-for Qwen2.5-0.5B at 32k.
+precision. The kernel's products are those measured fastest on the machine
+(`products_choice.py`): fp32, or integer or bf16 ones that move the next-token law less than
+the INT8 history does. The paper's prefill attends over the whole prompt in full precision,
+which needs a full-precision copy of all of it: [L, n_kv, S, D] twice, 0.4 GB for SmolLM2 at
+8k, 0.8 GB for Qwen2.5-0.5B at 32k.
 
 Memory beside the cache: the tail, [L, B, n_kv, C + 2G, D] twice, and while one layer
 attends its dequantized history, [B, n_kv, S, D] twice (1/L of that full-precision copy).
@@ -33,6 +35,7 @@ from kernels.attention import causal_attention
 from kernels.cpu.attention import prefill_usable
 from kernels.reference import causal_mask
 from qspec_core.cache.hierarchical import HierarchicalKVCache
+from qspec_core.cache.products_choice import prefill_products
 from qspec_core.precision import FP, Precision
 
 
@@ -59,6 +62,8 @@ class ChunkedPrefill:
         self.attention_seconds = 0.0  # attention, with the history's dequantization
         self.quantize_seconds = 0.0  # the groups' quantization into the planes
         self._mask: tuple = (None, None)  # (input_pos, mask) of the forward being run
+        # the tiled CPU attention's products (`products_choice`: measured once per machine)
+        self.products = prefill_products() if like.device.type == "cpu" else "fp32"
 
     def attend(self, layer, q, k, v, input_pos, path: Precision = FP) -> torch.Tensor:
         """Store k/v [B, n_kv, T, D] at input_pos [T] (the next positions of this layer) and
@@ -78,7 +83,7 @@ class ChunkedPrefill:
         t0 = time.perf_counter()
         keys, values = self._keys(layer, hi)
         mask = None if prefill_usable(q, keys, values) else self._causal_mask(input_pos, end)
-        out = causal_attention(q, keys, values, input_pos, mask, self.cache.softcap)
+        out = causal_attention(q, keys, values, input_pos, mask, self.cache.softcap, self.products)
         t1 = time.perf_counter()
         self._quantize(layer, end)
         self.quantize_seconds += time.perf_counter() - t1

@@ -3,6 +3,8 @@ the numbers of the reply that wrote it."""
 
 from __future__ import annotations
 
+import torch
+
 # What output of each --target-weights follows: the distribution a run's text is drawn from.
 TARGET_DISTRIBUTION = {
     "full": "the target path: full-precision weights, INT8 KV (ar: full-precision KV)",
@@ -20,6 +22,19 @@ def reproduces(mode: str, target_weights: str) -> str:
     return "the full-precision model" + with_weights.get(target_weights, "")
 
 
+def prefill_products(mode: str, device) -> str | None:
+    """The products of the prefill attention a run in `mode` computes on `device` (None off
+    the CPU): the measured ones for the hierarchical cache, the kernel's own for ar."""
+    from kernels.cpu import attention as cpu_attention
+    from qspec_core.cache.products_choice import prefill_products as measured
+
+    if torch.device(device).type != "cpu":
+        return None
+    if mode == "ar":  # (the full-precision cache: QSPEC_PREFILL_PRODUCTS, else fp32)
+        return cpu_attention.prefill_products() if cpu_attention.available() else "fp32"
+    return measured()
+
+
 def summary_record(session, model_name: str, target_weights: str) -> dict:
     """One JSON-ready object for the last reply of `session` (a `ChatSession`)."""
     stats = session.last
@@ -28,6 +43,7 @@ def summary_record(session, model_name: str, target_weights: str) -> dict:
         "mode": session.mode,
         "target_weights": target_weights,
         "reproduces": reproduces(session.mode, target_weights),
+        "prefill_products": prefill_products(session.mode, session.runtime.model.device),
         "model": model_name,
         "prompt_tokens": stats.prompt_tokens,
         "new_tokens": stats.new_tokens,

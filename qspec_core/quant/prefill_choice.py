@@ -26,14 +26,9 @@ dequantizing W for one row would read 9 bytes a weight instead of one.
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
-import json
 import os
-import platform
 import time
 from functools import lru_cache
-from pathlib import Path
 
 import torch
 
@@ -41,7 +36,7 @@ from kernels.cpu import build as cpu_ext
 from kernels.cpu import linear as cpu_linear
 from kernels.formats import quantize_activations
 from qspec_core.errors import QspecError
-from qspec_core.paths import qspec_home
+from qspec_core.machine_choice import cpu_description, machine_hash, measured_choice
 
 PATHS = ("rows", "int8pack", "fp32")
 ENV = "QSPEC_INT8_PREFILL"
@@ -53,22 +48,6 @@ FILE = "int8-prefill.json"
 # keep a choice made against the old kernels
 ROWS_VERSION = "rows-gemm-3"
 
-try:
-    import fcntl
-except ImportError:  # (Windows: no lock; two first runs may each measure)
-    fcntl = None
-
-
-@lru_cache(maxsize=1)
-def _cpu() -> str:
-    """This CPU's model name and flags (what /proc/cpuinfo says; the platform's name else)."""
-    with contextlib.suppress(OSError):
-        info = Path("/proc/cpuinfo").read_text()
-        lines = [ln for ln in info.splitlines() if ln.startswith(("model name", "flags"))]
-        if lines:
-            return "\n".join(sorted(set(lines)))
-    return platform.processor() or platform.machine()
-
 
 def _rows_run() -> bool:
     return cpu_ext.available()  # (False with QSPEC_CPU_KERNELS=0 or a failed build)
@@ -78,14 +57,9 @@ def machine_key() -> str:
     """What the choice depends on: the CPU (model and flags), torch, and whether qspec's C++
     kernels run (the "rows" path needs them). Not the thread count: runs at 1 and 2 threads
     must prefill alike for their greedy output to agree (README, reproducibility)."""
-    return _key(_cpu(), torch.__version__, _rows_run())
-
-
-@lru_cache(maxsize=8)
-def _key(cpu: str, torch_version: str, rows: bool) -> str:
-    # (hashed once: a prefill asks for the path on every many-row INT8 linear)
-    text = f"{cpu}|torch {torch_version}|rows {rows}|{ROWS_VERSION}"
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+    return machine_hash(
+        cpu_description(), f"torch {torch.__version__}", f"rows {_rows_run()}", ROWS_VERSION
+    )
 
 
 def _products(m: int, k: int, n: int):
@@ -127,44 +101,10 @@ def measure(shape: tuple[int, int, int] = PROBE, repeats: int = 5) -> dict[str, 
     return best
 
 
-def _read(path: Path, key: str) -> str | None:
-    with contextlib.suppress(OSError, ValueError, AttributeError):
-        path_choice = json.loads(path.read_text()).get(key, {}).get("path")
-        if path_choice in PATHS:
-            return path_choice
-    return None
-
-
 @lru_cache(maxsize=4)
 def _measured_choice(key: str) -> str:
-    """The path for `key`: from the qspec cache, else measured now and written there (under
-    a lock, so two first runs at once agree). Without a writable cache: measured, not kept."""
-    folder = qspec_home()
-    path = folder / FILE
-    found = _read(path, key)
-    if found is not None:
-        return found
-    with contextlib.ExitStack() as stack:
-        with contextlib.suppress(OSError):
-            folder.mkdir(parents=True, exist_ok=True)
-            lock = stack.enter_context(open(folder / (FILE + ".lock"), "a"))
-            if fcntl is not None:
-                fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
-        found = _read(path, key)  # (another process measured while we waited)
-        if found is not None:
-            return found
-        seconds = measure()
-        choice = min(seconds, key=seconds.get) if seconds else "fp32"
-        table = {}
-        with contextlib.suppress(OSError, ValueError):  # (a damaged file is written over)
-            table = json.loads(path.read_text())
-        table = table if isinstance(table, dict) else {}
-        with contextlib.suppress(OSError):
-            table[key] = {"path": choice, "seconds": {k: round(v, 6) for k, v in seconds.items()}}
-            tmp = path.with_name(f"{FILE}.{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(table, indent=1) + "\n")
-            os.replace(tmp, path)
-        return choice
+    """The path for `key`: kept in the qspec cache, else measured now (`machine_choice`)."""
+    return measured_choice(FILE, key, PATHS, lambda: measure(), fallback="fp32")
 
 
 def override() -> str | None:

@@ -1,0 +1,93 @@
+"""Which products the QuantSpec prefill's attention computes on a CPU, by measurement.
+
+The tiled prefill kernel (`kernels/cpu/flash_prefill.h`) has three sets of products that
+move the next-token law by less than the INT8 history the prefill reads already does
+(docs/PERF.md: SmolLM2 at 7.5k, fp32 weights, mean KL against fp32 products: int16 2.6e-5,
+bf16-values 3.1e-5, the INT8 history itself 4.8e-5):
+- "fp32": every operand in fp32, every CPU;
+- "int16": queries, keys, probabilities and values as 12- to 14-bit integer codes, exact
+  integer sums (AVX512-VNNI builds);
+- "bf16-values": fp32 scores, probabilities and values rounded to bf16 (AVX512-BF16 builds).
+("bf16", every operand in bf16, moves the law ten times as much: only when asked for.)
+Which is fastest depends on the CPU: on Zen 4 int16 ran 1.5x fp32. So the first prefill on a
+machine times each on a prefill chunk's attention and keeps the fastest in the qspec cache
+(`prefill-attention.json`, `machine_choice`), keyed by CPU, torch version and the products
+this build has, so later runs on that machine compute the same numbers.
+
+`QSPEC_PREFILL_PRODUCTS=fp32|int16|bf16-values|bf16` overrides the measurement (tests, or a
+user who measured); products this build lacks run fp32. The full-precision cache (ar, the
+original model) keeps fp32 products: it is the reference the others are measured against.
+"""
+
+from __future__ import annotations
+
+import time
+from functools import lru_cache
+
+import torch
+
+from kernels.cpu import attention as cpu_attention
+from kernels.cpu import build as cpu_ext
+from qspec_core.errors import QspecError
+from qspec_core.machine_choice import cpu_description, machine_hash, measured_choice
+
+CANDIDATES = ("fp32", "int16", "bf16-values")
+ENV = cpu_attention.PRODUCTS_ENV
+FILE = "prefill-attention.json"
+# heads, KV heads, head size, chunk rows, history before the chunk: Qwen2.5-0.5B's heads, a
+# 512-token chunk after 1.5k tokens (about 20 ms in fp32 on two Zen 4 cores)
+PROBE = (14, 2, 64, 512, 1536)
+# bumped when a candidate's kernel changes speed, so every machine measures again
+VERSION = "flash-1"
+
+
+def machine_key() -> str:
+    """What the choice depends on: the CPU (model and flags), torch and the products this
+    build computes. Not the thread count (runs at 1 and 2 threads must prefill alike)."""
+    built = ",".join(cpu_attention.built_products())
+    return machine_hash(cpu_description(), f"torch {torch.__version__}", built, VERSION)
+
+
+def measure(shape: tuple[int, ...] = PROBE, repeats: int = 5) -> dict[str, float]:
+    """Seconds per chunk attention of each candidate this build computes, at `shape`: the
+    best of `repeats`, taken in turns (A B C A B C ...) so a busy moment slows all alike."""
+    H, n_kv, D, T, start = shape
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, H, T, D, generator=gen)
+    k, v = (torch.randn(1, n_kv, start + T, D, generator=gen) for _ in range(2))
+    names = [p for p in CANDIDATES if p in cpu_attention.built_products()]
+    best = dict.fromkeys(names, float("inf"))
+    for name in names:  # (warm-up: pages touched, the thread pool started)
+        cpu_attention.prefill_attention(q, k, v, start, name)
+    for _ in range(repeats):
+        for name in names:
+            t0 = time.perf_counter()
+            cpu_attention.prefill_attention(q, k, v, start, name)
+            best[name] = min(best[name], time.perf_counter() - t0)
+    return best
+
+
+@lru_cache(maxsize=4)
+def _measured_choice(key: str) -> str:
+    """The products for `key`: kept in the qspec cache, else measured now (`machine_choice`)."""
+    return measured_choice(FILE, key, CANDIDATES, lambda: measure(), fallback="fp32")
+
+
+def override() -> str | None:
+    """The products QSPEC_PREFILL_PRODUCTS forces, None for "auto" or unset; a QspecError for
+    anything else (the CLI checks it before loading anything)."""
+    try:
+        return cpu_attention.asked_products()
+    except cpu_ext.BuildSettingError as e:
+        raise QspecError(str(e)) from None
+
+
+def prefill_products() -> str:
+    """The products of the QuantSpec prefill's attention on this machine (see the module
+    doc); "fp32" without the C++ kernels (the reference computes in fp32)."""
+    if not cpu_attention.available():
+        return "fp32"
+    forced = override()
+    if forced is not None:
+        return cpu_attention.prefill_products(forced)
+    return _measured_choice(machine_key())
