@@ -26,6 +26,16 @@ def run_qspec(*args, cwd=None, env=None, input=None, timeout=600):
     )
 
 
+def fresh_machine_choice(module, monkeypatch, tmp_path):
+    """For a fixture to `yield from`: an empty qspec cache, no override of `module`'s measured
+    choice (its ENV), and no choice remembered by this process (`machine_choice` users)."""
+    monkeypatch.setenv("QSPEC_HOME", str(tmp_path))
+    monkeypatch.delenv(module.ENV, raising=False)
+    module._measured_choice.cache_clear()
+    yield tmp_path
+    module._measured_choice.cache_clear()
+
+
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
     """The real default model, converted once per machine into the user's qspec cache."""

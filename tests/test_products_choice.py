@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from conftest import fresh_machine_choice, run_qspec
 
 from kernels.cpu import attention as cpu_attention
 from kernels.cpu import build as cpu_ext
@@ -15,7 +16,6 @@ from qspec_core.cache.hierarchical import HierarchicalKVCache
 from qspec_core.cache.prefill import ChunkedPrefill
 from qspec_core.config import ModelConfig
 from qspec_core.errors import QspecError
-from tests.conftest import run_qspec
 
 needs_kernels = pytest.mark.skipif(not cpu_ext.available(), reason="C++ kernels unavailable")
 
@@ -23,11 +23,7 @@ needs_kernels = pytest.mark.skipif(not cpu_ext.available(), reason="C++ kernels 
 @pytest.fixture
 def fresh_choice(monkeypatch, tmp_path):
     """An empty qspec cache, no override, no choice remembered by this process."""
-    monkeypatch.setenv("QSPEC_HOME", str(tmp_path))
-    monkeypatch.delenv(products_choice.ENV, raising=False)
-    products_choice._measured_choice.cache_clear()
-    yield tmp_path
-    products_choice._measured_choice.cache_clear()
+    yield from fresh_machine_choice(products_choice, monkeypatch, tmp_path)
 
 
 @needs_kernels

@@ -10,6 +10,7 @@ import json
 
 import pytest
 import torch
+from conftest import fresh_machine_choice
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -371,11 +372,7 @@ def test_w8a8_needs_whole_64_input_chunks():
 @pytest.fixture
 def fresh_choice(monkeypatch, tmp_path):
     """An empty qspec cache, no override, no choice remembered by this process."""
-    monkeypatch.setenv("QSPEC_HOME", str(tmp_path))
-    monkeypatch.delenv(prefill_choice.ENV, raising=False)
-    prefill_choice._measured_choice.cache_clear()
-    yield tmp_path
-    prefill_choice._measured_choice.cache_clear()
+    yield from fresh_machine_choice(prefill_choice, monkeypatch, tmp_path)
 
 
 def test_prefill_path_is_measured_once_and_kept_per_machine(fresh_choice, monkeypatch):
