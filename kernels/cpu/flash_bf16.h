@@ -146,8 +146,9 @@ struct Products {
 
 // fp32 scores (Fp32's: queries and keys as they are), bf16 value sums (Products'): only the
 // probabilities and the values are rounded (a relative 2^-9 each at most), and the value
-// sums take half the multiply-adds. Measured on an 8k prefill it still moved the next-token
-// distribution by half of what all-bf16 products do (docs/PERF.md), so it is opt-in too.
+// sums take half the multiply-adds. Over 512 positions of a 7.5k prefill it moved the
+// next-token law a tenth as much as all-bf16 products, less than the INT8 history does
+// (docs/PERF.md): a candidate of the measured choice (qspec_core/cache/products_choice.py).
 struct ValueProducts : Products {
   using E = float;
   using Products::Products;
