@@ -115,7 +115,6 @@ struct Products {
       }
     }
   }
-  static void keep(float (*p)[KB], int64_t r, const vf (&e)[NV]) { keep_row(p, r, e); }
   // The block's probabilities p [rows][KB] -> pb.
   void probabilities(const float (*p)[KB], int64_t rows) {
     for (int64_t r = 0; r < rows; ++r)

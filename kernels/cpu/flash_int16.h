@@ -231,34 +231,33 @@ struct Products {
       for (int c = 0; c < NV; ++c)
         sc[i][c] = (vf)_mm512_mul_ps(_mm512_cvtepi32_ps(s[i][c]), _mm512_set1_ps(row_step[t0 + i]));
   }
-  // Row r's probabilities of the block e [NV] (in [0, 1], masked keys 0; a positive p is at
-  // least exp(-87), a normal float) -> codes in pb[r], with the row's step: 2^(e - 11) for the
-  // largest's exponent e, made from its exponent bits (exact, no division). (A NaN p, from a
-  // NaN score, makes the step NaN: step_of's rule.) Rows past the unit's `rows` keep zeros.
-  void keep(float (*)[KB], int64_t r, const vf (&e)[NV]) {
-    AbsMax m;
-#pragma GCC unroll 8
-    for (int c = 0; c < NV; ++c) m.add(as_m512(e[c]));
-    uint32_t bits;
-    const float top = m.top();
-    std::memcpy(&bits, &top, 4);
-    const uint32_t x = (bits >> 23) & 0xFF;  // biased exponent (p >= 0)
-    float inv = 0.f;
-    p_step[r] = 0.f;
-    if (x == 0xFF) {
-      p_step[r] = std::numeric_limits<float>::quiet_NaN();
-    } else if (x > kProbBits) {  // (else all zeros, or too small to matter: codes 0)
-      const uint32_t step_bits = (x - kProbBits) << 23, inv_bits = (254 - x + kProbBits) << 23;
-      std::memcpy(&p_step[r], &step_bits, 4);
-      std::memcpy(&inv, &inv_bits, 4);
+  // The block's probabilities p [rows][KB] (in [0, 1], masked keys 0; a positive p is at
+  // least exp(-87), a normal float) -> codes in pb, a step a row: 2^(e - 11) for the
+  // largest's exponent e, made from its exponent bits (exact, no division). (A NaN p, from
+  // a NaN score, makes the step NaN: step_of's rule.)
+  void probabilities(const float (*p)[KB], int64_t rows) {
+    for (int64_t r = 0; r < rows; ++r) {
+      AbsMax m;
+      for (int c = 0; c < NV; ++c) m.add(_mm512_loadu_ps(p[r] + 16 * c));
+      uint32_t bits;
+      const float top = m.top();
+      std::memcpy(&bits, &top, 4);
+      const uint32_t e = (bits >> 23) & 0xFF;  // biased exponent (p >= 0)
+      float inv = 0.f;
+      p_step[r] = 0.f;
+      if (e == 0xFF) {
+        p_step[r] = std::numeric_limits<float>::quiet_NaN();
+      } else if (e > kProbBits) {  // (else all zeros, or too small to matter: codes 0)
+        const uint32_t step_bits = (e - kProbBits) << 23, inv_bits = (254 - e + kProbBits) << 23;
+        std::memcpy(&p_step[r], &step_bits, 4);
+        std::memcpy(&inv, &inv_bits, 4);
+      }
+      for (int c = 0; c < NV; ++c)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb[r] + 16 * c),
+                            _mm512_cvtepi32_epi16(codes(_mm512_loadu_ps(p[r] + 16 * c),
+                                                        _mm512_set1_ps(inv), kProbMax)));
     }
-#pragma GCC unroll 8
-    for (int c = 0; c < NV; ++c)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb[r] + 16 * c),
-                          _mm512_cvtepi32_epi16(codes(as_m512(e[c]), _mm512_set1_ps(inv),
-                                                      kProbMax)));
   }
-  void probabilities(const float (*)[KB], int64_t) {}  // (codes made row by row, in `keep`)
   // A value group's a[i] += p_{r0 + i} V over the block's nk keys, a pair of keys a product,
   // summed in int32 and taken to fp32 with the row's probability step, in units of the
   // channels' value steps (`finish` applies them; a pair past the block's last key has p = 0

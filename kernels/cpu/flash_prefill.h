@@ -141,67 +141,38 @@ inline void transpose_keys(const float* k, int64_t S, int64_t D, float* kt) {
   }
 }
 
-// A row's probabilities of a block e [NV] -> p[r] (the fp32 and bf16 products' `keep`).
-inline void keep_row(float (*p)[KB], int64_t r, const vf (&e)[NV]) {
-  for (int c = 0; c < NV; ++c) store(p[r] + 16 * c, e[c]);
-}
-
 // The online softmax of a score tile's rows t0 .. t0 + ST - 1 (those below `rows`) over the
-// block of keys from k0: masks the keys past each row's position, hands the row's
-// probabilities exp(s - new max) to the products in registers (`products.keep(p, r, e)`:
-// Fp32's stores them in p[r], int16's rounds them to codes) and rescales the row's running max
-// m, sum l and the factor alpha its accumulator takes. l is kept per lane ([16] a row) and
-// summed across lanes once, in `write`. In three passes over the tile's rows (their maxima,
-// their exps, their sums), each row's arithmetic as if alone: the rows' reductions and exp
-// polynomials are independent chains. Taken a row at a time, each waited on the last: with the
-// int16 products' second pass over p, that was 25-31% of the kernel's time (perf, Zen 4).
-template <class P>
-__attribute__((always_inline)) inline void fold(P& products, vf (&sc)[ST][NV], int64_t t0,
-                                                int64_t rows, int64_t pos0, int64_t k0,
-                                                float (*p)[KB], float* m, vf* l, float* alpha) {
-  const int n = int(std::min<int64_t>(ST, rows - t0));
-  float mx[ST];
-  vf sum[ST];
-#pragma GCC unroll 8
-  for (int i = 0; i < ST; ++i) {
-    if (i >= n) break;
-    const int64_t last = pos0 + t0 + i;  // this row's newest visible key
+// block of keys from k0: masks the keys past each row's position, sets p[r] = exp(s - new max)
+// and rescales the row's running max m, sum l and the factor alpha its accumulator takes.
+// l is kept per lane ([16] a row) and summed across lanes once, in `write`.
+inline void fold(vf sc[ST][NV], int64_t t0, int64_t rows, int64_t pos0, int64_t k0,
+                 float (*p)[KB], float* m, vf* l, float* alpha) {
+  for (int i = 0; i < ST && t0 + i < rows; ++i) {
+    const int64_t r = t0 + i, last = pos0 + r;  // this row's newest visible key
     if (k0 + KB - 1 > last) {
       for (int c = 0; c < NV; ++c)
         for (int j = 0; j < 16; ++j)
           if (k0 + 16 * c + j > last) sc[i][c][j] = -INFINITY;
     }
     vf top = sc[i][0];
-#pragma GCC unroll 8
     for (int c = 1; c < NV; ++c) top = top > sc[i][c] ? top : sc[i][c];
-    mx[i] = std::max(m[t0 + i], hmax(top));  // (key 0 is always visible: finite)
-  }
-#pragma GCC unroll 8
-  for (int i = 0; i < ST; ++i) {
-    if (i >= n) break;
-    const vf vmx = splat(mx[i]);
-    vf e[NV];
-    sum[i] = vf{};
-#pragma GCC unroll 8
+    const float mx = std::max(m[r], hmax(top));  // (key 0 is always visible: finite)
+    const vf vmx = splat(mx);
+    vf sum = vf{};
     for (int c = 0; c < NV; ++c) {
-      e[c] = exp_nonpositive(sc[i][c] - vmx);
-      sum[i] += e[c];
+      const vf e = exp_nonpositive(sc[i][c] - vmx);
+      store(p[r] + 16 * c, e);
+      sum += e;
     }
-    products.keep(p, t0 + i, e);
-  }
-#pragma GCC unroll 8
-  for (int i = 0; i < ST; ++i) {
-    if (i >= n) break;
-    const int64_t r = t0 + i;
-    if (mx[i] == m[r]) {  // (most blocks after the first few: exp(0) = 1, the same bits cheaper)
+    if (mx == m[r]) {  // (most blocks after the first few: exp(0) = 1, the same bits cheaper)
       alpha[r] = 1.f;
-      l[r] += sum[i];
+      l[r] += sum;
       continue;
     }
-    const vf a = exp_nonpositive(splat(m[r]) - splat(mx[i]));  // (0 for the first block)
+    const vf a = exp_nonpositive(splat(m[r]) - vmx);  // (0 for the first block: m = -inf)
     alpha[r] = a[0];
-    l[r] = l[r] * a + sum[i];
-    m[r] = mx[i];
+    l[r] = l[r] * a + sum;
+    m[r] = mx;
   }
 }
 
@@ -257,9 +228,7 @@ struct Fp32 {
       }
     }
   }
-  // Row r's probabilities of the block, e [NV] -> p[r]: the values take p as it is.
-  static void keep(float (*p)[KB], int64_t r, const vf (&e)[NV]) { keep_row(p, r, e); }
-  void probabilities(const float (*)[KB], int64_t) {}
+  void probabilities(const float (*)[KB], int64_t) {}  // (the values take p as it is)
   // A value group's a[i] += p_{r0 + i} V over the block's nk keys vb [nk, D].
   template <int64_t D, int G>
   void values(vf (&a)[G][D / 16], int64_t r0, int64_t nk, const float* vb,
@@ -298,7 +267,7 @@ __attribute__((always_inline)) inline void block(Rows<16 * DV>& s, P& products,
 #pragma GCC unroll 8
       for (int c = 0; c < NV; ++c) sc[i][c] = vf{};
     products.template scores<D>(q + t0 * D, t0, kb, sc);
-    fold(products, sc, t0, rows, pos0, k0, s.p, s.m, s.l, alpha);
+    fold(sc, t0, rows, pos0, k0, s.p, s.m, s.l, alpha);
   }
   products.probabilities(s.p, rows);
   // acc = alpha acc + p V over the block's keys, G rows at a time (RG for D = 64; fewer for
@@ -331,8 +300,7 @@ __attribute__((noinline)) void block_call(Rows<16 * DV>& s, P& products, const t
 // P (Fp32, bf16::Products of flash_bf16.h or int16::Products of flash_int16.h), made from its
 // Context ctx: P gives the element types E of the queries and keys and V of the values as
 // laid out for it, a score tile's dot products, the block's probabilities as its value
-// products take them (a row at a time from the fold, `keep`, then the block's rows together,
-// `probabilities`), and a value group's sums; `head(h)` tells it which head's rows come
+// products take them, and a value group's sums; `head(h)` tells it which head's rows come
 // next, `finish` takes a head's written rows to their final values. The tiles, the fold and
 // the fp32 accumulators are the same for all. The blocks are taken a span at a time
 // (`span_blocks`: about half of L2), every head through the span before the next: the span is
