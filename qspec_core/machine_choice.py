@@ -44,25 +44,27 @@ def machine_hash(*parts: object) -> str:
     return hashlib.sha256("|".join(map(str, parts)).encode()).hexdigest()[:16]
 
 
-def _read(path: Path, key: str, options: Sequence[str]) -> str | None:
+def _read(path: Path, key: str, options: Sequence[str]) -> dict | None:
     with contextlib.suppress(OSError, ValueError, AttributeError):
-        chosen = json.loads(path.read_text()).get(key, {}).get("path")
-        if chosen in options:
-            return chosen
+        record = json.loads(path.read_text()).get(key, {})
+        if record.get("path") in options:
+            seconds = record.get("seconds")
+            return {"path": record["path"], "seconds": seconds if isinstance(seconds, dict) else {}}
     return None
 
 
-def measured_choice(
+def measured_record(
     file: str,
     key: str,
     options: Sequence[str],
     measure: Callable[[], dict[str, float]],
     fallback: str,
-) -> str:
-    """The path kept for `key` in the qspec cache's `file`, else the fastest of `measure()`
-    ({path: seconds}; `fallback` when it timed none) written there, under a lock so two first
-    runs at once agree. Without a writable cache: measured, not kept. A damaged file is
-    measured over and rewritten whole (written aside, then renamed)."""
+) -> dict:
+    """{"path": the path kept for `key` in the qspec cache's `file`, "seconds": {path: s} as
+    measured}, else the fastest of `measure()` ({path: seconds}; `fallback` when it timed none)
+    written there, under a lock so two first runs at once agree. Without a writable cache:
+    measured, not kept. A damaged file is measured over and rewritten whole (written aside,
+    then renamed)."""
     folder = qspec_home()
     path = folder / file
     found = _read(path, key, options)
@@ -77,15 +79,26 @@ def measured_choice(
         found = _read(path, key, options)  # (another process measured while we waited)
         if found is not None:
             return found
-        seconds = measure()
+        seconds = {k: round(v, 6) for k, v in measure().items()}
         choice = min(seconds, key=seconds.get) if seconds else fallback
         table = {}
         with contextlib.suppress(OSError, ValueError):
             table = json.loads(path.read_text())
         table = table if isinstance(table, dict) else {}
         with contextlib.suppress(OSError):
-            table[key] = {"path": choice, "seconds": {k: round(v, 6) for k, v in seconds.items()}}
+            table[key] = {"path": choice, "seconds": seconds}
             tmp = path.with_name(f"{file}.{os.getpid()}.tmp")
             tmp.write_text(json.dumps(table, indent=1) + "\n")
             os.replace(tmp, path)
-        return choice
+        return {"path": choice, "seconds": seconds}
+
+
+def measured_choice(
+    file: str,
+    key: str,
+    options: Sequence[str],
+    measure: Callable[[], dict[str, float]],
+    fallback: str,
+) -> str:
+    """The path of `measured_record(file, key, options, measure, fallback)`."""
+    return measured_record(file, key, options, measure, fallback)["path"]

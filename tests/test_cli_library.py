@@ -170,14 +170,16 @@ def test_summary_record_without_speculation_has_no_stats():
 
 def test_summary_record_names_the_prefill_products(monkeypatch):
     """The measured (or forced) products of the QuantSpec prefill; ar's full-precision cache
-    keeps the kernel's fp32 unless QSPEC_PREFILL_PRODUCTS asks; none off the CPU."""
+    computes fp32 numbers unless QSPEC_PREFILL_PRODUCTS asks; none off the CPU."""
     from kernels.cpu import attention as cpu_attention
     from qspec_core.cache import products_choice
 
     monkeypatch.delenv("QSPEC_PREFILL_PRODUCTS", raising=False)
     measured = products_choice.prefill_products()
     assert summary_record(_session("quantspec", None), "t", "w8a8")["prefill_products"] == measured
-    assert summary_record(_session("ar", None), "t", "w8a8")["prefill_products"] == "fp32"
+    exact = products_choice.exact_products()  # (fp32 numbers: the kernel's or SDPA's)
+    assert exact in products_choice.EXACT
+    assert summary_record(_session("ar", None), "t", "w8a8")["prefill_products"] == exact
     assert summary_record(_session("ar", None, "meta"), "t", "w8a8")["prefill_products"] is None
     monkeypatch.setenv("QSPEC_PREFILL_PRODUCTS", "int16")
     forced = cpu_attention.prefill_products("int16") if cpu_attention.available() else "fp32"

@@ -145,7 +145,7 @@ def test_products_default_to_fp32_and_refuse_unknown_types(monkeypatch):
     monkeypatch.delenv(cpu_attention.PRODUCTS_ENV, raising=False)
     assert cpu_attention.prefill_products() == "fp32"
     monkeypatch.setenv(cpu_attention.PRODUCTS_ENV, "fp16")
-    with pytest.raises(ValueError, match="'fp32', 'bf16', 'bf16-values'"):
+    with pytest.raises(ValueError, match="'fp32', 'sdpa', 'bf16', 'bf16-values'"):
         cpu_attention.prefill_products()
 
 

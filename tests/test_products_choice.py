@@ -149,7 +149,78 @@ def test_the_cli_refuses_bad_products_before_loading(tmp_path):
     done = run_qspec("summarize", doc, env=env, timeout=120)
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
-        "error: QSPEC_PREFILL_PRODUCTS is auto or one of 'fp32', 'bf16', 'bf16-values', "
+        "error: QSPEC_PREFILL_PRODUCTS is auto or one of 'fp32', 'sdpa', 'bf16', 'bf16-values', "
         "'int16', not 'int8'"
     ]
     assert not (tmp_path / "home").exists()  # (nothing made: refused before the cache)
+
+
+@needs_kernels
+def test_torch_sdpa_is_a_candidate_of_every_build_and_computes_the_fp32_numbers():
+    """ "sdpa" (torch's own path) is timed beside the tiled kernel on every build, so no CPU
+    prefills slower than torch would; it gives the tiled fp32 kernel's numbers to rounding."""
+    assert {"fp32", "sdpa"} <= set(cpu_attention.built_products())
+    assert set(products_choice.EXACT) <= set(products_choice.CANDIDATES)
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randn(1, 6, 40, 64, generator=gen)
+    k, v = (torch.randn(1, 2, 100, 64, generator=gen) for _ in range(2))  # (S past start + T)
+    sdpa = cpu_attention.prefill_attention(q, k, v, 30, "sdpa")
+    tiled = cpu_attention.prefill_attention(q, k, v, 30, "fp32")
+    torch.testing.assert_close(sdpa, tiled, rtol=1e-5, atol=1e-5)
+    from kernels.reference import causal_attention
+
+    want = causal_attention(q, k[:, :, :70], v[:, :, :70], torch.arange(30, 70))
+    assert torch.equal(sdpa, want)
+
+
+@needs_kernels
+def test_the_full_precision_cache_takes_the_faster_fp32_path(fresh_choice, monkeypatch):
+    """ar's cache computes the fp32 numbers on whichever of the tiled kernel and SDPA measured
+    faster, from the same measurement as the QuantSpec prefill's products (int16 is never
+    taken there: it rounds)."""
+    from qspec_core.cache.full import FullPrecisionCache
+
+    monkeypatch.setattr(
+        products_choice, "measure", lambda: {"fp32": 3.0, "sdpa": 2.0, "int16": 1.0}
+    )
+    assert products_choice.prefill_products() == "int16"
+    assert products_choice.exact_products() == "sdpa"
+    asked = []
+    real = cpu_attention.prefill_attention
+    monkeypatch.setattr(
+        cpu_attention,
+        "prefill_attention",
+        lambda q, k, v, start, products=None: (
+            asked.append(products) or real(q, k, v, start, products)
+        ),
+    )
+    config = ModelConfig(
+        vocab_size=32, hidden_size=128, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+    )  # fmt: skip
+    cache = FullPrecisionCache(config, 128, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(1, 2, 32, 64, generator=gen)
+    k, v = (torch.randn(1, 1, 32, 64, generator=gen) for _ in range(2))
+    cache.attend(0, q, k, v, torch.arange(32))
+    assert asked == ["sdpa"]
+    products_choice._measured_choice.cache_clear()
+    monkeypatch.setattr(products_choice, "measure", lambda: pytest.fail("measured twice"))
+    assert products_choice.exact_products() == "sdpa"  # (kept with its timings)
+
+
+@needs_kernels
+def test_the_choice_is_keyed_by_the_build_and_the_qspec_home(fresh_choice, monkeypatch, tmp_path):
+    """Another instruction-set build times other code: another key. Another QSPEC_HOME in the
+    same process reads (or measures into) its own file, not the first one's remembered choice."""
+    key = products_choice.machine_key()
+    with monkeypatch.context() as m:
+        m.setattr(cpu_ext, "isa", lambda: "another build")
+        assert products_choice.machine_key() != key
+    monkeypatch.setattr(products_choice, "measure", lambda: {"fp32": 1.0, "sdpa": 2.0})
+    assert products_choice.prefill_products() == "fp32"
+    other = tmp_path / "other-home"
+    monkeypatch.setenv("QSPEC_HOME", str(other))
+    monkeypatch.setattr(products_choice, "measure", lambda: {"fp32": 2.0, "sdpa": 1.0})
+    assert products_choice.prefill_products() == "sdpa"
+    assert (other / products_choice.FILE).exists()

@@ -17,6 +17,7 @@ import torch
 from kernels.cpu import build as cpu_ext
 from kernels.cpu import kv_cache as cpu_kv
 from kernels.planes import HierLayerView, QueryRows, check_view
+from kernels.reference import causal_attention as causal_attention_ref
 
 DEFAULT_CHUNK = 512  # history tokens per task (the threads split the history in chunks)
 
@@ -107,17 +108,21 @@ def prefill_usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
 
 
 PRODUCTS_ENV = "QSPEC_PREFILL_PRODUCTS"  # the prefill attention's products (PRODUCTS)
-PRODUCTS = ("fp32", "bf16", "bf16-values", "int16")
+PRODUCTS = ("fp32", "sdpa", "bf16", "bf16-values", "int16")
+# torch's own path for the fp32 numbers: `kernels.reference.causal_attention`, SDPA with a
+# causal mask. A candidate of every build, so a CPU whose tiled kernel is slow (one nobody here
+# has measured) prefills at torch's speed at worst.
+TORCH_PRODUCTS = "sdpa"
 
 
 def built_products() -> tuple[str, ...]:
-    """The products this build computes: "fp32" always, "bf16" and "bf16-values" with
-    AVX512-BF16, "int16" with AVX512-VNNI (none without the C++ kernels)."""
+    """The products this build computes: "fp32" and "sdpa" always, "bf16" and "bf16-values"
+    with AVX512-BF16, "int16" with AVX512-VNNI (none without the C++ kernels)."""
     if not cpu_ext.available():  # (QSPEC_CPU_KERNELS=0, or a failed build)
         return ()
     ext = cpu_ext.load()
     bf16 = ("bf16", "bf16-values") if ext.PREFILL_BF16 else ()
-    return ("fp32", *bf16, *(("int16",) if ext.PREFILL_INT16 else ()))
+    return ("fp32", TORCH_PRODUCTS, *bf16, *(("int16",) if ext.PREFILL_INT16 else ()))
 
 
 def asked_products() -> str | None:
@@ -135,12 +140,13 @@ def asked_products() -> str | None:
 
 def prefill_products(asked: str | None = None) -> str:
     """The products of the prefill attention (`flash_prefill.h`, `flash_bf16.h`,
-    `flash_int16.h`): "fp32"; "bf16", every operand rounded to bf16 (queries, keys,
-    probabilities, values); "bf16-values", fp32 scores and bf16 value sums (probabilities and
-    values rounded); or "int16", every operand rounded to 12- or 14-bit integer codes with a
-    step per row, channel or block. `asked` (else QSPEC_PREFILL_PRODUCTS, else "fp32") where
-    this build has it (`built_products`), else "fp32". The QuantSpec prefill asks for the
-    products measured fastest on this machine (`qspec_core/cache/products_choice.py`)."""
+    `flash_int16.h`): "fp32"; "sdpa", the fp32 numbers on torch's SDPA; "bf16", every operand
+    rounded to bf16 (queries, keys, probabilities, values); "bf16-values", fp32 scores and bf16
+    value sums (probabilities and values rounded); or "int16", every operand rounded to 12- or
+    14-bit integer codes with a step per row, channel or block. `asked` (else
+    QSPEC_PREFILL_PRODUCTS, else "fp32") where this build has it (`built_products`), else
+    "fp32". The QuantSpec prefill asks for the products measured fastest on this machine
+    (`qspec_core/cache/products_choice.py`)."""
     asked = asked or asked_products() or "fp32"
     if asked not in PRODUCTS:
         raise cpu_ext.BuildSettingError(f"no prefill attention products {asked!r}")
@@ -156,6 +162,10 @@ def prefill_attention(
     `kernels.reference.causal_attention` (SDPA) to rounding, its twin in the tests (with
     other products, `prefill_products(products)`, to the rounding of the operands)."""
     chosen = prefill_products(products)
+    if chosen == TORCH_PRODUCTS:
+        S = start + q.shape[2]
+        positions = torch.arange(start, S, device=q.device)
+        return causal_attention_ref(q, k[:, :, :S], v[:, :, :S], positions)
     return cpu_ext.load().prefill_attention_cpu(q, k, v, start, products=chosen)
 
 

@@ -1,5 +1,5 @@
 // Causal attention of a prefill chunk over everything before it, tiled (flash attention on a
-// CPU): no [T, S] score matrix, the keys read in blocks of 16 against tiles of query rows,
+// CPU): no [T, S] score matrix, the keys read in blocks of KB against tiles of query rows,
 // an online softmax per row. The prefill's attention is most of its FLOPs at long contexts
 // (2 T S D per layer and head for scores and values), and torch's SDPA ran it at 40-50
 // GFLOP/s on two Zen 4 cores (docs/PERF.md), a quarter of their fp32 FMA peak.
@@ -13,9 +13,12 @@
 // polynomial), so a row's result does not depend on the thread count or on which rows share
 // its tile. It differs from SDPA's by rounding only (the tests hold them to 1e-5).
 //
-// Written on GCC/Clang vector extensions (16 fp32 lanes: one zmm with AVX-512, two ymm with
-// AVX2, four q registers with NEON), so one source serves every instruction set; only the tile
-// sizes follow the register file. Torch-free: flash_prefill.cpp is the entry point.
+// Written on GCC/Clang vector extensions one register wide (L fp32 lanes: 16 in a zmm with
+// AVX-512, 8 in a ymm with AVX or AVX2, 4 in a NEON q or SSE xmm register), so one source serves
+// every instruction set; the tile sizes follow the register file. (A 16-lane vector on AVX2 was
+// lowered through the stack, lane by lane: the AVX2 build ran 65x slower than the AVX-512 one
+// and 15-20x slower than torch's SDPA, docs/PERF.md.) Torch-free: flash_prefill.cpp is the
+// entry point.
 #pragma once
 #include "isa.h"
 
@@ -33,20 +36,33 @@
 
 namespace flash {
 
-typedef float vf __attribute__((vector_size(64)));  // 16 fp32 lanes
-typedef int32_t vi __attribute__((vector_size(64)));
+// L fp32 lanes: one register of the widest vectors this build has
+#if defined(__AVX512F__)
+#define QSPEC_FLASH_LANES 16
+#elif defined(__AVX__)
+#define QSPEC_FLASH_LANES 8
+#else
+#define QSPEC_FLASH_LANES 4  // (NEON, SSE2; plain C++ lowers it to scalars elsewhere)
+#endif
+constexpr int L = QSPEC_FLASH_LANES;
+typedef float vf __attribute__((vector_size(4 * L)));
+typedef int32_t vi __attribute__((vector_size(4 * L)));
 
 constexpr int64_t QB = 32;  // query rows per unit of work (a thread's tile rows)
-#if defined(QSPEC_AVX512_VNNI)
-constexpr int NV = 4;  // vectors of 16 keys per key block (KB = 64 keys)
+#if defined(__AVX512F__)
+constexpr int NV = 4;  // vectors of L keys per key block (KB = 64 keys)
 constexpr int ST = 4;  // rows per score tile: 4 x 4 accumulators + 4 key vectors of 32 zmm
-constexpr int RG = 4;  // rows per value group: 4 x D/16 accumulators (D = 64: 16 zmm)
-#else
-constexpr int NV = 2;  // 16 ymm (AVX2) or 32 q (NEON): a vf is 2 or 4 of them
+constexpr int RG = 4;  // rows per value group at D = 64: 4 x D/L accumulators (16 zmm)
+#elif defined(__aarch64__)
+constexpr int NV = 8;  // 32 q registers: 2 x 8 accumulators + 8 key vectors (KB = 32 keys)
 constexpr int ST = 2;
-constexpr int RG = 2;
+constexpr int RG = 1;  // (D = 64: 16 accumulators, the values' 16 vectors as operands)
+#else
+constexpr int NV = 4;  // 16 ymm (or xmm): 2 x 4 accumulators + 4 key vectors + a broadcast
+constexpr int ST = 2;
+constexpr int RG = 1;  // (D = 64 with AVX: 8 accumulators; the values' vectors as operands)
 #endif
-constexpr int64_t KB = 16 * NV;  // keys per block: the softmax folds a block at a time
+constexpr int64_t KB = L * NV;  // keys per block: the softmax folds a block at a time
 // Heads of one kv head a unit may take (`unit_heads`), and the bytes of keys and values a
 // unit's heads take in turn (`span_blocks`): half of the smallest L2 of the CPUs we run on
 // (1 MB a core: Zen 4), beside the heads' rows (19 KB each at D = 64).
@@ -66,15 +82,16 @@ inline vf load(const float* p) {
 inline void store(float* p, const vf& v) { std::memcpy(p, &v, sizeof v); }
 // A vector the compiler must hold in a register: a key or value vector is used by every row
 // of a tile, and folded into each multiply-add as a memory operand it is loaded once per row.
-// (With AVX-512 only, where a vf is one zmm register; elsewhere it spans several.)
 inline vf in_register(const vf& in) {
   vf v = in;
-#if defined(QSPEC_AVX512_VNNI) && defined(__GNUC__)
+#if defined(__GNUC__) && (defined(__AVX__) || defined(__SSE2__))
   asm("" : "+v"(v));
+#elif defined(__GNUC__) && defined(__aarch64__) && defined(__ARM_NEON)
+  asm("" : "+w"(v));
 #endif
   return v;
 }
-// v with its lanes exchanged in pairs of runs of w (w = 8, 4, 2, 1): the steps of a tree
+// v with its lanes exchanged in pairs of runs of w (w = L/2, ..., 2, 1): the steps of a tree
 // reduction. (The scalar loop over 16 lanes it replaces was a 16-long dependency chain in
 // every row's fold: with the sum's, a third of the fold's time in perf.)
 inline vf exchange(const vf& v, int w) {
@@ -83,23 +100,33 @@ inline vf exchange(const vf& v, int w) {
 #else
 #define QSPEC_SHUFFLE(...) __builtin_shuffle(v, vi{__VA_ARGS__})
 #endif
+#if QSPEC_FLASH_LANES == 16
   switch (w) {
     case 8: return QSPEC_SHUFFLE(8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
     case 4: return QSPEC_SHUFFLE(4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
     case 2: return QSPEC_SHUFFLE(2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
     default: return QSPEC_SHUFFLE(1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
   }
+#elif QSPEC_FLASH_LANES == 8
+  switch (w) {
+    case 4: return QSPEC_SHUFFLE(4, 5, 6, 7, 0, 1, 2, 3);
+    case 2: return QSPEC_SHUFFLE(2, 3, 0, 1, 6, 7, 4, 5);
+    default: return QSPEC_SHUFFLE(1, 0, 3, 2, 5, 4, 7, 6);
+  }
+#else
+  return w == 2 ? QSPEC_SHUFFLE(2, 3, 0, 1) : QSPEC_SHUFFLE(1, 0, 3, 2);
+#endif
 #undef QSPEC_SHUFFLE
 }
 inline float hmax(vf v) {
-  for (int w = 8; w >= 1; w /= 2) {
+  for (int w = L / 2; w >= 1; w /= 2) {
     const vf o = exchange(v, w);
     v = v > o ? v : o;
   }
   return v[0];
 }
 inline float hsum(vf v) {
-  for (int w = 8; w >= 1; w /= 2) v += exchange(v, w);
+  for (int w = L / 2; w >= 1; w /= 2) v += exchange(v, w);
   return v[0];
 }
 
@@ -144,15 +171,15 @@ inline void transpose_keys(const float* k, int64_t S, int64_t D, float* kt) {
 // The online softmax of a score tile's rows t0 .. t0 + ST - 1 (those below `rows`) over the
 // block of keys from k0: masks the keys past each row's position, sets p[r] = exp(s - new max)
 // and rescales the row's running max m, sum l and the factor alpha its accumulator takes.
-// l is kept per lane ([16] a row) and summed across lanes once, in `write`.
+// l is kept per lane ([L] a row) and summed across lanes once, in `write`.
 inline void fold(vf sc[ST][NV], int64_t t0, int64_t rows, int64_t pos0, int64_t k0,
                  float (*p)[KB], float* m, vf* l, float* alpha) {
   for (int i = 0; i < ST && t0 + i < rows; ++i) {
     const int64_t r = t0 + i, last = pos0 + r;  // this row's newest visible key
     if (k0 + KB - 1 > last) {
       for (int c = 0; c < NV; ++c)
-        for (int j = 0; j < 16; ++j)
-          if (k0 + 16 * c + j > last) sc[i][c][j] = -INFINITY;
+        for (int j = 0; j < L; ++j)
+          if (k0 + L * c + j > last) sc[i][c][j] = -INFINITY;
     }
     vf top = sc[i][0];
     for (int c = 1; c < NV; ++c) top = top > sc[i][c] ? top : sc[i][c];
@@ -161,7 +188,7 @@ inline void fold(vf sc[ST][NV], int64_t t0, int64_t rows, int64_t pos0, int64_t 
     vf sum = vf{};
     for (int c = 0; c < NV; ++c) {
       const vf e = exp_nonpositive(sc[i][c] - vmx);
-      store(p[r] + 16 * c, e);
+      store(p[r] + L * c, e);
       sum += e;
     }
     if (mx == m[r]) {  // (most blocks after the first few: exp(0) = 1, the same bits cheaper)
@@ -219,7 +246,7 @@ struct Fp32 {
     for (int64_t d = 0; d < D; ++d) {
       vf kd[NV];
 #pragma GCC unroll 8
-      for (int c = 0; c < NV; ++c) kd[c] = in_register(load(kb + d * KB + 16 * c));
+      for (int c = 0; c < NV; ++c) kd[c] = in_register(load(kb + d * KB + L * c));
 #pragma GCC unroll 8
       for (int i = 0; i < ST; ++i) {
         const float qd = q[i * D + d];
@@ -231,14 +258,15 @@ struct Fp32 {
   void probabilities(const float (*)[KB], int64_t) {}  // (the values take p as it is)
   // A value group's a[i] += p_{r0 + i} V over the block's nk keys vb [nk, D].
   template <int64_t D, int G>
-  void values(vf (&a)[G][D / 16], int64_t r0, int64_t nk, const float* vb,
+  void values(vf (&a)[G][D / L], int64_t r0, int64_t nk, const float* vb,
               const float (*p)[KB]) const {
-    constexpr int DV = D / 16;
+    constexpr int DV = D / L;
     for (int64_t j = 0; j < nk; ++j) {
       const float* vj = vb + j * D;
       vf vv[DV];
 #pragma GCC unroll 8
-      for (int c = 0; c < DV; ++c) vv[c] = in_register(load(vj + 16 * c));
+      for (int c = 0; c < DV; ++c)  // (one row a group: each vector is an operand, once)
+        vv[c] = G > 1 ? in_register(load(vj + L * c)) : load(vj + L * c);
 #pragma GCC unroll 8
       for (int i = 0; i < G; ++i) {
         const float pij = p[r0 + i][j];  // (rows past `rows`: zeros, never stored)
@@ -252,11 +280,11 @@ struct Fp32 {
 // One block of KB keys from k0 for one head's rows (`unit`): their scores, the softmax fold,
 // the value sums.
 template <int DV, class P>
-__attribute__((always_inline)) inline void block(Rows<16 * DV>& s, P& products,
+__attribute__((always_inline)) inline void block(Rows<L * DV>& s, P& products,
                                                  const typename P::E* q, const typename P::E* kb,
                                                  const typename P::V* vb, int64_t k0,
                                                  int64_t rows, int64_t pos0) {
-  constexpr int64_t D = 16 * DV;
+  constexpr int64_t D = L * DV;
   auto& acc = s.acc;
   float* alpha = s.alpha;
   const int64_t end = pos0 + rows;
@@ -272,16 +300,16 @@ __attribute__((always_inline)) inline void block(Rows<16 * DV>& s, P& products,
   products.probabilities(s.p, rows);
   // acc = alpha acc + p V over the block's keys, G rows at a time (RG for D = 64; fewer for
   // wider heads, whose rows take more registers)
-  constexpr int G = RG * 4 / DV > 0 ? RG * 4 / DV : 1;  // (DV = 4 for D = 64)
+  constexpr int G = RG * 64 / D > 0 ? RG * 64 / D : 1;
   const int64_t nk = std::min(KB, end - k0);
   for (int64_t r0 = 0; r0 < rows; r0 += G) {
     vf a[G][DV];
     for (int i = 0; i < G; ++i)
       for (int c = 0; c < DV; ++c)
-        a[i][c] = r0 + i < rows ? load(acc[r0 + i] + 16 * c) * alpha[r0 + i] : vf{};
+        a[i][c] = r0 + i < rows ? load(acc[r0 + i] + L * c) * alpha[r0 + i] : vf{};
     products.template values<D, G>(a, r0, nk, vb, s.p);
     for (int i = 0; i < G && r0 + i < rows; ++i)
-      for (int c = 0; c < DV; ++c) store(acc[r0 + i] + 16 * c, a[i][c]);
+      for (int c = 0; c < DV; ++c) store(acc[r0 + i] + L * c, a[i][c]);
   }
 }
 
@@ -289,7 +317,7 @@ __attribute__((always_inline)) inline void block(Rows<16 * DV>& s, P& products,
 // 12's code ran the bf16 products 15-25% slower (measured, not traced); as a call, they run
 // at least as fast as before the grouping on GQA shapes (docs/PERF.md).
 template <int DV, class P>
-__attribute__((noinline)) void block_call(Rows<16 * DV>& s, P& products, const typename P::E* q,
+__attribute__((noinline)) void block_call(Rows<L * DV>& s, P& products, const typename P::E* q,
                                           const typename P::E* kb, const typename P::V* vb,
                                           int64_t k0, int64_t rows, int64_t pos0) {
   block<DV>(s, products, q, kb, vb, k0, rows, pos0);
@@ -316,7 +344,7 @@ void unit(const typename P::Context& ctx, const typename P::E* qs, int64_t rows,
           int64_t pos0, const typename P::E* kt, const typename P::V* v, float* out,
           int64_t head_stride) {
   using E = typename P::E;
-  constexpr int64_t D = 16 * DV;
+  constexpr int64_t D = L * DV;
   std::vector<Rows<D>> state(heads);
   P products(ctx);  // (a block's probabilities as its value products take them: a head at a time)
   const int64_t blocks = (pos0 + rows + KB - 1) / KB;  // keys [0, pos0 + rows) exist
@@ -340,7 +368,7 @@ void unit(const typename P::Context& ctx, const typename P::E* qs, int64_t rows,
   }
 }
 
-// Head dims with a compiled unit (D = 16 DV).
+// Head dims with a compiled unit (D = L DV).
 inline bool supported(int64_t D) { return D == 64 || D == 80 || D == 96 || D == 128; }
 
 template <class P>
@@ -348,10 +376,10 @@ inline void run_unit(int64_t D, const typename P::Context& ctx, const typename P
                      int64_t rows, int64_t heads, int64_t pos0, const typename P::E* kt,
                      const typename P::V* v, float* out, int64_t head_stride) {
   switch (D) {
-    case 64: unit<4, P>(ctx, qs, rows, heads, pos0, kt, v, out, head_stride); break;
-    case 80: unit<5, P>(ctx, qs, rows, heads, pos0, kt, v, out, head_stride); break;
-    case 96: unit<6, P>(ctx, qs, rows, heads, pos0, kt, v, out, head_stride); break;
-    default: unit<8, P>(ctx, qs, rows, heads, pos0, kt, v, out, head_stride); break;
+    case 64: unit<64 / L, P>(ctx, qs, rows, heads, pos0, kt, v, out, head_stride); break;
+    case 80: unit<80 / L, P>(ctx, qs, rows, heads, pos0, kt, v, out, head_stride); break;
+    case 96: unit<96 / L, P>(ctx, qs, rows, heads, pos0, kt, v, out, head_stride); break;
+    default: unit<128 / L, P>(ctx, qs, rows, heads, pos0, kt, v, out, head_stride); break;
   }
 }
 

@@ -56,6 +56,17 @@ struct Weight<int8_t> {
   static simd::F8 load8(const int8_t* p) { return simd::load8(p); }
 };
 
+// The tail's sum one term at a time, as written: -ffast-math lets GCC vectorize a short
+// reduction loop, and GCC 12 did so for fp32 weights on AVX2 (pairwise sums) but not for bf16
+// ones, so a bf16 copy's step gave other bits than its fp32 weight (tests/test_kernel_table.py).
+inline void in_order(float& s) {
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+  asm("" : "+x"(s));
+#elif defined(__GNUC__) && defined(__aarch64__) && defined(__ARM_NEON)
+  asm("" : "+w"(s));
+#endif
+}
+
 // NR weight rows starting at n against the M rows of x: eight fp32 lanes per accumulator
 // (simd::F8 on AVX2 and NEON; AVX-512 builds sum in eight lanes too), one fixed horizontal sum,
 // the K % 8 tail in order.
@@ -93,7 +104,10 @@ inline void rows_block(const float* __restrict x, const W* __restrict w, int64_t
 #pragma GCC unroll 8
     for (int m = 0; m < M; ++m) {
       float s = simd::hsum(acc[r][m]);
-      for (int64_t k = K8; k < K; ++k) s += Weight<W>::f32(w[(n + r) * K + k]) * x[m * K + k];
+      for (int64_t k = K8; k < K; ++k) {
+        s += Weight<W>::f32(w[(n + r) * K + k]) * x[m * K + k];
+        in_order(s);
+      }
       out[m * N + n + r] = finish(s, scale, bias, n + r);
     }
   }

@@ -24,15 +24,15 @@ def reproduces(mode: str, target_weights: str) -> str:
 
 def prefill_products(mode: str, device) -> str | None:
     """The products of the prefill attention a run in `mode` computes on `device` (None off
-    the CPU): the measured ones for the hierarchical cache, the kernel's own for ar."""
-    from kernels.cpu import attention as cpu_attention
-    from qspec_core.cache.products_choice import prefill_products as measured
+    the CPU): the measured ones for the hierarchical cache, fp32 ones (the kernel's or SDPA's,
+    whichever measured faster) for ar."""
+    from qspec_core.cache.products_choice import exact_products, prefill_products
 
     if torch.device(device).type != "cpu":
         return None
-    if mode == "ar":  # (the full-precision cache: QSPEC_PREFILL_PRODUCTS, else fp32)
-        return cpu_attention.prefill_products() if cpu_attention.available() else "fp32"
-    return measured()
+    if mode == "ar":  # (the full-precision cache: the fp32 numbers, on the faster path)
+        return exact_products()
+    return prefill_products()
 
 
 def summary_record(session, model_name: str, target_weights: str) -> dict:

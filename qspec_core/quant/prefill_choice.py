@@ -37,6 +37,7 @@ from kernels.cpu import linear as cpu_linear
 from kernels.formats import quantize_activations
 from qspec_core.errors import QspecError
 from qspec_core.machine_choice import cpu_description, machine_hash, measured_choice
+from qspec_core.paths import qspec_home
 
 PATHS = ("rows", "int8pack", "fp32")
 ENV = "QSPEC_INT8_PREFILL"
@@ -54,12 +55,12 @@ def _rows_run() -> bool:
 
 
 def machine_key() -> str:
-    """What the choice depends on: the CPU (model and flags), torch, and whether qspec's C++
-    kernels run (the "rows" path needs them). Not the thread count: runs at 1 and 2 threads
-    must prefill alike for their greedy output to agree (README, reproducibility)."""
-    return machine_hash(
-        cpu_description(), f"torch {torch.__version__}", f"rows {_rows_run()}", ROWS_VERSION
-    )
+    """What the choice depends on: the CPU (model and flags), torch, and which build of qspec's
+    C++ kernels runs, if any (the "rows" path: its instruction set). Not the thread count: runs
+    at 1 and 2 threads must prefill alike for their greedy output to agree (README,
+    reproducibility)."""
+    rows = f"rows {cpu_ext.isa()}" if _rows_run() else "rows False"  # (the build's ISA too)
+    return machine_hash(cpu_description(), f"torch {torch.__version__}", rows, ROWS_VERSION)
 
 
 def _products(m: int, k: int, n: int):
@@ -102,8 +103,9 @@ def measure(shape: tuple[int, int, int] = PROBE, repeats: int = 5) -> dict[str, 
 
 
 @lru_cache(maxsize=4)
-def _measured_choice(key: str) -> str:
-    """The path for `key`: kept in the qspec cache, else measured now (`machine_choice`)."""
+def _measured_choice(key: str, home: str) -> str:
+    """The path for `key`: kept in the qspec cache at `home`, else measured now
+    (`machine_choice`)."""
     return measured_choice(FILE, key, PATHS, lambda: measure(), fallback="fp32")
 
 
@@ -121,5 +123,5 @@ def override() -> str | None:
 
 def prefill_path() -> str:
     """The path many-row INT8-weight products take on this machine (`PATHS`)."""
-    path = override() or _measured_choice(machine_key())
+    path = override() or _measured_choice(machine_key(), str(qspec_home()))
     return "int8pack" if path == "rows" and not _rows_run() else path
