@@ -56,12 +56,25 @@ constexpr int RG = 4;  // rows per value group at D = 64: 4 x D/L accumulators (
 #elif defined(__aarch64__)
 constexpr int NV = 8;  // 32 q registers: 2 x 8 accumulators + 8 key vectors (KB = 32 keys)
 constexpr int ST = 2;
-constexpr int RG = 1;  // (D = 64: 16 accumulators, the values' 16 vectors as operands)
+constexpr int RG = 1;  // (unused: the value sums take kColumns vectors at a time)
 #else
-constexpr int NV = 4;  // 16 ymm (or xmm): 2 x 4 accumulators + 4 key vectors + a broadcast
-constexpr int ST = 2;
-constexpr int RG = 1;  // (D = 64 with AVX: 8 accumulators; the values' vectors as operands)
+constexpr int NV = 4;  // 16 ymm (or xmm): 3 x 4 accumulators, the key vectors as operands
+constexpr int ST = 3;
+constexpr int RG = 1;  // (unused: kColumns)
 #endif
+#if defined(__AVX512F__) || defined(__aarch64__)
+constexpr int kRegisters = 32;
+#else
+constexpr int kRegisters = 16;
+#endif
+// Builds with vectors narrower than 16 lanes take a row group's value sums a few vectors of the
+// rows at a time (`Fp32::value_columns`): kColumns vectors of kColumnRows rows. All of a row at
+// once held 8 accumulator chains at D = 64 with AVX2, too few for the FMA units' latency, and
+// its vectors were operands read once each: 2 vectors of 4 rows (8 chains, the 2 vectors in
+// registers, a broadcast a row) ran the fp32 kernel 1.25x as fast on Zen 5 (docs/PERF.md).
+// The sums are the same, in the same order, so are the bits.
+constexpr int kColumns = kRegisters == 16 ? 2 : 4;
+constexpr int kColumnRows = 4;  // (at most 4: Rows::p has 4 rows past QB)
 constexpr int64_t KB = L * NV;  // keys per block: the softmax folds a block at a time
 // Heads of one kv head a unit may take (`unit_heads`), and the bytes of keys and values a
 // unit's heads take in turn (`span_blocks`): half of the smallest L2 of the CPUs we run on
@@ -246,7 +259,11 @@ struct Fp32 {
     for (int64_t d = 0; d < D; ++d) {
       vf kd[NV];
 #pragma GCC unroll 8
-      for (int c = 0; c < NV; ++c) kd[c] = in_register(load(kb + d * KB + L * c));
+      for (int c = 0; c < NV; ++c) {
+        kd[c] = load(kb + d * KB + L * c);
+        // (held where the tile leaves registers for them; else operands of the multiply-adds)
+        if constexpr (ST * NV + NV + 1 <= kRegisters) kd[c] = in_register(kd[c]);
+      }
 #pragma GCC unroll 8
       for (int i = 0; i < ST; ++i) {
         const float qd = q[i * D + d];
@@ -256,6 +273,24 @@ struct Fp32 {
     }
   }
   void probabilities(const float (*)[KB], int64_t) {}  // (the values take p as it is)
+  // Vectors c0 .. c0 + VC - 1 of a row group's sums: a[i][c] += p_{r0 + i} V[:, c0 + c]
+  // over the block's nk keys vb [nk, D] (the builds of `kColumns`).
+  template <int64_t D, int G, int VC>
+  void value_columns(vf (&a)[G][VC], int64_t r0, int c0, int64_t nk, const float* vb,
+                     const float (*p)[KB]) const {
+    for (int64_t j = 0; j < nk; ++j) {
+      const float* vj = vb + j * D + c0 * L;
+      vf vv[VC];
+#pragma GCC unroll 8
+      for (int c = 0; c < VC; ++c) vv[c] = load(vj + L * c);
+#pragma GCC unroll 8
+      for (int i = 0; i < G; ++i) {
+        const float pij = p[r0 + i][j];  // (rows past `rows`: zeros, never stored)
+#pragma GCC unroll 8
+        for (int c = 0; c < VC; ++c) a[i][c] += pij * vv[c];
+      }
+    }
+  }
   // A value group's a[i] += p_{r0 + i} V over the block's nk keys vb [nk, D].
   template <int64_t D, int G>
   void values(vf (&a)[G][D / L], int64_t r0, int64_t nk, const float* vb,
@@ -265,8 +300,7 @@ struct Fp32 {
       const float* vj = vb + j * D;
       vf vv[DV];
 #pragma GCC unroll 8
-      for (int c = 0; c < DV; ++c)  // (one row a group: each vector is an operand, once)
-        vv[c] = G > 1 ? in_register(load(vj + L * c)) : load(vj + L * c);
+      for (int c = 0; c < DV; ++c) vv[c] = in_register(load(vj + L * c));
 #pragma GCC unroll 8
       for (int i = 0; i < G; ++i) {
         const float pij = p[r0 + i][j];  // (rows past `rows`: zeros, never stored)
@@ -300,8 +334,22 @@ __attribute__((always_inline)) inline void block(Rows<L * DV>& s, P& products,
   products.probabilities(s.p, rows);
   // acc = alpha acc + p V over the block's keys, G rows at a time (RG for D = 64; fewer for
   // wider heads, whose rows take more registers)
-  constexpr int G = RG * 64 / D > 0 ? RG * 64 / D : 1;
   const int64_t nk = std::min(KB, end - k0);
+  if constexpr (L < 16) {  // (a few vectors of a few rows at a time: kColumns)
+    static_assert(DV % kColumns == 0);
+    for (int64_t r0 = 0; r0 < rows; r0 += kColumnRows)
+      for (int c0 = 0; c0 < DV; c0 += kColumns) {
+        vf a[kColumnRows][kColumns];
+        for (int i = 0; i < kColumnRows; ++i)
+          for (int c = 0; c < kColumns; ++c)
+            a[i][c] = r0 + i < rows ? load(acc[r0 + i] + L * (c0 + c)) * alpha[r0 + i] : vf{};
+        products.template value_columns<D, kColumnRows, kColumns>(a, r0, c0, nk, vb, s.p);
+        for (int i = 0; i < kColumnRows && r0 + i < rows; ++i)
+          for (int c = 0; c < kColumns; ++c) store(acc[r0 + i] + L * (c0 + c), a[i][c]);
+      }
+    return;
+  }
+  constexpr int G = RG * 64 / D > 0 ? RG * 64 / D : 1;
   for (int64_t r0 = 0; r0 < rows; r0 += G) {
     vf a[G][DV];
     for (int i = 0; i < G; ++i)
