@@ -207,6 +207,10 @@ def test_the_full_precision_cache_takes_the_faster_fp32_path(fresh_choice, monke
     products_choice._measured_choice.cache_clear()
     monkeypatch.setattr(products_choice, "measure", lambda: pytest.fail("measured twice"))
     assert products_choice.exact_products() == "sdpa"  # (kept with its timings)
+    monkeypatch.setenv("QSPEC_HOME", str(fresh_choice / "elsewhere"))  # (nothing kept there)
+    q, k, v = (t[:, :, :5] for t in (q, k, v))
+    cache.attend(0, q, k, v, torch.arange(32, 37))  # a verify step: neither path, no measurement
+    assert asked == ["sdpa"]
 
 
 @needs_kernels

@@ -8,6 +8,7 @@ import torch
 
 from kernels.attention import causal_attention
 from kernels.cpu import kv_cache as cpu_kv
+from kernels.cpu.attention import PREFILL_MIN_ROWS
 from kernels.reference import causal_mask
 from qspec_core.cache.products_choice import exact_products
 from qspec_core.cache.protocol import KVCache
@@ -62,8 +63,10 @@ class FullPrecisionCache(torch.nn.Module):
             self.seq_len = end
         k_all, v_all = self.k[layer, :, :, :end], self.v[layer, :, :, :end]
         t0 = time.perf_counter()
-        # (a prefill's chunk on a CPU: the faster of the tiled kernel and SDPA, measured once)
-        products = exact_products() if q.device.type == "cpu" and q.shape[2] > 1 else None
+        # (a prefill's chunk on a CPU: the faster of the tiled kernel and SDPA, measured once;
+        # a decode or verify step takes neither)
+        prefill = q.device.type == "cpu" and q.shape[2] >= PREFILL_MIN_ROWS
+        products = exact_products() if prefill else None
         out = causal_attention(q, k_all, v_all, input_pos, self._mask[1], self.softcap, products)
         self.attention_seconds += time.perf_counter() - t0
         return out
