@@ -102,28 +102,21 @@ int main() {
     for (int i = 0; i < CHAINS; ++i) s += _mm512_cvtsi512_si32(a[i]);
     return float(s);
   });
-#elif defined(__AVXVNNI__)
-  how = "vpdpbusd ymm";
-  int8 = rate(2.0 * 32 * CHAINS, 40000000, [](long n) {
-    __m256i a[CHAINS], x = _mm256_set1_epi8(1), y = _mm256_set1_epi8(2);
-    for (int i = 0; i < CHAINS; ++i) a[i] = _mm256_set1_epi32(i);
-    for (long k = 0; k < n; ++k)
-#pragma GCC unroll 12
-      for (int i = 0; i < CHAINS; ++i) a[i] = _mm256_dpbusd_avx_epi32(a[i], x, y);
-    int s = 0;
-    for (int i = 0; i < CHAINS; ++i) s += _mm256_extract_epi32(a[i], 0);
-    return float(s);
-  });
 #elif defined(__AVX2__)
+#if defined(__AVXVNNI__)
+  how = "vpdpbusd ymm";
+#define QSPEC_DOT(a, x, y) _mm256_dpbusd_avx_epi32(a, x, y)
+#else
   how = "vpmaddubsw+vpmaddwd+vpaddd ymm";
+#define QSPEC_DOT(a, x, y) \
+  _mm256_add_epi32(a, _mm256_madd_epi16(_mm256_maddubs_epi16(x, y), _mm256_set1_epi16(1)))
+#endif
   int8 = rate(2.0 * 32 * CHAINS, 40000000, [](long n) {
     __m256i a[CHAINS], x = _mm256_set1_epi8(1), y = _mm256_set1_epi8(2);
-    const __m256i ones = _mm256_set1_epi16(1);
     for (int i = 0; i < CHAINS; ++i) a[i] = _mm256_set1_epi32(i);
     for (long k = 0; k < n; ++k)
 #pragma GCC unroll 12
-      for (int i = 0; i < CHAINS; ++i)
-        a[i] = _mm256_add_epi32(a[i], _mm256_madd_epi16(_mm256_maddubs_epi16(x, y), ones));
+      for (int i = 0; i < CHAINS; ++i) a[i] = QSPEC_DOT(a[i], x, y);
     int s = 0;
     for (int i = 0; i < CHAINS; ++i) s += _mm256_extract_epi32(a[i], 0);
     return float(s);
@@ -144,12 +137,8 @@ def runnable(variants=VARIANTS) -> dict[str, str | None]:
     for isa in variants:
         needs = cpu_ext.ISA_NEEDS.get(isa, ())
         missing = [f for f in needs if f not in usable]
-        if needs and (not cpu_ext._X86 or missing):
-            out[isa] = f"lacks {', '.join(missing) or 'x86-64'}"
-        elif isa == "generic" and not cpu_ext._X86:
-            out[isa] = None  # (the portable build of another architecture)
-        else:
-            out[isa] = None
+        lacking = needs and (not cpu_ext._X86 or missing)  # (generic: every CPU's build)
+        out[isa] = f"lacks {', '.join(missing) or 'x86-64'}" if lacking else None
     return out
 
 
