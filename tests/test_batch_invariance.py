@@ -3,6 +3,8 @@ bit those of the same token decoded alone. Greedy QuantSpec equals target-ar onl
 this; PyTorch's GEMMs (bf16, int8) pick other kernels and reduction orders for M = 1 and
 M = 5 on AVX-512 machines, which flipped a near tie in a real summary."""
 
+import platform
+
 import pytest
 import torch
 from hf_tiny import ours_from_hf, tiny_hf
@@ -102,10 +104,13 @@ def test_w8a8_step_linear_is_batch_invariant_and_exact_in_its_integers(K, N):
 
 @pytest.mark.parametrize("K,N", [(64, 40), (576, 37), (1536, 200)])
 def test_w8a8_prefill_rows_are_their_definition_whatever_the_rows_and_threads(K, N):
-    """A prefill's W8A8 product (more than MAX_ROWS rows, `int_gemm.h`): with AVX-512 VNNI,
-    `w8a8_prefill_ref` bit for bit (each chunk's exact integer dot, one fp32 multiply-add a
-    chunk), the same bits for a row in any call of many rows, at one thread or two, tails of
-    outputs and rows included; elsewhere a decode step's bits for every row."""
+    """A prefill's W8A8 product (more than MAX_ROWS rows, `int_gemm.h`): on x86 (AVX2's int16
+    products, AVX-VNNI's and AVX-512 VNNI's vpdpbusd) `w8a8_prefill_ref` bit for bit (each
+    chunk's exact integer dot, one fp32 multiply-add a chunk), so the same bits on every x86
+    build, the same for a row in any call of many rows, at one thread or two, tails of outputs
+    and rows included; elsewhere (NEON, portable) a decode step's bits for every row."""
+    x86_vector = platform.machine() in ("x86_64", "AMD64") and cpu_ext.isa() != "generic"
+    assert cpu_linear.prefill_lanes() == x86_vector
     g = _gen(K * 3 + N)
     x = torch.randn(300, K, generator=g) * torch.logspace(-3, 2, K)  # chunks of every scale
     x[3, :64] = 0  # an all-zero chunk: step 0

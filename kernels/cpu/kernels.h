@@ -26,8 +26,9 @@ at::Tensor int8_rows_cpu(at::Tensor x, at::Tensor w, at::Tensor scale,
 // int_dot.cpp
 at::Tensor w8a8_rows_cpu(at::Tensor x, at::Tensor w, at::Tensor scale,
                             c10::optional<at::Tensor> b);
-// several weights of one x [M, K], M > kMaxStepRows (a prefill), in one call: with AVX-512
-// VNNI x rounded once and one parallel region (int_gemm.h), else one product after another
+// several weights of one x [M, K], M > kMaxStepRows (a prefill), in one call: on x86 (AVX2,
+// AVX-VNNI, AVX-512 VNNI) x rounded once and one parallel region (int_gemm.h), else one
+// product after another
 std::vector<at::Tensor> w8a8_prefill_cpu(at::Tensor x, std::vector<at::Tensor> ws,
                                          std::vector<at::Tensor> scales,
                                          std::vector<c10::optional<at::Tensor>> biases);

@@ -95,8 +95,8 @@ def w8a8_linear(x, weight_int8, scale, bias=None) -> torch.Tensor:
     """x [..., K] (K % 64 == 0) rounded to int8 per 64 inputs, through int8 weights [N, K] with
     an fp32 scale per row: integer dot products per 64 inputs, summed with the activations'
     steps, then scale and bias; in x.dtype. Batch-invariant. Any number of rows: beyond
-    MAX_ROWS (a prefill) the C++ runs `int_gemm.h`: with AVX-512 VNNI a GEMM that sums each
-    chunk in one lane (`w8a8_prefill_ref` bit for bit: a decode step's result to fp32
+    MAX_ROWS (a prefill) the C++ runs `int_gemm.h`: on x86 (AVX2, AVX-VNNI, AVX-512 VNNI) a GEMM
+    that sums each chunk in one lane (`w8a8_prefill_ref` bit for bit: a decode step's result to fp32
     rounding, itself batch-invariant), else the step's blocks on a GEMM schedule (a decode
     step's bits); `prefill_lanes()` says which (`w8a8_usable` checks a step's size; callers
     check a prefill's on one of its rows)."""
@@ -108,8 +108,8 @@ def w8a8_linear(x, weight_int8, scale, bias=None) -> torch.Tensor:
 def w8a8_prefill(x: torch.Tensor, weights: list[tuple]) -> list[torch.Tensor]:
     """[`w8a8_linear(x, *w)` for w in weights] (each (weight_int8, scale, bias)) for a
     prefill's x [..., K] of more than MAX_ROWS rows, in one call (a layer's q, k, v; gate,
-    up): with AVX-512 VNNI x rounded once and every product in one parallel region, elsewhere
-    one product after another. Each output bit for bit as `w8a8_linear` makes it alone."""
+    up): on x86 x rounded once and every product in one parallel region, elsewhere one product
+    after another. Each output bit for bit as `w8a8_linear` makes it alone."""
     flat = x.reshape(-1, x.shape[-1]).float()
     ws, scales, biases = zip(*weights, strict=True)
     outs = _module().w8a8_prefill_cpu(flat, list(ws), list(scales), list(biases))

@@ -45,9 +45,10 @@ PREFILL_ROWS = 64  # from here on a product is a prefill's (decode and verify st
 PROBE = (256, 1024, 1024)  # M, K, N: a prefill chunk's rows through a mid-sized linear
 FILE = "int8-prefill.json"
 # bumped when the "rows" path's speed changes (2: W8A8 on a GEMM schedule; 3: with AVX-512
-# VNNI, the lane-per-chunk GEMM of int_gemm.h), so every machine measures again rather than
+# VNNI, the lane-per-chunk GEMM of int_gemm.h; 4: it on AVX2 and AVX-VNNI too), so every machine
+# measures again rather than
 # keep a choice made against the old kernels
-ROWS_VERSION = "rows-gemm-3"
+ROWS_VERSION = "rows-gemm-4"
 
 
 def _rows_run() -> bool:
