@@ -117,7 +117,7 @@ TORCH_PRODUCTS = "sdpa"
 
 def built_products() -> tuple[str, ...]:
     """The products this build computes: "fp32" and "sdpa" always, "bf16" and "bf16-values"
-    with AVX512-BF16, "int16" with AVX512-VNNI (none without the C++ kernels)."""
+    with AVX512-BF16, "int16" on x86 builds with AVX2 (none without the C++ kernels)."""
     if not cpu_ext.available():  # (QSPEC_CPU_KERNELS=0, or a failed build)
         return ()
     ext = cpu_ext.load()
@@ -194,13 +194,19 @@ def prefill_attention_bf16_ref(
     return _block_folds(scores, start, D, value_sums)
 
 
-FOLD_BLOCK = 64  # keys a fold takes (flash_prefill.h's KB with AVX-512: the twins' builds)
+FOLD_BLOCK = 64  # keys a fold takes where no kernel is built (flash_prefill.h's KB on AVX-512)
+
+
+def fold_block() -> int:
+    """The keys a fold takes in the twins: the built kernel's KB (64 with AVX-512, 32 on 8-lane
+    builds: the int16 probabilities' steps are per block), FOLD_BLOCK without a build."""
+    return int(cpu_ext.load().PREFILL_KEY_BLOCK) if cpu_ext.available() else FOLD_BLOCK
 
 
 def _block_folds(scores: torch.Tensor, start: int, D: int, value_sums) -> torch.Tensor:
     """The kernel's online softmax, as its twins compute it: scores [B, H, T, S] of queries at
     positions start.. (masked here past each one's position), folded over blocks of
-    FOLD_BLOCK keys in order, each block's probabilities p [B, H, T, <= FOLD_BLOCK] taken
+    `fold_block()` keys in order, each block's probabilities p [B, H, T, <= that] taken
     against the running max and summed with the block's values by `value_sums(p, k0)` ->
     [B, H, T, D]; the sums over the probabilities' total."""
     B, H, T, S = scores.shape
@@ -208,8 +214,9 @@ def _block_folds(scores: torch.Tensor, start: int, D: int, value_sums) -> torch.
     scores = scores.masked_fill(~visible, float("-inf"))
     m = torch.full((B, H, T, 1), float("-inf"))
     acc, total = torch.zeros(B, H, T, D), torch.zeros(B, H, T, 1)
-    for k0 in range(0, S, FOLD_BLOCK):
-        s_b = scores[..., k0 : k0 + FOLD_BLOCK]
+    block = fold_block()
+    for k0 in range(0, S, block):
+        s_b = scores[..., k0 : k0 + block]
         new_m = torch.maximum(m, s_b.amax(-1, keepdim=True))
         alpha, p = (m - new_m).exp(), (s_b - new_m).exp()
         total = total * alpha + p.sum(-1, keepdim=True)
@@ -222,11 +229,11 @@ def prefill_attention_int16_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     """The int16 products' twin (`flash_int16.h`): keys and values rounded per channel over
     their S = start + T rows to codes of step max|x| / 8191 (keys of heads wider than 64:
     / 4095); q / sqrt(D) times the keys' steps rounded per row to step max / 4095; the scores
-    the exact integer dots times the row's step; the softmax folded over blocks of 64 keys in
-    order as the kernel folds them, each block's probabilities rounded per row to step
-    2^(e - 11), 2^e <= their max (below 2^-115: codes 0), and summed with the value codes
-    exactly; the values' steps applied at the end. It differs from the kernel by fp32
-    summation order and its exp polynomial, which may move a probability's code by one.
+    the exact integer dots times the row's step; the softmax folded over blocks of
+    `fold_block()` keys in order as the kernel folds them, each block's probabilities rounded
+    per row to step 2^(e - 11), 2^e <= their max (below 2^-115: codes 0), and summed with the
+    value codes exactly; the values' steps applied at the end. It differs from the kernel by
+    fp32 summation order and its exp polynomial, which may move a probability's code by one.
     q [B, H, T, D] at positions start.. over k/v [B, n_kv, S, D]."""
     B, H, T, D = q.shape
     S, group = start + T, H // k.shape[1]

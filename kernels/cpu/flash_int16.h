@@ -1,6 +1,8 @@
-// The prefill attention's unit on int16 dot products (AVX512-VNNI: Zen 4 and 5, Xeon from
-// Cascade Lake): `vpdpwssd` adds two int16 products to each int32 lane, 32 multiply-adds an
-// instruction, twice the fp32 FMA's, on the same pipes. What is rounded, each to half a step:
+// The prefill attention's unit on int16 dot products: with AVX512-VNNI (Zen 4 and 5, Xeon from
+// Cascade Lake) `vpdpwssd` adds two int16 products to each int32 lane, 32 multiply-adds an
+// instruction, twice the fp32 FMA's, on the same pipes; on AVX2 `vpmaddwd` then `vpaddd`, 16
+// per two instructions, where an FMA does 8 (with AVX-VNNI, `vpdpwssd` on ymm: both in one;
+// flash_int16_avx2.h). What is rounded, each to half a step:
 //   values         per channel over the call's rows: step max_t |v_td| / 8191
 //   keys           the same, step max_t |k_td| / 8191 for D <= 64, / 4095 for wider heads
 //   queries        per row, after the keys' steps are folded in: step max_d |q'_d| / 4095
@@ -11,7 +13,7 @@
 // SmolLM2 layer's 512-row chunk after 7,168 tokens) the output was off by 1.3e-3 of its norm
 // against exact attention, bf16's by 6.6e-3 (docs/PERF.md). The int32 sums are exact: a
 // score's D terms, 64 * 4095 * 8191 and 128 * 4095 * 4095 < 2^31, and a block's value sums
-// over KB = 64 keys, 64 * 4096 * 8191 < 2^31. Each score and each block's value sums go to
+// over KB <= 64 keys, 64 * 4096 * 8191 < 2^31. Each score and each block's value sums go to
 // fp32 with their steps (the values' channel steps once, at the end); the softmax, the masking
 // and the accumulators are flash_prefill.h's, fp32. The twin:
 // `kernels.cpu.attention.prefill_attention_int16_ref`. A row's rounding depends on every key
@@ -22,8 +24,11 @@
 //   keys   [blocks][D / 2][KB][2]   key j of a block, dims 2i and 2i + 1, at [i][j]
 //   values [blocks][KB / 2][D][2]   keys 2i and 2i + 1 of a block, dim d, at [i][d]
 //   queries [QB][D]                 a row's codes in order (dims 2i, 2i + 1: word i)
-// so that one 64-byte load is 16 keys x 2 dims (scores) or 16 dims x 2 keys (values), and the
-// other operand, 2 query dims or 2 probabilities, is one broadcast word.
+// so that one vector load is L keys x 2 dims (scores) or L dims x 2 keys (values), and the
+// other operand, 2 query dims or 2 probabilities, is one broadcast word. KB is flash_prefill.h's:
+// 64 keys with AVX-512, 32 on 8-lane builds (the probabilities' steps are per block, so the
+// twin folds `PREFILL_KEY_BLOCK` keys at a time). The roundings and layouts are written once
+// on flash_int16_lanes.h's vectors; the products per instruction set.
 //
 // Included by flash_prefill.h after its tile helpers, its unit and flash_bf16.h.
 #pragma once
@@ -31,21 +36,13 @@
 namespace flash {
 namespace int16 {
 
-#if defined(QSPEC_AVX512_VNNI)
+#if defined(QSPEC_AVX512_VNNI) || defined(QSPEC_AVX2)
 constexpr bool kAvailable = true;
 
 constexpr float kValueLevels = 8191.f, kQueryLevels = 4095.f;
 inline float key_levels(int64_t D) { return D <= 64 ? 8191.f : 4095.f; }
 constexpr int kProbBits = 11, kProbMax = 4096;  // p codes in [2^11, 2^12] for a block's largest
 
-inline __m512 as_m512(const vf& v) { return (__m512)v; }
-// Codes of x * inv, rounded to nearest even (the default rounding mode, as torch.round),
-// clamped to -levels..levels (levels an int).
-inline __m512i codes(__m512 x, __m512 inv, int levels) {
-  const __m512i c = _mm512_cvtps_epi32(_mm512_mul_ps(x, inv));
-  return _mm512_max_epi32(_mm512_min_epi32(c, _mm512_set1_epi32(levels)),
-                          _mm512_set1_epi32(-levels));
-}
 // The step of amax over `levels` codes and its inverse (0 and 0 where amax < kMinAmax: all
 // codes 0). A NaN or an infinity among the rounded values (amax NaN or infinite) gives codes
 // 0 and a step of NaN or infinity, so the NaN reaches every output the step scales, as with
@@ -66,40 +63,27 @@ inline void step_of(float amax, float levels, float& step, float& inv) {
   inv = l / amax;
 }
 
-// The largest |x| of each lane over v's, a NaN kept (vmaxps returns its second operand where
-// either is a NaN, so a NaN would be dropped by the next finite value).
-struct AbsMax {
-  __m512 m = _mm512_setzero_ps();
-  __mmask16 nan = 0;
-  void add(__m512 v) {
-    m = _mm512_max_ps(m, _mm512_abs_ps(v));
-    nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-  }
-  __m512 get() const {
-    return _mm512_mask_mov_ps(m, nan, _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN()));
-  }
-  float top() const {  // (the largest of all lanes)
-    return nan ? std::numeric_limits<float>::quiet_NaN() : _mm512_reduce_max_ps(m);
-  }
-};
+#include "flash_int16_lanes.h"
 
-// The channels' steps of rows x [S, D] (D a multiple of 16, at most 128) over `levels` codes
+// The channels' steps of rows x [S, D] (D a multiple of L, at most 128) over `levels` codes
 // each side of 0, and their inverses.
 inline void channel_steps(const float* x, int64_t S, int64_t D, float levels, float* step,
                           float* inv) {
-  AbsMax m[8];
+  constexpr int N = Lanes::N;
+  Lanes::AbsMax m[128 / N];
   for (int64_t t = 0; t < S; ++t)
-    for (int64_t c = 0; c < D / 16; ++c) m[c].add(_mm512_loadu_ps(x + t * D + 16 * c));
-  for (int64_t c = 0; c < D / 16; ++c) {
-    alignas(64) float amax[16];
-    _mm512_store_ps(amax, m[c].get());
-    for (int j = 0; j < 16; ++j) step_of(amax[j], levels, step[16 * c + j], inv[16 * c + j]);
+    for (int64_t c = 0; c < D / N; ++c) m[c].add(Lanes::load(x + t * D + N * c));
+  for (int64_t c = 0; c < D / N; ++c) {
+    float amax[N];
+    m[c].get(amax);
+    for (int j = 0; j < N; ++j) step_of(amax[j], levels, step[N * c + j], inv[N * c + j]);
   }
 }
 
 // Keys [S, D] -> [ceil(S / KB)][D / 2][KB] words (zeros past S): a block's rows rounded to
 // codes in order (a row's words are its dim pairs), then its words transposed.
 inline void pair_keys(const float* k, int64_t S, int64_t D, const float* inv, int16_t* out) {
+  constexpr int N = Lanes::N;
   const int64_t blocks = (S + KB - 1) / KB, half = D / 2;
   const int levels = int(key_levels(D));
   std::vector<uint32_t> rows(KB * half);
@@ -107,12 +91,10 @@ inline void pair_keys(const float* k, int64_t S, int64_t D, const float* inv, in
     for (int64_t j = 0; j < KB; ++j) {
       const int64_t key = b * KB + j;
       auto* row = reinterpret_cast<int16_t*>(rows.data() + j * half);
-      for (int64_t d = 0; d < D; d += 16) {
-        const __m512i c = key < S ? codes(_mm512_loadu_ps(k + key * D + d),
-                                          _mm512_loadu_ps(inv + d), levels)
-                                  : _mm512_setzero_si512();
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + d), _mm512_cvtepi32_epi16(c));
-      }
+      for (int64_t d = 0; d < D; d += N)
+        Lanes::store_codes(row + d, key < S ? Lanes::codes(Lanes::load(k + key * D + d),
+                                                           Lanes::load(inv + d), levels)
+                                            : Lanes::zero());
     }
     int16_t* o = out + b * D * KB;  // (words copied as bytes: out is int16 storage)
     for (int64_t i = 0; i < half; ++i)
@@ -120,21 +102,20 @@ inline void pair_keys(const float* k, int64_t S, int64_t D, const float* inv, in
   }
 }
 
-// Values [S, D] -> [ceil(S / KB)][KB / 2][D] words (zeros past S): 16 dims of two keys a step.
+// Values [S, D] -> [ceil(S / KB)][KB / 2][D] words (zeros past S): L dims of two keys a step.
 inline void pair_values(const float* v, int64_t S, int64_t D, const float* inv, int16_t* out) {
+  constexpr int N = Lanes::N;
   const int64_t pairs = (S + KB - 1) / KB * (KB / 2);  // key pairs, the last block's padded
+  const int levels = int(kValueLevels);
   for (int64_t i = 0; i < pairs; ++i) {
     const int64_t j = 2 * i;
-    for (int64_t d = 0; d < D; d += 16) {
-      const __m512 vi = _mm512_loadu_ps(inv + d);
-      const __m512i a = j < S ? codes(_mm512_loadu_ps(v + j * D + d), vi, int(kValueLevels))
-                              : _mm512_setzero_si512();
-      const __m512i b = j + 1 < S ? codes(_mm512_loadu_ps(v + (j + 1) * D + d), vi,
-                                          int(kValueLevels))
-                                  : _mm512_setzero_si512();
-      const __m512i word = _mm512_or_si512(_mm512_and_si512(a, _mm512_set1_epi32(0xFFFF)),
-                                           _mm512_slli_epi32(b, 16));
-      _mm512_storeu_si512(out + (i * D + d) * 2, word);
+    for (int64_t d = 0; d < D; d += N) {
+      const Lanes::F vi = Lanes::load(inv + d);
+      const Lanes::I a = j < S ? Lanes::codes(Lanes::load(v + j * D + d), vi, levels)
+                               : Lanes::zero();
+      const Lanes::I b = j + 1 < S ? Lanes::codes(Lanes::load(v + (j + 1) * D + d), vi, levels)
+                                   : Lanes::zero();
+      Lanes::store_words(out + (i * D + d) * 2, a, b);
     }
   }
 }
@@ -143,21 +124,78 @@ inline void pair_values(const float* v, int64_t S, int64_t D, const float* inv, 
 // returns the row's step (0 for a row of zeros).
 inline float round_query(const float* q, float scale, const float* key_step, int64_t D,
                          int16_t* out) {
-  __m512 x[8];
-  AbsMax m;
-  for (int64_t c = 0; c < D / 16; ++c) {
-    x[c] = _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(q + 16 * c), _mm512_set1_ps(scale)),
-                         _mm512_loadu_ps(key_step + 16 * c));
+  constexpr int N = Lanes::N;
+  Lanes::F x[128 / N];
+  Lanes::AbsMax m;
+  for (int64_t c = 0; c < D / N; ++c) {
+    x[c] = Lanes::mul(Lanes::mul(Lanes::load(q + N * c), Lanes::set1(scale)),
+                      Lanes::load(key_step + N * c));
     m.add(x[c]);
   }
   float step, inv;
   step_of(m.top(), kQueryLevels, step, inv);
-  for (int64_t c = 0; c < D / 16; ++c)
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 16 * c),
-                        _mm512_cvtepi32_epi16(codes(x[c], _mm512_set1_ps(inv),
-                                                    int(kQueryLevels))));
+  for (int64_t c = 0; c < D / N; ++c)
+    Lanes::store_codes(out + N * c, Lanes::codes(x[c], Lanes::set1(inv), int(kQueryLevels)));
   return step;
 }
+
+// What flash_prefill.h's unit needs of the int16 products (its P) beside the dot products,
+// which each instruction set's Products adds: the element types, the context (the steps of
+// the unit's query rows, head h's at query_step + h QB, 0 past `rows`, and of the kv head's
+// value channels), the block's probability codes and the finish.
+struct ProductsBase {
+  using E = int16_t;
+  using V = int16_t;
+  struct Context {
+    const float* query_step;  // [heads][QB]
+    const float* value_step;  // [D]
+  };
+  const Context ctx;
+  const float* row_step = nullptr;  // the current head's rows' steps
+  alignas(64) int16_t pb[QB + 4][KB];  // a block's probability codes: pairs of keys
+  float p_step[QB + 4];  // each row's probability step in the block
+
+  explicit ProductsBase(const Context& c) : ctx(c) {
+    for (auto& row : pb) std::fill(row, row + KB, int16_t(0));  // (rows past `rows`: zeros)
+    std::fill(p_step, p_step + QB + 4, 0.f);
+  }
+  void head(int64_t h) { row_step = ctx.query_step + h * QB; }
+
+  // The block's probabilities p [rows][KB] (in [0, 1], masked keys 0; a positive p is at
+  // least exp(-87), a normal float) -> codes in pb, a step a row: 2^(e - 11) for the
+  // largest's exponent e, made from its exponent bits (exact, no division). (A NaN p, from
+  // a NaN score, makes the step NaN: step_of's rule.)
+  void probabilities(const float (*p)[KB], int64_t rows) {
+    for (int64_t r = 0; r < rows; ++r) {
+      Lanes::AbsMax m;
+      for (int c = 0; c < NV; ++c) m.add(Lanes::load(p[r] + L * c));
+      uint32_t bits;
+      const float top = m.top();
+      std::memcpy(&bits, &top, 4);
+      const uint32_t e = (bits >> 23) & 0xFF;  // biased exponent (p >= 0)
+      float inv = 0.f;
+      p_step[r] = 0.f;
+      if (e == 0xFF) {
+        p_step[r] = std::numeric_limits<float>::quiet_NaN();
+      } else if (e > kProbBits) {  // (else all zeros, or too small to matter: codes 0)
+        const uint32_t step_bits = (e - kProbBits) << 23, inv_bits = (254 - e + kProbBits) << 23;
+        std::memcpy(&p_step[r], &step_bits, 4);
+        std::memcpy(&inv, &inv_bits, 4);
+      }
+      for (int c = 0; c < NV; ++c)
+        Lanes::store_codes(pb[r] + L * c,
+                           Lanes::codes(Lanes::load(p[r] + L * c), Lanes::set1(inv), kProbMax));
+    }
+  }
+  // A head's output rows out [rows, D] (Rows::write's), in value steps -> in values.
+  void finish(float* out, int64_t rows, int64_t D) const {
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t d = 0; d < D; ++d) out[r * D + d] *= ctx.value_step[d];
+  }
+};
+
+#if defined(QSPEC_AVX512_VNNI)
+inline __m512 as_m512(const vf& v) { return (__m512)v; }
 
 // acc += a . b, two int16 products per int32 lane. GCC 12 compiles the intrinsic in these
 // loops with a register copy around most vpdpwssd (perf: the copies took more samples than
@@ -185,25 +223,9 @@ inline __m512i broadcast_word(const int16_t* p) {
   return _mm512_set1_epi32(word);
 }
 
-// flash_prefill.h's unit's products in int16 (its P). Context: the steps of the unit's query
-// rows (head h's at query_step + h QB, 0 past `rows`) and of the kv head's value channels.
-struct Products {
-  using E = int16_t;
-  using V = int16_t;
-  struct Context {
-    const float* query_step;  // [heads][QB]
-    const float* value_step;  // [D]
-  };
-  const Context ctx;
-  const float* row_step = nullptr;  // the current head's rows' steps
-  alignas(64) int16_t pb[QB + 4][KB];  // a block's probability codes: pairs of keys
-  float p_step[QB + 4];  // each row's probability step in the block
-
-  explicit Products(const Context& c) : ctx(c) {
-    for (auto& row : pb) std::fill(row, row + KB, int16_t(0));  // (rows past `rows`: zeros)
-    std::fill(p_step, p_step + QB + 4, 0.f);
-  }
-  void head(int64_t h) { row_step = ctx.query_step + h * QB; }
+// The AVX-512 VNNI dot products: 16 keys (scores) or 16 dims (values) a vector.
+struct Products : ProductsBase {
+  using ProductsBase::ProductsBase;
 
   // A score tile's sc[i] = step_i (q_i . keys of the block kb), two dims a product, summed in
   // int32: q the tile's rows, from the head's row t0.
@@ -230,33 +252,6 @@ struct Products {
 #pragma GCC unroll 8
       for (int c = 0; c < NV; ++c)
         sc[i][c] = (vf)_mm512_mul_ps(_mm512_cvtepi32_ps(s[i][c]), _mm512_set1_ps(row_step[t0 + i]));
-  }
-  // The block's probabilities p [rows][KB] (in [0, 1], masked keys 0; a positive p is at
-  // least exp(-87), a normal float) -> codes in pb, a step a row: 2^(e - 11) for the
-  // largest's exponent e, made from its exponent bits (exact, no division). (A NaN p, from
-  // a NaN score, makes the step NaN: step_of's rule.)
-  void probabilities(const float (*p)[KB], int64_t rows) {
-    for (int64_t r = 0; r < rows; ++r) {
-      AbsMax m;
-      for (int c = 0; c < NV; ++c) m.add(_mm512_loadu_ps(p[r] + 16 * c));
-      uint32_t bits;
-      const float top = m.top();
-      std::memcpy(&bits, &top, 4);
-      const uint32_t e = (bits >> 23) & 0xFF;  // biased exponent (p >= 0)
-      float inv = 0.f;
-      p_step[r] = 0.f;
-      if (e == 0xFF) {
-        p_step[r] = std::numeric_limits<float>::quiet_NaN();
-      } else if (e > kProbBits) {  // (else all zeros, or too small to matter: codes 0)
-        const uint32_t step_bits = (e - kProbBits) << 23, inv_bits = (254 - e + kProbBits) << 23;
-        std::memcpy(&p_step[r], &step_bits, 4);
-        std::memcpy(&inv, &inv_bits, 4);
-      }
-      for (int c = 0; c < NV; ++c)
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb[r] + 16 * c),
-                            _mm512_cvtepi32_epi16(codes(_mm512_loadu_ps(p[r] + 16 * c),
-                                                        _mm512_set1_ps(inv), kProbMax)));
-    }
   }
   // A value group's a[i] += p_{r0 + i} V over the block's nk keys, a pair of keys a product,
   // summed in int32 and taken to fp32 with the row's probability step, in units of the
@@ -291,12 +286,10 @@ struct Products {
         a[i][c] = (vf)_mm512_fmadd_ps(_mm512_cvtepi32_ps(s[i][c]), ps, as_m512(a[i][c]));
     }
   }
-  // A head's output rows out [rows, D] (Rows::write's), in value steps -> in values.
-  void finish(float* out, int64_t rows, int64_t D) const {
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t d = 0; d < D; ++d) out[r * D + d] *= ctx.value_step[d];
-  }
 };
+#else  // AVX2 (and AVX-VNNI)
+#include "flash_int16_avx2.h"
+#endif
 
 // One batch item, as causal_on (flash_prefill.h) on these products: each kv head's keys and
 // values rounded per channel and laid out once per call, each unit's query rows rounded with

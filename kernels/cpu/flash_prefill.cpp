@@ -34,7 +34,7 @@ at::Tensor prefill_attention_cpu(at::Tensor q, at::Tensor k, at::Tensor v, int64
   TORCH_CHECK(operands == flash::Operands::kFp32 || operands == flash::Operands::kInt16 ||
                   flash::bf16::kAvailable, "bf16 products need a build with AVX512-BF16");
   TORCH_CHECK(operands != flash::Operands::kInt16 || flash::int16::kAvailable,
-              "int16 products need a build with AVX512-VNNI");
+              "int16 products need an x86 build with AVX2");
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "q, k, v [B, heads, len, D]");
   TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat &&
                   v.scalar_type() == at::kFloat, "fp32 q, k, v");

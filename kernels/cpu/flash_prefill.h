@@ -347,17 +347,17 @@ __attribute__((always_inline)) inline void block(Rows<L * DV>& s, P& products,
         for (int i = 0; i < kColumnRows && r0 + i < rows; ++i)
           for (int c = 0; c < kColumns; ++c) store(acc[r0 + i] + L * (c0 + c), a[i][c]);
       }
-    return;
-  }
-  constexpr int G = RG * 64 / D > 0 ? RG * 64 / D : 1;
-  for (int64_t r0 = 0; r0 < rows; r0 += G) {
-    vf a[G][DV];
-    for (int i = 0; i < G; ++i)
-      for (int c = 0; c < DV; ++c)
-        a[i][c] = r0 + i < rows ? load(acc[r0 + i] + L * c) * alpha[r0 + i] : vf{};
-    products.template values<D, G>(a, r0, nk, vb, s.p);
-    for (int i = 0; i < G && r0 + i < rows; ++i)
-      for (int c = 0; c < DV; ++c) store(acc[r0 + i] + L * c, a[i][c]);
+  } else {  // (whole rows, G at a time: `values`, which the 8-lane int16 products lack)
+    constexpr int G = RG * 64 / D > 0 ? RG * 64 / D : 1;
+    for (int64_t r0 = 0; r0 < rows; r0 += G) {
+      vf a[G][DV];
+      for (int i = 0; i < G; ++i)
+        for (int c = 0; c < DV; ++c)
+          a[i][c] = r0 + i < rows ? load(acc[r0 + i] + L * c) * alpha[r0 + i] : vf{};
+      products.template values<D, G>(a, r0, nk, vb, s.p);
+      for (int i = 0; i < G && r0 + i < rows; ++i)
+        for (int c = 0; c < DV; ++c) store(acc[r0 + i] + L * c, a[i][c]);
+    }
   }
 }
 

@@ -71,6 +71,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("products") = "fp32");
   m.attr("PREFILL_BF16") = flash::bf16::kAvailable;  // whether the bf16 products exist
   m.attr("PREFILL_INT16") = flash::int16::kAvailable;  // whether the int16 products exist
+  // keys a prefill block folds (its probabilities' steps are per block: the twins' blocks)
+  m.attr("PREFILL_KEY_BLOCK") = flash::KB;
   m.def("dequantize_planes_cpu", &dequantize_planes_cpu, "KV planes -> fp32 rows (CPU)");
   m.def("linear_rows_cpu", &linear_rows_cpu, "x W^T + b for a step's rows (CPU, fp32 x)");
   // whether bf16 weights give their fp32 upcast's bits on the row kernels (vector builds; the

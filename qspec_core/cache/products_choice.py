@@ -45,7 +45,7 @@ FILE = "prefill-attention.json"
 # 512-token chunk after 1.5k tokens (about 20 ms in fp32 on two Zen 4 cores)
 PROBE = (14, 2, 64, 512, 1536)
 # bumped when a candidate's kernel changes speed, so every machine measures again
-VERSION = "flash-2"  # (2: 8-lane vectors on AVX2, SDPA a candidate)
+VERSION = "flash-3"  # (2: 8-lane vectors on AVX2, SDPA a candidate; 3: int16 on AVX2)
 
 
 def machine_key() -> str:
