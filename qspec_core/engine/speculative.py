@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kernels import MAX_DRAFTS
 from qspec_core.cache.full import FullPrecisionCache
 from qspec_core.cache.hierarchical import HierarchicalKVCache
 from qspec_core.engine.draft_vocab import DraftVocab
@@ -54,9 +55,6 @@ from qspec_core.engine.verify import (
 from qspec_core.precision import DRAFT, TARGET, Precision
 from qspec_core.runner import Runner
 from qspec_core.timing import StageTimer, StepCosts
-
-GAMMA_MAX = 16
-
 
 # SpecStats' totals (what `add` sums besides the histogram and the sources)
 COUNTS = ("rounds", "drafted", "accepted", "recovered", "bonus")
@@ -87,7 +85,7 @@ class SpecStats:
     accepted: int = 0
     recovered: int = 0
     bonus: int = 0
-    accepted_hist: list[int] = field(default_factory=lambda: [0] * (GAMMA_MAX + 1))
+    accepted_hist: list[int] = field(default_factory=lambda: [0] * (MAX_DRAFTS + 1))
     # the same rounds by draft source (a proposer's `name`, or PLAIN)
     by_source: dict[str, SourceStats] = field(
         default_factory=lambda: {name: SourceStats() for name in SOURCES}
@@ -137,7 +135,7 @@ class SpecStats:
     @classmethod
     def from_dict(cls, d: dict) -> SpecStats:
         """The inverse of `to_dict`."""
-        hist = d["accepted_hist"] + [0] * (GAMMA_MAX + 1 - len(d["accepted_hist"]))
+        hist = d["accepted_hist"] + [0] * (MAX_DRAFTS + 1 - len(d["accepted_hist"]))
         by_source = {
             name: SourceStats(s["rounds"], s["drafted"], s["accepted"])
             for name, s in d["sources"].items()
@@ -232,7 +230,7 @@ def speculative_decode(
     timer = timer or StageTimer()
     stats = stats if stats is not None else SpecStats()
     # a verify feeds gamma + 1 tokens, which must fit the hierarchical cache's slack of G
-    limit = min(GAMMA_MAX, getattr(cache, "group_size", GAMMA_MAX + 1) - 1)
+    limit = min(MAX_DRAFTS, getattr(cache, "group_size", MAX_DRAFTS + 1) - 1)
     if gamma != "auto" and not 1 <= int(gamma) <= limit:
         raise ValueError(f"gamma must be in 1..{limit}")
     own_planner = gamma == "auto" and planner is None  # (a caller's planner keeps its own)
