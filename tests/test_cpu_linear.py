@@ -38,6 +38,7 @@ def test_every_output_is_written():
 
 
 def test_usable_only_for_a_steps_rows():
+    assert cpu_ext.load().MAX_STEP_ROWS == MAX_STEP_ROWS  # (the C++ has it from the build)
     w = torch.randn(8, 16)
     assert cpu_linear.usable(torch.randn(3, 16), w)
     assert cpu_linear.usable(torch.randn(MAX_STEP_ROWS, 16), w)  # gamma 16's verify
