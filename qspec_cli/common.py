@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.text import Text
 
 from kernels import MAX_DRAFTS
-from qspec_core.config import check_kv_group_size
+from qspec_core.config import check_gamma, check_kv_group_size
 from qspec_core.documents import is_stdin, printable, read_document
 from qspec_core.engine.sampling import MIN_TEMPERATURE, SamplingParams
 from qspec_core.engine.session import MODES, ChatSession
@@ -129,8 +129,7 @@ def parse_gamma(value: str) -> int | str:
         gamma = int(value)
     except ValueError:
         raise QspecError(f"--gamma must be a number or 'auto', not {value!r}") from None
-    if not 1 <= gamma <= MAX_DRAFTS:
-        raise QspecError(f"--gamma must be in 1..{MAX_DRAFTS}, not {gamma}")
+    check_gamma(gamma)
     return gamma
 
 

@@ -32,6 +32,7 @@ import torch
 from kernels import MAX_DRAFTS
 from qspec_core.cache.full import FullPrecisionCache
 from qspec_core.cache.hierarchical import HierarchicalKVCache
+from qspec_core.config import check_gamma, gamma_limit
 from qspec_core.engine.draft_vocab import DraftVocab
 from qspec_core.engine.lookup import DocumentLookup
 from qspec_core.engine.planner import RoundPlanner
@@ -229,10 +230,9 @@ def speculative_decode(
     """
     timer = timer or StageTimer()
     stats = stats if stats is not None else SpecStats()
-    # a verify feeds gamma + 1 tokens, which must fit the hierarchical cache's slack of G
-    limit = min(MAX_DRAFTS, getattr(cache, "group_size", MAX_DRAFTS + 1) - 1)
-    if gamma != "auto" and not 1 <= int(gamma) <= limit:
-        raise ValueError(f"gamma must be in 1..{limit}")
+    group_size = getattr(cache, "group_size", None)  # (a hierarchical cache's G)
+    check_gamma(gamma, group_size)
+    limit = gamma_limit(group_size)
     own_planner = gamma == "auto" and planner is None  # (a caller's planner keeps its own)
     if own_planner:
         planner = RoundPlanner.from_costs(limit, costs, start_pos)
