@@ -39,6 +39,7 @@ from qspec_core.engine.planner import RoundPlanner
 from qspec_core.engine.proposers import (
     DocumentDraft,
     DocumentTree,
+    DraftSource,
     Proposer,
     RoundContext,
     SelfDraft,
@@ -60,9 +61,9 @@ from qspec_core.timing import StageTimer, StepCosts
 # SpecStats' totals (what `add` sums besides the histogram and the sources)
 COUNTS = ("rounds", "drafted", "accepted", "recovered", "bonus")
 # the sources every stats dict lists, used or not: the 4-bit path, the document, and none
-# (`--gamma auto` chose a plain target step); another proposer's name adds its own entry
-SOURCES = ("draft", "lookup", "none")
-PLAIN = "none"  # the source of a round that drafted nothing
+# (`--gamma auto` chose a plain target step); any other (the document's trees, another
+# proposer) adds its own entry once it drafts a round
+LISTED = (DraftSource.DRAFT, DraftSource.LOOKUP, DraftSource.NONE)
 
 
 @dataclass
@@ -87,9 +88,9 @@ class SpecStats:
     recovered: int = 0
     bonus: int = 0
     accepted_hist: list[int] = field(default_factory=lambda: [0] * (MAX_DRAFTS + 1))
-    # the same rounds by draft source (a proposer's `name`, or PLAIN)
+    # the same rounds by draft source (a proposer's `name`, or DraftSource.NONE)
     by_source: dict[str, SourceStats] = field(
-        default_factory=lambda: {name: SourceStats() for name in SOURCES}
+        default_factory=lambda: {name: SourceStats() for name in LISTED}
     )
 
     @property
@@ -119,7 +120,7 @@ class SpecStats:
     def count(self, source: str, g: int, n: int, bonus: bool | None = None) -> None:
         """One round: g drafts from `source` (a proposer's name), n of them accepted, ending
         in a bonus token (None: n == g, a chain's; a tree's: its path reached a leaf) or a
-        recovered one; a round of no drafts counts as PLAIN whatever its source."""
+        recovered one; a round of no drafts counts as DraftSource.NONE whatever its source."""
         self.rounds += 1
         self.drafted += g
         self.accepted += n
@@ -128,7 +129,7 @@ class SpecStats:
             self.recovered += 1
         else:
             self.bonus += 1
-        mine = self.source(source if g else PLAIN)
+        mine = self.source(source if g else DraftSource.NONE)
         mine.rounds += 1
         mine.drafted += g
         mine.accepted += n
@@ -147,13 +148,13 @@ class SpecStats:
         """Rounds, drafts and acceptance per draft source: the 4-bit path ("draft"), the
         document ("lookup"), none ("none": `--gamma auto` chose a plain target step), then
         any other proposer's."""
-        names = SOURCES + tuple(name for name in self.by_source if name not in SOURCES)
+        names = LISTED + tuple(name for name in self.by_source if name not in LISTED)
         return {name: self.source(name).to_dict() for name in names}
 
     @property
     def draft_steps(self) -> int:
         """Forward passes on the draft path: the 4-bit self-draft's tokens."""
-        return self.source("draft").drafted
+        return self.source(DraftSource.DRAFT).drafted
 
     def to_dict(self, gamma) -> dict:
         return {
