@@ -42,8 +42,8 @@ from kernels import MAX_STEP_ROWS
 from qspec_core.model.ops import LayerOps
 from qspec_core.precision import Precision
 from qspec_core.quant.prefill_choice import prefill_path
-from qspec_core.runner import kernel_table
 from qspec_core.runner.cpu_stack import build_stack
+from qspec_core.runner.kernel_table import run_linear, run_linears
 from qspec_core.runner.layouts import WeightLayouts
 from qspec_core.runner.reference import OfModel
 
@@ -83,7 +83,7 @@ class CpuOps(LayerOps):
         batch-invariant row kernels for at most MAX_STEP_ROWS rows, else PyTorch's GEMM, the
         twin's own forward, or the INT8 row kernels where this machine measured them fastest."""
         start = time.perf_counter()
-        y = kernel_table.run_linear(layer, x, path.weights, self.prefill_path, self.layouts)
+        y = run_linear(layer, x, path.weights, self.prefill_path, self.layouts)
         self.linear_seconds += time.perf_counter() - start
         return y
 
@@ -91,7 +91,7 @@ class CpuOps(LayerOps):
         """The layers of one input on the table's kernels; a W8A8 prefill's in one call
         (`kernel_table.run_linears`: x rounded once)."""
         start = time.perf_counter()
-        ys = kernel_table.run_linears(layers, x, path.weights, self.prefill_path, self.layouts)
+        ys = run_linears(layers, x, path.weights, self.prefill_path, self.layouts)
         self.linear_seconds += time.perf_counter() - start
         return ys
 
