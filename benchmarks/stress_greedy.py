@@ -26,6 +26,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from kernels import MAX_DRAFTS  # noqa: E402
 from qspec_core.engine.planner import RoundPlanner  # noqa: E402
 from qspec_core.engine.session import SUMMARY_REQUEST, ChatSession  # noqa: E402
 from qspec_core.registry.runtime import load_runtime  # noqa: E402
@@ -122,7 +123,7 @@ def main(argv=None) -> int:
     ap.add_argument("--document", type=Path, default=ROOT / "qspec_core/data/gpl-3.0.txt")
     ap.add_argument("--tokens", type=int, default=3000, help="document tokens kept")
     ap.add_argument("--new", type=int, default=64, help="new tokens per answer")
-    ap.add_argument("--gammas", default="1-16", help="e.g. 1-16 or 1,4,8")
+    ap.add_argument("--gammas", default=f"1-{MAX_DRAFTS}", help="e.g. 1-16 or 1,4,8")
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--forced", type=int, default=4, help="runs with random planner choices")

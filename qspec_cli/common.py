@@ -13,7 +13,8 @@ import typer
 from rich.console import Console
 from rich.text import Text
 
-from qspec_core.config import check_kv_group_size
+from kernels import MAX_DRAFTS
+from qspec_core.config import check_gamma, check_kv_group_size
 from qspec_core.documents import is_stdin, printable, read_document
 from qspec_core.engine.sampling import MIN_TEMPERATURE, SamplingParams
 from qspec_core.engine.session import MODES, ChatSession
@@ -65,8 +66,8 @@ ModeOpt = Annotated[
 GammaOpt = Annotated[
     str,
     typer.Option(
-        help="Draft tokens per round (1-16), or 'auto': each round picks its drafts (4-bit, "
-        "from the document, or none) and their number by the step costs and acceptance "
+        help=f"Draft tokens per round (1-{MAX_DRAFTS}), or 'auto': each round picks its drafts "
+        "(4-bit, from the document, or none) and their number by the step costs and acceptance "
         "measured while decoding, for the most tokens per second."
     ),
 ]
@@ -128,8 +129,7 @@ def parse_gamma(value: str) -> int | str:
         gamma = int(value)
     except ValueError:
         raise QspecError(f"--gamma must be a number or 'auto', not {value!r}") from None
-    if not 1 <= gamma <= 16:
-        raise QspecError(f"--gamma must be in 1..16, not {gamma}")
+    check_gamma(gamma)
     return gamma
 
 

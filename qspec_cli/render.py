@@ -19,6 +19,7 @@ from rich.progress import (
 from rich.table import Table
 from rich.text import Text
 
+from qspec_core.engine.proposers import DraftSource
 from qspec_core.engine.session import ReplyStats
 
 PROGRESS_MIN_TOKENS = 1024  # shorter prefills finish before a bar is worth drawing
@@ -79,7 +80,7 @@ def stats_table(stats: ReplyStats, title: str) -> Table:
             f"per target step · {spec.rounds} rounds: {spec.accepted} accepted, "
             f"{spec.recovered} recovered, {spec.bonus} bonus"
         )
-        if any(src.rounds for name, src in spec.by_source.items() if name != "draft"):
+        if any(src.rounds for name, src in spec.by_source.items() if name != DraftSource.DRAFT):
             table.caption += "\n" + source_line(spec.sources())
         table.caption_justify = "left"
     return table
@@ -89,21 +90,24 @@ def source_line(sources: dict) -> str:
     """Acceptance per draft source: the 4-bit path, the document lookup, the document's
     token trees (tokens accepted of the nodes verified: a tree's alternatives cannot all be)."""
     parts = []
-    for name, label in (("draft", "4-bit drafts"), ("lookup", "document drafts")):
+    for name, label in (
+        (DraftSource.DRAFT, "4-bit drafts"),
+        (DraftSource.LOOKUP, "document drafts"),
+    ):
         src = sources[name]
         if src["drafted"]:
             parts.append(
                 f"{label}: {src['accepted']}/{src['drafted']} accepted "
                 f"({src['acceptance_rate']:.0%}) in {src['rounds']} rounds"
             )
-    tree = sources.get("tree")
+    tree = sources.get(DraftSource.TREE)
     if tree and tree["rounds"]:
         parts.append(
             f"document trees: {tree['accepted']} tokens accepted of {tree['drafted']} nodes "
             f"in {tree['rounds']} rounds"
         )
-    if sources["none"]["rounds"]:
-        parts.append(f"{sources['none']['rounds']} plain target steps")
+    if plain := sources[DraftSource.NONE]["rounds"]:
+        parts.append(f"{plain} plain target steps")
     return " · ".join(parts)
 
 
@@ -251,8 +255,8 @@ def _lookup_cell(spec: dict | None) -> str:
     """Rounds drafted from the document, of all, and their drafts' acceptance."""
     if not spec:
         return ""
-    lookup = spec["sources"]["lookup"]
-    trees = spec["sources"].get("tree", {}).get("rounds", 0)
+    lookup = spec["sources"][DraftSource.LOOKUP]
+    trees = spec["sources"].get(DraftSource.TREE, {}).get("rounds", 0)
     more = f" +{trees} trees" if trees else ""
     if not lookup["rounds"]:
         return f"0{more}"

@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from kernels import MAX_DRAFTS
 from qspec_core.errors import QspecError, UnsupportedModelError
 from qspec_core.families import Family, LayerSpec, family_for, supported_names
 from qspec_core.families import supported_model_types as _supported_model_types
@@ -187,8 +188,7 @@ def check_kv_group_size(
     - G >= 2 and even: the fused attention kernels (C++ and Triton) and the Triton value
       quantizer work on pairs of channels (kernels/triton/hier_attention.py, kv_pack.py);
     - G divides head_dim: values are quantized per token in groups of G channels;
-    - gamma < G: a verify forward feeds gamma + 1 tokens, which must fit the G positions of
-      slack of the full-precision buffer (qspec_core/speculative.py).
+    - gamma < G (`check_gamma`).
     """
     if group_size is not None and (group_size < 2 or group_size % 2):
         raise QspecError(
@@ -203,10 +203,32 @@ def check_kv_group_size(
             f"--group-size {G} does not divide the model's head_dim {head_dim}; use a divisor "
             f"of it (e.g. {head_dim // 2} or {head_dim})"
         )
-    if isinstance(gamma, int) and gamma >= G:
+    check_gamma(gamma, G, g_is_head_dim=not group_size)
+
+
+def gamma_limit(group_size: int | None = None) -> int:
+    """The most drafts a round may verify: MAX_DRAFTS (a verify's gamma + 1 rows are a step
+    of the kernels' `MAX_STEP_ROWS`) and, over a hierarchical cache of KV group `group_size`
+    (None: none), below G: the verify's tokens must fit the G positions of slack of its
+    full-precision buffer (`cache/hierarchical.py`)."""
+    return MAX_DRAFTS if group_size is None else min(MAX_DRAFTS, group_size - 1)
+
+
+def check_gamma(
+    gamma: int | str | None, group_size: int | None = None, g_is_head_dim: bool = False
+) -> None:
+    """Refuse drafts per round (`--gamma`) beyond `gamma_limit(group_size)`: the one check
+    of gamma, which the CLI makes before anything loads and the engine before it decodes.
+    "auto" (each round picks within the limit) and None (no speculative mode) pass.
+    `g_is_head_dim`: G was not chosen but defaults to the model's head_dim (said so)."""
+    if gamma is None or gamma == "auto":
+        return
+    if not 1 <= int(gamma) <= MAX_DRAFTS:
+        raise QspecError(f"--gamma must be in 1..{MAX_DRAFTS}, not {gamma}")
+    if int(gamma) > gamma_limit(group_size):
         raise QspecError(
-            f"--gamma {gamma} needs a KV group size above it (G = {G}"
-            f"{'' if group_size else ', the head_dim'}): use --gamma {G - 1} or less"
+            f"--gamma {gamma} needs a KV group size above it (G = {group_size}"
+            f"{', the head_dim' if g_is_head_dim else ''}): use --gamma {group_size - 1} or less"
         )
 
 

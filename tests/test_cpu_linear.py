@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kernels import MAX_STEP_ROWS
 from kernels.cpu import build as cpu_ext
 from kernels.cpu import linear as cpu_linear
 from kernels.formats import quantize_int8
@@ -37,10 +38,11 @@ def test_every_output_is_written():
 
 
 def test_usable_only_for_a_steps_rows():
+    assert cpu_ext.load().MAX_STEP_ROWS == MAX_STEP_ROWS  # (the C++ has it from the build)
     w = torch.randn(8, 16)
     assert cpu_linear.usable(torch.randn(3, 16), w)
-    assert cpu_linear.usable(torch.randn(cpu_linear.MAX_ROWS, 16), w)  # gamma 16's verify
-    assert not cpu_linear.usable(torch.randn(cpu_linear.MAX_ROWS + 1, 16), w)  # prefill
+    assert cpu_linear.usable(torch.randn(MAX_STEP_ROWS, 16), w)  # gamma 16's verify
+    assert not cpu_linear.usable(torch.randn(MAX_STEP_ROWS + 1, 16), w)  # prefill
     assert cpu_linear.usable(torch.randn(3, 16).bfloat16(), w.bfloat16())  # any float dtype
     assert not cpu_linear.usable(torch.randn(3, 16).to(torch.float64), w)
     assert not cpu_linear.usable(torch.randn(3, 16), w.t().contiguous().t())
@@ -112,7 +114,7 @@ def test_w8a8_usable_needs_whole_chunks():
     q = torch.zeros(8, 128, dtype=torch.int8)
     assert cpu_linear.w8a8_usable(torch.randn(3, 128), q)
     assert not cpu_linear.w8a8_usable(torch.randn(3, 96), torch.zeros(8, 96, dtype=torch.int8))
-    assert not cpu_linear.w8a8_usable(torch.randn(cpu_linear.MAX_ROWS + 1, 128), q)
+    assert not cpu_linear.w8a8_usable(torch.randn(MAX_STEP_ROWS + 1, 128), q)
 
 
 def test_int4_activation_rounding_is_small_and_has_teeth():

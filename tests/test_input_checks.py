@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 from conftest import run_qspec
 
+from kernels import MAX_DRAFTS
 from qspec_core import atomic_write, documents, paths
 from qspec_core.atomic_write import check_output_file
-from qspec_core.config import check_kv_group_size
+from qspec_core.config import check_gamma, check_kv_group_size, gamma_limit
 from qspec_core.documents import read_document
 from qspec_core.engine.sampling import MIN_TEMPERATURE, SamplingParams
 from qspec_core.errors import QspecError
@@ -146,6 +147,22 @@ def test_group_size_against_head_dim_and_gamma(group_size, head_dim, gamma, matc
 )
 def test_group_sizes_that_run(group_size, head_dim, gamma):
     check_kv_group_size(group_size, head_dim, gamma)
+
+
+@pytest.mark.parametrize("gamma", [0, -1, MAX_DRAFTS + 1])
+def test_gamma_must_be_in_one_to_max_drafts(gamma):
+    with pytest.raises(QspecError, match=rf"--gamma must be in 1\.\.{MAX_DRAFTS}, not {gamma}"):
+        check_gamma(gamma)
+
+
+def test_gamma_limit_is_max_drafts_and_below_the_group():
+    assert gamma_limit() == gamma_limit(MAX_DRAFTS + 1) == MAX_DRAFTS
+    assert gamma_limit(8) == 7
+    for gamma in (1, MAX_DRAFTS, "auto", None):
+        check_gamma(gamma)
+    check_gamma(7, 8)
+    with pytest.raises(QspecError, match="use --gamma 7 or less"):
+        check_gamma(8, 8)
 
 
 # ----------------------------------------------------------------------------- cache home

@@ -4,6 +4,7 @@
 import pytest
 import torch
 
+from kernels import MAX_STEP_ROWS
 from kernels.cpu import build as cpu_ext
 from qspec_core.model.transformer import Linear
 from qspec_core.quant.int4 import Int4Linear
@@ -124,7 +125,7 @@ def test_an_input_the_kernel_does_not_take_runs_the_own_forward(draft, weights):
 @pytest.mark.parametrize("rows, measured", [(40, "rows"), (40, "int8pack"), (5, "rows")])
 def test_layers_of_one_input_compute_as_one_at_a_time(rows, measured, monkeypatch):
     """`run_linears` (a layer's q, k, v; gate, up): the numbers of `run_linear` per layer, bit
-    for bit, whether the W8A8 prefill's products run in one call (more than MAX_ROWS rows, the
+    for bit, whether the W8A8 prefill's products run in one call (more than MAX_STEP_ROWS rows, the
     GEMM path measured) or one by one."""
     torch.manual_seed(0)
     layers = [_layer(), _layer(), _layer(draft="plain")]
@@ -140,7 +141,7 @@ def test_layers_of_one_input_compute_as_one_at_a_time(rows, measured, monkeypatc
         got = table.run_linears(group, x, weights, lambda: measured)
         want = [table.run_linear(layer, x, weights, lambda: measured) for layer in group]
         assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
-    fused = rows > table.MAX_ROWS and measured == "rows"
+    fused = rows > MAX_STEP_ROWS and measured == "rows"
     assert one_call == ([1, 1] if fused else [])  # (never for the 4-bit twins: W4A8)
 
 

@@ -14,7 +14,13 @@ from qspec_core.cache.hierarchical import HierarchicalKVCache
 from qspec_core.engine.generate import prefill_hierarchical
 from qspec_core.engine.lookup import DocumentLookup
 from qspec_core.engine.plan import DecodePlan
-from qspec_core.engine.proposers import RoundContext
+from qspec_core.engine.proposers import (
+    DocumentDraft,
+    DocumentTree,
+    DraftSource,
+    RoundContext,
+    SelfDraft,
+)
 from qspec_core.engine.sampling import SamplingParams
 from qspec_core.engine.speculative import SpecStats, speculative_decode
 from qspec_core.engine.tree import DraftTree
@@ -145,6 +151,17 @@ def test_stats_json_is_unchanged_and_round_trips():
     assert restored.sources()["oracle"]["rounds"] == 1 and restored.rounds == 5
     assert restored.sources()["draft"] == d["sources"]["draft"]
     assert SpecStats().to_dict(4)["sources"].keys() == {"draft", "lookup", "none"}
+
+
+def test_the_shipped_sources_are_named_by_their_strings():
+    """`DraftSource` members are the strings the reports, and keys read back, hold."""
+    names = [p.name for p in (SelfDraft, DocumentDraft, DocumentTree)]
+    assert names == ["draft", "lookup", "tree"] and set(DraftSource) >= set(names)
+    stats = SpecStats()
+    stats.count(DraftSource.TREE, 3, 2, bonus=False)
+    text = json.dumps(stats.to_dict(4))
+    assert '"sources": {"draft": {' in text and '"none": {' in text and '"tree": {' in text
+    assert f"{DraftSource.DRAFT}, {DraftSource.TREE!s}" == "draft, tree"
 
 
 def test_one_decode_plan_for_the_bench_and_sessions():

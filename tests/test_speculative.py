@@ -6,12 +6,14 @@ import pytest
 import torch
 from hf_tiny import tiny_hf
 
+from kernels import MAX_DRAFTS
 from qspec_core.cache.hierarchical import HierarchicalKVCache
 from qspec_core.config import ModelConfig
 from qspec_core.engine.generate import decode, prefill_hierarchical
 from qspec_core.engine.sampling import SamplingParams, probabilities
 from qspec_core.engine.speculative import SpecStats, speculative_decode
 from qspec_core.engine.verify import residual_distribution, verify_greedy, verify_sampling
+from qspec_core.errors import QspecError
 from qspec_core.model.checkpoint import build_model
 from qspec_core.model.transformer import attach_draft, linear_layers
 from qspec_core.precision import FP, TARGET
@@ -194,6 +196,15 @@ def test_transactions_leave_exactly_the_committed_kv(pattern):
     out, cache = _run(model, prompt, 40, "quantspec", 4, verifier=_forced(pattern))
     replay = assert_replays(model, prompt, out, cache)
     assert replay.n_quant == cache.n_quant
+
+
+@pytest.mark.parametrize(
+    "gamma, match", [(16, "--gamma 16 needs a KV group size above it"), (MAX_DRAFTS + 1, "1..")]
+)
+def test_the_engine_refuses_a_gamma_no_round_can_verify(gamma, match):
+    """The CLI's check (`config.check_gamma`), made again for library callers: G = 16 here."""
+    with pytest.raises(QspecError, match=match):
+        _run(_model(), [1, 2, 3], 5, "quantspec", gamma)
 
 
 def test_cancel_between_draft_and_verify_restores_the_committed_cache():

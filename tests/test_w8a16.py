@@ -1,6 +1,6 @@
 """W8A16: per-channel INT8 quantization (`kernels/formats.py`), the PyTorch twin, the Triton
 kernel under the interpreter, and the CPU paths of an INT8 linear: qspec's batch-invariant
-kernel for a step's rows (at most `cpu_linear.MAX_ROWS`, chosen by the CPU runner), torch's
+kernel for a step's rows (at most `MAX_STEP_ROWS`, chosen by the CPU runner), torch's
 int8 kernel for more (prefill, `Int8Linear.forward`).
 
 conftest.py sets TRITON_INTERPRET=1 before any import, so `_launch` really runs Triton here.
@@ -14,8 +14,8 @@ from conftest import fresh_machine_choice
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from kernels import MAX_STEP_ROWS
 from kernels.cpu import build as cpu_ext
-from kernels.cpu import linear as cpu_linear
 from kernels.formats import dequantize_int8, quantize_int8
 from kernels.triton import w8a16
 from kernels.triton.w8a16 import _launch, w8a16_matmul, w8a16_ref
@@ -141,12 +141,12 @@ def test_ref_rejects_bad_shapes():
 
 # ---------------------------------------------------------------------------------------------
 # Int8Linear on CPU: a step's rows through qspec's kernel, more through torch's int8 kernel
-PREFILL_ROWS = cpu_linear.MAX_ROWS + 7  # past the step kernel: torch's int8 kernel
+PREFILL_ROWS = MAX_STEP_ROWS + 7  # past the step kernel: torch's int8 kernel
 
 
 @pytest.mark.skipif(not cpu_ext.available(), reason="no C++ compiler here")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("m", [1, 5, cpu_linear.MAX_ROWS])
+@pytest.mark.parametrize("m", [1, 5, MAX_STEP_ROWS])
 def test_cpu_step_rows_use_the_fp32_kernel(m, dtype, op_calls):
     """A decode or verify step: fp32 activations (bf16 ones upcast exactly), fp32 sums, so the
     error vs the fp64 dequantized product is fp32 rounding: <= (K + 2) u32 (|x| @ |W|^T),
@@ -344,10 +344,10 @@ def test_w8a8_rows_and_prefill_round_the_activations_alike(m, op_calls):
         y = CpuOps(cpu_ext.load()).linear(outer, x, W8.with_weights("w8a8"))
         ref = w8a16_ref(quantize_activations(x), layer.weight_int8, layer.weight_scale, layer.bias)
         w8a16 = w8a16_ref(x, layer.weight_int8, layer.weight_scale, layer.bias)
-    assert (op_calls == []) == (m <= cpu_linear.MAX_ROWS)  # the step kernel; else PyTorch's
-    bound = 2 * BF16_U * magnitude(x, layer) if m > cpu_linear.MAX_ROWS else 1e-4
+    assert (op_calls == []) == (m <= MAX_STEP_ROWS)  # the step kernel; else PyTorch's
+    bound = 2 * BF16_U * magnitude(x, layer) if m > MAX_STEP_ROWS else 1e-4
     assert bool(((y.double() - ref.double()).abs() <= bound).all())
-    if m <= cpu_linear.MAX_ROWS:  # (a prefill's bf16 rounding is of the activations' size)
+    if m <= MAX_STEP_ROWS:  # (a prefill's bf16 rounding is of the activations' size)
         assert (y - w8a16).abs().max() > 10 * (y - ref).abs().max()
 
 

@@ -62,6 +62,7 @@ from typing import TextIO
 
 import torch
 
+from kernels import MAX_STEP_ROWS
 from kernels.cpu import features
 
 try:
@@ -250,6 +251,9 @@ def compile_flags(isa: str, have: features.CpuFeatures | None = None) -> list[st
         isa_flags = (*isa_flags, *native_exclusions(have))
     # -fopenmp: at::parallel_for's OpenMP backend lives in headers; without it, serial
     flags = ["-O3", *isa_flags, "-ffast-math", "-fno-finite-math-only", "-fopenmp"]
+    # the step's row limit, defined once in Python (kernels/__init__.py): as a flag, `_tag`
+    # hashes it, so a new value rebuilds
+    flags.append(f"-DQSPEC_MAX_STEP_ROWS={MAX_STEP_ROWS}")
     if names := sanitizers():
         # -O1 -g: readable reports; -fno-sanitize-recover: the first finding stops the process
         flags[0] = "-O1"

@@ -18,8 +18,12 @@ void dequantize_planes_cpu(at::Tensor upper, at::Tensor lower, at::Tensor scale,
                            at::Tensor zero, int64_t group_size, bool per_channel, bool int8,
                            at::Tensor out);
 // linear.cpp
-// The most rows a decode or verify step hands the few-row kernels: gamma + 1 for gamma <= 16.
-constexpr int64_t kMaxStepRows = 17;
+// The most rows a decode or verify step hands the few-row kernels: gamma + 1, from the one
+// definition in Python (kernels/__init__.py's MAX_STEP_ROWS), which the build passes
+#ifndef QSPEC_MAX_STEP_ROWS
+#error "QSPEC_MAX_STEP_ROWS undefined: build with kernels/cpu/build.py's compile_flags()"
+#endif
+constexpr int64_t kMaxStepRows = QSPEC_MAX_STEP_ROWS;
 at::Tensor linear_rows_cpu(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> b);
 at::Tensor int8_rows_cpu(at::Tensor x, at::Tensor w, at::Tensor scale,
                             c10::optional<at::Tensor> b);

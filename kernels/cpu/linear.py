@@ -3,18 +3,20 @@
 `linear(x, weight, bias)` equals `F.linear` (its twin, which the tests compare it against)
 to rounding; `int8_linear(x, q, scale, bias)` equals `kernels.formats.dequantize_int8` then
 `F.linear` to rounding; `w8a8_linear` the same with the activations rounded to int8 per 64
-inputs first (`w8a8_linear_ref`, its twin). All serve inputs of at most `MAX_ROWS` rows (a
-draft step's 1, a verify's gamma + 1 <= 17) and are **batch-invariant**: a row's result does
-not depend on how many rows share the call, so a token's target logits inside a verify are
-bit for bit those of the same token decoded alone (what greedy QuantSpec == target-ar rests
-on). Activations of any float dtype are upcast to fp32 exactly; the result is cast back.
-`usable` / `int8_usable` / `w8a8_usable` say when they apply, else callers use PyTorch.
+inputs first (`w8a8_linear_ref`, its twin). All serve inputs of at most `MAX_STEP_ROWS`
+rows (`kernels/__init__.py`: a draft step's 1, a verify's gamma + 1) and are
+**batch-invariant**: a row's result does not depend on how many rows share the call, so a
+token's target logits inside a verify are bit for bit those of the same token decoded alone
+(what greedy QuantSpec == target-ar rests on). Activations of any float dtype are upcast to
+fp32 exactly; the result is cast back. `usable` / `int8_usable` / `w8a8_usable` say when they
+apply, else callers use PyTorch.
 """
 
 from __future__ import annotations
 
 import torch
 
+from kernels import MAX_STEP_ROWS
 from kernels.cpu import build as cpu_ext
 from kernels.formats import (
     ACT_CHUNK,
@@ -24,7 +26,6 @@ from kernels.formats import (
     unpack_int4,
 )
 
-MAX_ROWS = 17  # gamma + 1 for gamma <= 16 (`kMaxStepRows` in kernels.h)
 INT4_MAX_ROWS = 8  # the draft's W4A8 kernel: draft steps are one token
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -40,7 +41,7 @@ def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
         and weight.dtype in FLOATS
         and weight.device.type == "cpu"
         and weight.is_contiguous()
-        and 1 <= rows(x) <= MAX_ROWS
+        and 1 <= rows(x) <= MAX_STEP_ROWS
         and cpu_ext.available()
     )
 
@@ -53,7 +54,7 @@ def _module():
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [..., K] @ weight[N, K]^T + bias -> [..., N] in x.dtype, at most MAX_ROWS rows."""
+    """x [..., K] @ weight[N, K]^T + bias -> [..., N] in x.dtype, at most MAX_STEP_ROWS rows."""
     flat = x.reshape(-1, x.shape[-1]).float()
     out = _module().linear_rows_cpu(flat, weight, bias)
     return out.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
@@ -70,14 +71,14 @@ def int8_usable(x: torch.Tensor, weight_int8: torch.Tensor) -> bool:
         x.device.type == "cpu"
         and x.dtype in FLOATS
         and int8_weight_ok(weight_int8)
-        and 1 <= rows(x) <= MAX_ROWS
+        and 1 <= rows(x) <= MAX_STEP_ROWS
         and cpu_ext.available()
     )
 
 
 def int8_linear(x, weight_int8, scale, bias=None) -> torch.Tensor:
     """x [..., K] through int8 weights [N, K] with an fp32 scale per row (W = q * scale):
-    fp32 accumulation of x q, then scale and bias, in x.dtype, at most MAX_ROWS rows."""
+    fp32 accumulation of x q, then scale and bias, in x.dtype, at most MAX_STEP_ROWS rows."""
     flat = x.reshape(-1, x.shape[-1]).float()
     out = _module().int8_rows_cpu(flat, weight_int8, scale, bias)
     return out.to(x.dtype).view(*x.shape[:-1], weight_int8.shape[0])
@@ -95,11 +96,11 @@ def w8a8_linear(x, weight_int8, scale, bias=None) -> torch.Tensor:
     """x [..., K] (K % 64 == 0) rounded to int8 per 64 inputs, through int8 weights [N, K] with
     an fp32 scale per row: integer dot products per 64 inputs, summed with the activations'
     steps, then scale and bias; in x.dtype. Batch-invariant. Any number of rows: beyond
-    MAX_ROWS (a prefill) the C++ runs `int_gemm.h`: on x86 (AVX2, AVX-VNNI, AVX-512 VNNI) a GEMM
-    that sums each chunk in one lane (`w8a8_prefill_ref` bit for bit: a decode step's result to fp32
-    rounding, itself batch-invariant), else the step's blocks on a GEMM schedule (a decode
-    step's bits); `prefill_lanes()` says which (`w8a8_usable` checks a step's size; callers
-    check a prefill's on one of its rows)."""
+    MAX_STEP_ROWS (a prefill) the C++ runs `int_gemm.h`: on x86 (AVX2, AVX-VNNI, AVX-512
+    VNNI) a GEMM that sums each chunk in one lane (`w8a8_prefill_ref` bit for bit: a decode
+    step's result to fp32 rounding, itself batch-invariant), else the step's blocks on a GEMM
+    schedule (a decode step's bits); `prefill_lanes()` says which (`w8a8_usable` checks a
+    step's size; callers check a prefill's on one of its rows)."""
     flat = x.reshape(-1, x.shape[-1]).float()
     out = _module().w8a8_rows_cpu(flat, weight_int8, scale, bias)
     return out.to(x.dtype).view(*x.shape[:-1], weight_int8.shape[0])
@@ -107,7 +108,7 @@ def w8a8_linear(x, weight_int8, scale, bias=None) -> torch.Tensor:
 
 def w8a8_prefill(x: torch.Tensor, weights: list[tuple]) -> list[torch.Tensor]:
     """[`w8a8_linear(x, *w)` for w in weights] (each (weight_int8, scale, bias)) for a
-    prefill's x [..., K] of more than MAX_ROWS rows, in one call (a layer's q, k, v; gate,
+    prefill's x [..., K] of more than MAX_STEP_ROWS rows, in one call (a layer's q, k, v; gate,
     up): on x86 x rounded once and every product in one parallel region, elsewhere one product
     after another. Each output bit for bit as `w8a8_linear` makes it alone."""
     flat = x.reshape(-1, x.shape[-1]).float()
@@ -140,7 +141,7 @@ def w8a8_linear_ref(x, weight_int8, scale, bias=None) -> torch.Tensor:
 
 
 def prefill_lanes() -> bool:
-    """Whether this build's W8A8 products of more than MAX_ROWS rows (a prefill) sum each
+    """Whether this build's W8A8 products of more than MAX_STEP_ROWS rows (a prefill) sum each
     64-input chunk's integer dot in one lane (`int_gemm.h`, `w8a8_prefill_ref` bit for bit);
     False: they run the step kernels' blocks, a decode step's bits for every row."""
     return bool(_module().W8A8_PREFILL_LANES)

@@ -1,4 +1,4 @@
-// A decode-sized forward (at most kMaxStepRows = 17 tokens) through every decoder layer in one C++ call.
+// A decode-sized forward (at most kMaxStepRows tokens) through every decoder layer in one C++ call.
 //
 // A 135M-parameter model makes about 25 PyTorch calls per layer in a decode step; from Python
 // each costs 3-15 us on this class of CPU, which adds up to as much as the arithmetic of the

@@ -89,8 +89,8 @@ def linear_clock(runner) -> Callable[[StageTimer], None]:
     """A stopwatch of the runner's linears from now: called with a timer, it adds the seconds
     its layer loop spent in linears since to stage "prefill.linears". Runners that do not
     count them (`linear_seconds`: the CPU runner's; a GPU's calls are asynchronous) add
-    nothing; a chunk of at most 17 rows that runs on the CPU runner's C++ step stack (an fp32
-    model, a cache with a C++ side) is in no stage."""
+    nothing; a chunk of at most `kernels.MAX_STEP_ROWS` rows that runs on the CPU runner's
+    C++ step stack (an fp32 model, a cache with a C++ side) is in no stage."""
     start = getattr(runner, "linear_seconds", None)
     if start is None:
         return lambda timer: None

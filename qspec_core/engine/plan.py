@@ -15,6 +15,7 @@ from qspec_core.engine.draft_vocab import COMMON_IDS, DraftVocab
 from qspec_core.engine.generate import decode
 from qspec_core.engine.lookup import DocumentLookup
 from qspec_core.engine.planner import RoundPlanner
+from qspec_core.engine.proposers import DraftSource
 from qspec_core.engine.sampling import SamplingParams
 from qspec_core.engine.speculative import SpecStats, speculative_decode
 from qspec_core.precision import Precision
@@ -77,7 +78,7 @@ class DecodePlan:
             return decode(*common, stop_ids, path=self.target, timer=timer), None
         index = None
         if self.lookup:
-            with timer.stage("lookup"):  # (a copy of the ids: searched when asked)
+            with timer.stage(DraftSource.LOOKUP):  # (a copy of the ids: searched when asked)
                 index = DocumentLookup(prompt)
         vocab = None
         if self.draft_common is not None:  # (slicing the head: a few ms, at the first draft)

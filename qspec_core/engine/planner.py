@@ -49,19 +49,22 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from qspec_core.engine.proposers import DraftSource
 from qspec_core.engine.tree import DraftTree, priced_tree
 from qspec_core.timing import StepCosts
 
 DECAY = 0.9  # weight of the past in the acceptance estimates: about the last 10 rounds
 RECENT = 16  # timings kept per kind
-PRIOR_ACCEPTANCE = {"draft": 0.7, "lookup": 0.6}  # until measured; weight PRIOR_TOKENS
+# until measured; weight PRIOR_TOKENS
+PRIOR_ACCEPTANCE = {DraftSource.DRAFT: 0.7, DraftSource.LOOKUP: 0.6}
 PRIOR_TOKENS = 2.0
 SLOPE_PRIOR = 0.1  # v(m) = v(1) (1 + 0.1 (m - 1)) until two row counts have been timed
 EXPLORE_EVERY = 32  # rounds without a 4-bit draft before one may be tried again
 OPTIMISM = 0.1  # acceptance added to the 4-bit path's when deciding whether to try it again
 START_GAMMA = 2  # the first round drafts this many on the 4-bit path, to time a step
 RETRY_FREE = 8  # offers of a free source passed over before it is tried for one token
-WHOLE = ("tree",)  # sources whose proposal is verified whole: rated per round, not per token
+# sources whose proposal is verified whole: rated per round, not per token
+WHOLE = (DraftSource.TREE,)
 
 
 def expected_tokens(acceptance: float, k: int) -> float:
@@ -153,7 +156,7 @@ class RoundPlanner:
 
     def acceptance(self, source: str) -> float:
         acc, tested = self.accepted.get(source), self.tested.get(source)
-        prior = PRIOR_ACCEPTANCE.get(source, PRIOR_ACCEPTANCE["lookup"])
+        prior = PRIOR_ACCEPTANCE.get(source, PRIOR_ACCEPTANCE[DraftSource.LOOKUP])
         a = (acc.total if acc else 0.0) + prior * PRIOR_TOKENS
         t = (tested.total if tested else 0.0) + PRIOR_TOKENS
         return min(a / t, 0.999)
@@ -166,7 +169,7 @@ class RoundPlanner:
             return DraftTree([], [])
         base = v(1)
         tree, expected = priced_tree(
-            paths, self.acceptance("lookup"), base, v(2) - base, min(limit, self.limit)
+            paths, self.acceptance(DraftSource.LOOKUP), base, v(2) - base, min(limit, self.limit)
         )
         self.shaped = expected - 1
         return tree
@@ -209,18 +212,18 @@ class RoundPlanner:
         """offers: proposer name -> how many tokens it could draft now (`proposers.py`)."""
         d, v = self.draft_step.value, self.verify_line()
         if len(self.draft_step) < 2 or v is None:
-            return "draft", min(START_GAMMA, self.limit)  # time a draft step and a verify
+            return DraftSource.DRAFT, min(START_GAMMA, self.limit)  # time a draft step and a verify
         if 1 not in self.verify:
             # Time a plain step next: it is target-ar's own step, so it never loses against
             # it, and every option is priced against it. Guessed from the timing round's
             # verify by SLOPE_PRIOR, it was 1.6x too dear on a CPU whose extra verify rows
             # cost 0.45 of a step, and the planner then drafted at a loss for a whole answer.
-            return "draft", 0
-        best, best_rate = ("draft", 0), 0.0
+            return DraftSource.DRAFT, 0
+        best, best_rate = (DraftSource.DRAFT, 0), 0.0
         # the 4-bit path first: on a tie the earlier option stays
-        for source in sorted(offers, key=lambda name: name != "draft"):
+        for source in sorted(offers, key=lambda name: name != DraftSource.DRAFT):
             # the 4-bit path pays a draft step per token, any other source only the verify
-            stepped = source == "draft"
+            stepped = source == DraftSource.DRAFT
             step, most = (d, self.limit) if stepped else (0.0, min(offers[source], self.limit))
             if not stepped and most < 1:
                 continue  # (nothing offered)
@@ -231,30 +234,32 @@ class RoundPlanner:
             if rate > best_rate:
                 best, best_rate = (source, k), rate
         # (counted against plain steps only: where the 4-bit path wins, its rounds pay more)
-        if best[0] != "draft":
+        if best[0] != DraftSource.DRAFT:
             self.passed_over = 0
         elif not best[1] and self.limit >= 1:
-            free = [name for name in sorted(offers) if name != "draft" and offers[name] > 0]
+            free = [
+                name for name in sorted(offers) if name != DraftSource.DRAFT and offers[name] > 0
+            ]
             self.passed_over += bool(free)
             if self.passed_over > RETRY_FREE:
                 self.passed_over = 0
                 self.retries += 1
                 name = free[self.retries % len(free)]
                 return name, min(offers[name], self.limit) if name in WHOLE else 1
-        if best[0] == "draft" and best[1] or self.rounds_since_draft < EXPLORE_EVERY:
+        if best[0] == DraftSource.DRAFT and best[1] or self.rounds_since_draft < EXPLORE_EVERY:
             return best
         # Time to try the 4-bit path again (its acceptance may have moved), but only where it
         # could win: at OPTIMISM more acceptance than measured. Where it loses even then (a
         # CPU whose draft step costs most of a target step), no round is spent on it.
-        a = min(self.acceptance("draft") + OPTIMISM, 0.999)
+        a = min(self.acceptance(DraftSource.DRAFT) + OPTIMISM, 0.999)
         k, rate = _best_length(a, d, v, 1, self.limit)
-        return ("draft", k) if rate >= best_rate else best
+        return (DraftSource.DRAFT, k) if rate >= best_rate else best
 
     def record(self, source, k, n, draft_seconds, verify_seconds, step_seconds=None) -> None:
         """A round of k drafts from `source` with n accepted; its measured stage seconds, and
         each 4-bit draft step's where known (`SelfDraft.step_seconds`): then one round gives
         the two timings the start needs, its first step's cold start one of them."""
-        if source == "draft" and k:
+        if source == DraftSource.DRAFT and k:
             for seconds in step_seconds or [draft_seconds / k]:
                 self.draft_step.add(seconds)
             self.rounds_since_draft = 0

@@ -6,8 +6,9 @@ from it (`propose`), verifies them, and tells every proposer what was emitted (`
 Three sources ship: the 4-bit self-draft (`SelfDraft`: k forward passes on the draft path),
 the document lookup (`DocumentDraft`: the tokens that followed the context's tail earlier in
 it, `lookup.py`), and the document's token tree (`DocumentTree`: the continuations of several
-earlier occurrences at once, merged where they agree, `tree.py`). Another one only has to
-follow the protocol; its round counts appear in `SpecStats` under its `name`.
+earlier occurrences at once, merged where they agree, `tree.py`), named by `DraftSource`.
+Another one only has to follow the protocol; its round counts appear in `SpecStats` under its
+`name`.
 
 `propose` returns a `DraftTree` (a chain, `DraftTree.chain`, for the first two) with the draft
 distributions q [k, V], or None for a point mass on each token (a deterministic proposal, or a
@@ -21,6 +22,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from enum import Enum
 from typing import Protocol
 
 import torch
@@ -31,6 +33,19 @@ from qspec_core.engine.sampling import SamplingParams, probabilities
 from qspec_core.engine.tree import TREE_DEPTH, TREE_WIDTH, DraftTree
 from qspec_core.precision import Precision
 from qspec_core.timing import StageTimer
+
+
+class DraftSource(str, Enum):
+    """The names a round's drafts are counted, planned and timed under (a proposer's `name`,
+    `SpecStats`' keys, the planner's, timer stages): strings, so that JSON reports and keys read
+    back from them stay what they were."""
+
+    DRAFT = "draft"  # the 4-bit self-draft (`SelfDraft`)
+    LOOKUP = "lookup"  # the document lookup (`DocumentDraft`)
+    TREE = "tree"  # the document's token tree (`DocumentTree`)
+    NONE = "none"  # no proposer: the round drafted nothing (a plain target step)
+
+    __str__ = str.__str__  # "draft" in messages too, not "DraftSource.DRAFT" (3.11's StrEnum)
 
 
 @dataclass(frozen=True)
@@ -90,7 +105,7 @@ class SelfDraft:
     whole head; a decode that drafts once never slices it). `step_seconds`: each draft
     step's wall time in the last `propose`."""
 
-    name = "draft"
+    name = DraftSource.DRAFT
 
     def __init__(
         self,
@@ -148,7 +163,7 @@ class SelfDraft:
 class DocumentDraft:
     """Drafts copied from the context (`DocumentLookup`): no forward pass, a point mass q."""
 
-    name = "lookup"
+    name = DraftSource.LOOKUP
 
     def __init__(self, index: DocumentLookup, timer: StageTimer):
         self.index, self.timer = index, timer
@@ -179,7 +194,7 @@ class DocumentTree:
     chain is the same round. Shares the lookup's index (`DocumentDraft` extends it);
     point-mass q."""
 
-    name = "tree"
+    name = DraftSource.TREE
 
     def __init__(self, lookup: DocumentDraft, timer: StageTimer, shape=None):
         self.lookup, self.timer, self.shape = lookup, timer, shape

@@ -29,14 +29,17 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kernels import MAX_DRAFTS
 from qspec_core.cache.full import FullPrecisionCache
 from qspec_core.cache.hierarchical import HierarchicalKVCache
+from qspec_core.config import check_gamma, gamma_limit
 from qspec_core.engine.draft_vocab import DraftVocab
 from qspec_core.engine.lookup import DocumentLookup
 from qspec_core.engine.planner import RoundPlanner
 from qspec_core.engine.proposers import (
     DocumentDraft,
     DocumentTree,
+    DraftSource,
     Proposer,
     RoundContext,
     SelfDraft,
@@ -55,15 +58,12 @@ from qspec_core.precision import DRAFT, TARGET, Precision
 from qspec_core.runner import Runner
 from qspec_core.timing import StageTimer, StepCosts
 
-GAMMA_MAX = 16
-
-
 # SpecStats' totals (what `add` sums besides the histogram and the sources)
 COUNTS = ("rounds", "drafted", "accepted", "recovered", "bonus")
 # the sources every stats dict lists, used or not: the 4-bit path, the document, and none
-# (`--gamma auto` chose a plain target step); another proposer's name adds its own entry
-SOURCES = ("draft", "lookup", "none")
-PLAIN = "none"  # the source of a round that drafted nothing
+# (`--gamma auto` chose a plain target step); any other (the document's trees, another
+# proposer) adds its own entry once it drafts a round
+LISTED = (DraftSource.DRAFT, DraftSource.LOOKUP, DraftSource.NONE)
 
 
 @dataclass
@@ -87,10 +87,10 @@ class SpecStats:
     accepted: int = 0
     recovered: int = 0
     bonus: int = 0
-    accepted_hist: list[int] = field(default_factory=lambda: [0] * (GAMMA_MAX + 1))
-    # the same rounds by draft source (a proposer's `name`, or PLAIN)
+    accepted_hist: list[int] = field(default_factory=lambda: [0] * (MAX_DRAFTS + 1))
+    # the same rounds by draft source (a proposer's `name`, or DraftSource.NONE)
     by_source: dict[str, SourceStats] = field(
-        default_factory=lambda: {name: SourceStats() for name in SOURCES}
+        default_factory=lambda: {name: SourceStats() for name in LISTED}
     )
 
     @property
@@ -120,7 +120,7 @@ class SpecStats:
     def count(self, source: str, g: int, n: int, bonus: bool | None = None) -> None:
         """One round: g drafts from `source` (a proposer's name), n of them accepted, ending
         in a bonus token (None: n == g, a chain's; a tree's: its path reached a leaf) or a
-        recovered one; a round of no drafts counts as PLAIN whatever its source."""
+        recovered one; a round of no drafts counts as DraftSource.NONE whatever its source."""
         self.rounds += 1
         self.drafted += g
         self.accepted += n
@@ -129,7 +129,7 @@ class SpecStats:
             self.recovered += 1
         else:
             self.bonus += 1
-        mine = self.source(source if g else PLAIN)
+        mine = self.source(source if g else DraftSource.NONE)
         mine.rounds += 1
         mine.drafted += g
         mine.accepted += n
@@ -137,7 +137,7 @@ class SpecStats:
     @classmethod
     def from_dict(cls, d: dict) -> SpecStats:
         """The inverse of `to_dict`."""
-        hist = d["accepted_hist"] + [0] * (GAMMA_MAX + 1 - len(d["accepted_hist"]))
+        hist = d["accepted_hist"] + [0] * (MAX_DRAFTS + 1 - len(d["accepted_hist"]))
         by_source = {
             name: SourceStats(s["rounds"], s["drafted"], s["accepted"])
             for name, s in d["sources"].items()
@@ -148,13 +148,13 @@ class SpecStats:
         """Rounds, drafts and acceptance per draft source: the 4-bit path ("draft"), the
         document ("lookup"), none ("none": `--gamma auto` chose a plain target step), then
         any other proposer's."""
-        names = SOURCES + tuple(name for name in self.by_source if name not in SOURCES)
+        names = LISTED + tuple(name for name in self.by_source if name not in LISTED)
         return {name: self.source(name).to_dict() for name in names}
 
     @property
     def draft_steps(self) -> int:
         """Forward passes on the draft path: the 4-bit self-draft's tokens."""
-        return self.source("draft").drafted
+        return self.source(DraftSource.DRAFT).drafted
 
     def to_dict(self, gamma) -> dict:
         return {
@@ -231,10 +231,9 @@ def speculative_decode(
     """
     timer = timer or StageTimer()
     stats = stats if stats is not None else SpecStats()
-    # a verify feeds gamma + 1 tokens, which must fit the hierarchical cache's slack of G
-    limit = min(GAMMA_MAX, getattr(cache, "group_size", GAMMA_MAX + 1) - 1)
-    if gamma != "auto" and not 1 <= int(gamma) <= limit:
-        raise ValueError(f"gamma must be in 1..{limit}")
+    group_size = getattr(cache, "group_size", None)  # (a hierarchical cache's G)
+    check_gamma(gamma, group_size)
+    limit = gamma_limit(group_size)
     own_planner = gamma == "auto" and planner is None  # (a caller's planner keeps its own)
     if own_planner:
         planner = RoundPlanner.from_costs(limit, costs, start_pos)

@@ -18,7 +18,7 @@ persistent, so `safetensors.torch.save_file(layer.state_dict(), path)` and
 Forward paths:
 
 - CUDA: the Triton kernel `kernels.triton.w8a16.w8a16_matmul` (fp32 accumulation, x.dtype out).
-- CPU, a decode or verify step (at most `kernels.cpu.linear.MAX_ROWS` rows), chosen by the
+- CPU, a decode or verify step (at most `kernels.MAX_STEP_ROWS` rows), chosen by the
   CPU runner (`qspec_core/runner/cpu.py`), not here: qspec's C++ kernel
   `kernels.cpu.linear.int8_linear`: fp32 activations, fp32 accumulation of x q in a fixed
   order, then the scale and bias; batch-invariant (a row's result does not depend on how many

@@ -4,7 +4,7 @@ Built by `build_runner` (`__init__.py`) for a model on a CPU where the kernels a
 whose layer they compute (`LayerSpec.native_ok()`: the Llama-style layer). Two loops run the
 layers, and the runner picks one per forward:
 
-- a decode or verify step (at most `MAX_ROWS` = gamma + 1 <= 17 rows) in fp32 runs every
+- a decode or verify step (at most `MAX_STEP_ROWS` = gamma + 1 rows) in fp32 runs every
   decoder layer in one C++ call (`DecoderStack`, built per weight set by `cpu_stack.py`, owned
   by this runner) when the cache has a C++ side (`cache.native`, `cache.native_step`:
   `cache/protocol.py`): the stack takes the cache's object and the step it fills, and writes
@@ -15,7 +15,7 @@ layers, and the runner picks one per forward:
   `CpuOps.linear`, which runs the kernel `kernel_table.py` chooses (the stack's builder reads
 the same table, so the choice exists once).
 
-The table runs every linear of a step (at most `MAX_ROWS` rows) on a batch-invariant
+The table runs every linear of a step (at most `MAX_STEP_ROWS` rows) on a batch-invariant
 few-row kernel (`kernels/cpu/linear.cpp`, and `int_dot.cpp` for the int8-activation sets
 "w8a8" and the draft's "int4"): a row's result does not depend on how many rows share the call,
 so a token's logits inside a verify are bit for bit those of the same token decoded alone, in
@@ -38,15 +38,14 @@ import time
 import torch
 import torch.nn.functional as F
 
+from kernels import MAX_STEP_ROWS
 from qspec_core.model.ops import LayerOps
 from qspec_core.precision import Precision
 from qspec_core.quant.prefill_choice import prefill_path
-from qspec_core.runner import kernel_table
 from qspec_core.runner.cpu_stack import build_stack
+from qspec_core.runner.kernel_table import run_linear, run_linears
 from qspec_core.runner.layouts import WeightLayouts
 from qspec_core.runner.reference import OfModel
-
-MAX_ROWS = kernel_table.MAX_ROWS
 
 
 class CpuOps(LayerOps):
@@ -81,10 +80,10 @@ class CpuOps(LayerOps):
 
     def linear(self, layer, x: torch.Tensor, path: Precision) -> torch.Tensor:
         """`layer(x, path)` (a `model.Linear`) on the kernel `kernel_table.py` chooses: the
-        batch-invariant row kernels for at most MAX_ROWS rows, else PyTorch's GEMM, the
+        batch-invariant row kernels for at most MAX_STEP_ROWS rows, else PyTorch's GEMM, the
         twin's own forward, or the INT8 row kernels where this machine measured them fastest."""
         start = time.perf_counter()
-        y = kernel_table.run_linear(layer, x, path.weights, self.prefill_path, self.layouts)
+        y = run_linear(layer, x, path.weights, self.prefill_path, self.layouts)
         self.linear_seconds += time.perf_counter() - start
         return y
 
@@ -92,7 +91,7 @@ class CpuOps(LayerOps):
         """The layers of one input on the table's kernels; a W8A8 prefill's in one call
         (`kernel_table.run_linears`: x rounded once)."""
         start = time.perf_counter()
-        ys = kernel_table.run_linears(layers, x, path.weights, self.prefill_path, self.layouts)
+        ys = run_linears(layers, x, path.weights, self.prefill_path, self.layouts)
         self.linear_seconds += time.perf_counter() - start
         return ys
 
@@ -159,7 +158,7 @@ class CpuRunner(OfModel):
             return model(tokens, input_pos, cache, path, last_only, head=head)  # (plain model)
         step = stack = native = None
         B, T = tokens.shape
-        if B * T <= MAX_ROWS and model.dtype == torch.float32:
+        if B * T <= MAX_STEP_ROWS and model.dtype == torch.float32:
             model.check_path(path)
             stack = self.stack(path.weights)
             native = getattr(cache, "native", None) if stack is not None else None

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from kernels.cpu import linear as cpu_linear
-from qspec_core.runner import kernel_table
+from qspec_core.runner.kernel_table import step_kernel, weight_format
 
 
 def build_stack(model, weights: str, ext, layouts=None):
@@ -58,8 +58,8 @@ def _add_linear(stack, linear, weights: str, layouts=None) -> bool:
     `CpuOps.linear` runs); False when the C++ loop cannot run it: no stack kernel for the
     format, or tensors the C++ does not take."""
     twin = linear.twin(weights)
-    fmt = kernel_table.weight_format(linear, weights, twin)
-    add = kernel_table.step_kernel(fmt).stack
+    fmt = weight_format(linear, weights, twin)
+    add = step_kernel(fmt).stack
     if add == "add_int4_linear":
         stack.add_int4_linear(*twin.w4a8_args(), twin.bias)  # (packed, scale, zero, G), bias
         return True

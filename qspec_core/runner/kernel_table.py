@@ -15,7 +15,7 @@ Weight formats (`weight_format`: what a `model.Linear` runs on one weight set):
     int4    any other 4-bit twin: its own forward
     other   a twin of another kind: its own forward
 
-Rows: "step" (1..MAX_ROWS = 17: a decode or verify step, where every kernel is
+Rows: "step" (1..MAX_STEP_ROWS: a decode or verify step, where every kernel is
 batch-invariant), "prefill" (more), "prefill_rows" (more, on a machine whose measured INT8
 prefill path is the row kernels: `quant/prefill_choice.py`, asked only for the formats that
 have such an entry).
@@ -32,12 +32,12 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels import MAX_STEP_ROWS
 from kernels.cpu import linear as rows_kernels
 from kernels.formats import quantize_activations
 from qspec_core.quant.int4 import Int4Linear
 from qspec_core.quant.int8 import Int8Linear
 
-MAX_ROWS = rows_kernels.MAX_ROWS
 FORMATS = ("float", "int8", "w8a8", "w4a8", "int4", "other")
 ROWS = ("step", "prefill", "prefill_rows")
 
@@ -172,7 +172,7 @@ TABLE: dict[tuple[str, str, str], Kernel] = {
 def row_class(n_rows: int, fmt: str, device: str, prefill_path: Callable[[], str]) -> str:
     """The table's rows key for `n_rows` rows; `prefill_path()` (the measured INT8 prefill
     product) is asked only when the format has a "prefill_rows" entry."""
-    if n_rows <= MAX_ROWS:
+    if n_rows <= MAX_STEP_ROWS:
         return "step"
     if (fmt, device, "prefill_rows") in TABLE and prefill_path() == "rows":
         return "prefill_rows"
@@ -207,7 +207,7 @@ def run_linears(layers, x: torch.Tensor, weights: str, prefill_path, layouts=Non
     """[run_linear(layer, x, ...) for layer in layers] (a layer's q, k, v; gate, up), the same
     numbers: where every layer runs the W8A8 prefill GEMM, in one call that rounds x once and
     runs the products in one parallel region (`linear.w8a8_prefill`)."""
-    if rows(x) > MAX_ROWS and len(layers) > 1:  # (a step's layers: one at a time)
+    if rows(x) > MAX_STEP_ROWS and len(layers) > 1:  # (a step's layers: one at a time)
         twins = [layer.twin(weights) for layer in layers]
         formats = {weight_format(la, weights, t) for la, t in zip(layers, twins, strict=True)}
         one_call = (  # (the formats first: `prefill_path` may measure, once per machine)

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[2]))
 
+from kernels import MAX_STEP_ROWS  # noqa: E402
 from kernels.cpu.build import compile_flags  # noqa: E402
 from kernels.cpu.linear import int4_linear_ref, w8a8_linear_ref  # noqa: E402
 from kernels.formats import round_symmetric  # noqa: E402
@@ -154,7 +155,7 @@ def twins() -> dict[str, torch.Tensor]:
         "round_int16": rounding(4, 128, 0, 32767),
         "round_int16_d80": rounding(5, 80, 0, 32767),
     }
-    for M in (1, 2, 3, 5, 8, 9, 17):
+    for M in (1, 2, 3, 5, 8, 9, MAX_STEP_ROWS):
         out[f"w8a8_m{M}"] = w8a8(100 + M, M, 192, 13, M % 2 == 1)
         if M <= 8:
             out[f"int4_m{M}"] = int4(200 + M, M, 256, 11, 128, M % 2 == 0)
