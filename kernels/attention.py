@@ -90,8 +90,8 @@ def causal_attention(
     prefill's chunk on a CPU through the tiled C++ kernel (`cpu_attention.prefill_attention`:
     no [T, S] scores in memory, 2-3x SDPA's speed there, docs/PERF.md), its products
     `products` (`cpu_attention.prefill_products`; None: QSPEC_PREFILL_PRODUCTS, else fp32).
-    Decode and verify steps (at most 17 rows), other devices and soft-capped scores
-    (`softcap`, Gemma 2: the tiled kernel has no cap) take the reference."""
+    Decode and verify steps (at most `kernels.MAX_STEP_ROWS` rows), other devices and
+    soft-capped scores (`softcap`, Gemma 2: the tiled kernel has no cap) take the reference."""
     T = q.shape[2]
     if softcap is not None:
         return causal_attention_ref(q, k, v, input_pos, mask, softcap)

@@ -104,7 +104,7 @@ def test_w8a8_step_linear_is_batch_invariant_and_exact_in_its_integers(K, N):
 
 @pytest.mark.parametrize("K,N", [(64, 40), (576, 37), (1536, 200)])
 def test_w8a8_prefill_rows_are_their_definition_whatever_the_rows_and_threads(K, N):
-    """A prefill's W8A8 product (more than MAX_ROWS rows, `int_gemm.h`): on x86 (AVX2's int16
+    """A prefill's W8A8 product (more than MAX_STEP_ROWS rows, `int_gemm.h`): on x86 (AVX2's int16
     products, AVX-VNNI's and AVX-512 VNNI's vpdpbusd) `w8a8_prefill_ref` bit for bit (each
     chunk's exact integer dot, one fp32 multiply-add a chunk), so the same bits on every x86
     build, the same for a row in any call of many rows, at one thread or two, tails of outputs
@@ -172,7 +172,7 @@ def _tiny_model(dtype: torch.dtype, weights: str):
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_verify_logits_equal_one_token_at_a_time(dtype, weights):
     """The target path over M tokens in one forward == the same tokens fed one by one, bit
-    for bit, for every dtype and target weights qspec offers; M up to gamma + 1 = 17."""
+    for bit, for every dtype and target weights qspec offers; M up to gamma + 1 = MAX_STEP_ROWS."""
     torch.manual_seed(0)
     model = build_runner(_tiny_model(DTYPES[dtype], weights))  # what qspec runs the model with
     assert isinstance(model, CpuRunner)
