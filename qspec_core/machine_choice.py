@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import platform
+import time
 from collections.abc import Callable, Sequence
 from functools import lru_cache
 from pathlib import Path
@@ -36,6 +37,18 @@ def cpu_description() -> str:
         if lines:
             return "\n".join(sorted(set(lines)))
     return platform.processor() or platform.machine()
+
+
+def best_in_turns(runs: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """Seconds of each of `runs` (already warmed up): the best of `repeats`, taken in turns
+    (A B C A B C ...) so that a busy moment slows every candidate alike."""
+    best = dict.fromkeys(runs, float("inf"))
+    for _ in range(repeats):
+        for name, run in runs.items():
+            start = time.perf_counter()
+            run()
+            best[name] = min(best[name], time.perf_counter() - start)
+    return best
 
 
 @lru_cache(maxsize=16)

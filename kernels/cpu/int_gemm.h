@@ -64,20 +64,17 @@ struct Form {
   // dot[v] += the products of w[v] with the S codes at x, broadcast (v < NV)
   template <int NV>
   static void row(I* dot, const I* w, const Code* x) {
-    static_assert(NV == 2);
-#if defined(__GNUC__) && !defined(__clang__)
-    I b;
-    asm("vpbroadcastd %[x], %[b]\n\t"
-        "vpdpbusd %[b], %[w0], %[d0]\n\t"
-        "vpdpbusd %[b], %[w1], %[d1]"
-        : [d0] "+v"(dot[0]), [d1] "+v"(dot[1]), [b] "=&v"(b)
-        : [w0] "v"(w[0]), [w1] "v"(w[1]), [x] "m"(*reinterpret_cast<const int32_t*>(x)));
-#else
     int32_t group;
     std::memcpy(&group, x, 4);
     const I xb = _mm512_set1_epi32(group);
-    for (int v = 0; v < NV; ++v) dot[v] = _mm512_dpbusd_epi32(dot[v], w[v], xb);
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) {
+#if defined(__GNUC__) && !defined(__clang__)
+      asm("vpdpbusd {%2, %1, %0|%0, %1, %2}" : "+v"(dot[v]) : "v"(w[v]), "v"(xb));
+#else
+      dot[v] = _mm512_dpbusd_epi32(dot[v], w[v], xb);
 #endif
+    }
   }
   static F zero() { return _mm512_setzero_ps(); }
   static F fma_dot(I dot, float step, F acc) {

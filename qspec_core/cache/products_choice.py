@@ -26,15 +26,19 @@ measurement (`exact_products`).
 
 from __future__ import annotations
 
-import time
-from functools import lru_cache
+from functools import lru_cache, partial
 
 import torch
 
 from kernels.cpu import attention as cpu_attention
 from kernels.cpu import build as cpu_ext
 from qspec_core.errors import QspecError
-from qspec_core.machine_choice import cpu_description, machine_hash, measured_record
+from qspec_core.machine_choice import (
+    best_in_turns,
+    cpu_description,
+    machine_hash,
+    measured_record,
+)
 from qspec_core.paths import qspec_home
 
 CANDIDATES = ("fp32", "sdpa", "int16", "bf16-values")
@@ -65,15 +69,10 @@ def measure(shape: tuple[int, ...] = PROBE, repeats: int = 5) -> dict[str, float
     q = torch.randn(1, H, T, D, generator=gen)
     k, v = (torch.randn(1, n_kv, start + T, D, generator=gen) for _ in range(2))
     names = [p for p in CANDIDATES if p in cpu_attention.built_products()]
-    best = dict.fromkeys(names, float("inf"))
-    for name in names:  # (warm-up: pages touched, the thread pool started)
-        cpu_attention.prefill_attention(q, k, v, start, name)
-    for _ in range(repeats):
-        for name in names:
-            t0 = time.perf_counter()
-            cpu_attention.prefill_attention(q, k, v, start, name)
-            best[name] = min(best[name], time.perf_counter() - t0)
-    return best
+    runs = {name: partial(cpu_attention.prefill_attention, q, k, v, start, name) for name in names}
+    for run in runs.values():  # (warm-up: pages touched, the thread pool started)
+        run()
+    return best_in_turns(runs, repeats)
 
 
 @lru_cache(maxsize=4)

@@ -27,7 +27,6 @@ dequantizing W for one row would read 9 bytes a weight instead of one.
 from __future__ import annotations
 
 import os
-import time
 from functools import lru_cache
 
 import torch
@@ -36,7 +35,12 @@ from kernels.cpu import build as cpu_ext
 from kernels.cpu import linear as cpu_linear
 from kernels.formats import quantize_activations
 from qspec_core.errors import QspecError
-from qspec_core.machine_choice import cpu_description, machine_hash, measured_choice
+from qspec_core.machine_choice import (
+    best_in_turns,
+    cpu_description,
+    machine_hash,
+    measured_choice,
+)
 from qspec_core.paths import qspec_home
 
 PATHS = ("rows", "int8pack", "fp32")
@@ -94,13 +98,7 @@ def measure(shape: tuple[int, int, int] = PROBE, repeats: int = 5) -> dict[str, 
         except RuntimeError:
             continue
         runs[name] = run
-    best = dict.fromkeys(runs, float("inf"))
-    for _ in range(repeats):
-        for name, run in runs.items():
-            start = time.perf_counter()
-            run()
-            best[name] = min(best[name], time.perf_counter() - start)
-    return best
+    return best_in_turns(runs, repeats)
 
 
 @lru_cache(maxsize=4)
