@@ -80,13 +80,14 @@ struct Form {
   static F fma_dot(I dot, float step, F acc) {
     return _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(step), acc);
   }
-  // outputs [n, n + count) of rows: acc * scale (+ bias, fused), count <= LANES
-  static void finish(F acc, const float* scale, const float* bias, float* out, int64_t count) {
-    const __mmask16 keep = count >= LANES ? __mmask16(0xFFFF) : __mmask16((1u << count) - 1);
-    const F s = _mm512_maskz_loadu_ps(keep, scale);
-    const F y = bias ? _mm512_fmadd_ps(acc, s, _mm512_maskz_loadu_ps(keep, bias))
-                     : _mm512_mul_ps(acc, s);
-    _mm512_mask_storeu_ps(out, keep, y);
+  // lanes [0, count) of p, zeros past them (count <= LANES); stores of lanes [0, count)
+  static __mmask16 keep(int64_t count) {
+    return count >= LANES ? __mmask16(0xFFFF) : __mmask16((1u << count) - 1);
+  }
+  static F load_part(const float* p, int64_t count) { return _mm512_maskz_loadu_ps(keep(count), p); }
+  static void store_part(float* p, F y, int64_t count) { _mm512_mask_storeu_ps(p, keep(count), y); }
+  static F scaled(F acc, F scale, F bias, bool has_bias) {  // acc * scale (+ bias, fused)
+    return has_bias ? _mm512_fmadd_ps(acc, scale, bias) : _mm512_mul_ps(acc, scale);
   }
 };
 #elif defined(QSPEC_AVX2)
@@ -151,13 +152,14 @@ struct Form {
   static F fma_dot(I dot, float step, F acc) {
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(step), acc);
   }
-  static void finish(F acc, const float* scale, const float* bias, float* out, int64_t count) {
-    const I keep = _mm256_cmpgt_epi32(_mm256_set1_epi32(int32_t(count)),
-                                      _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-    const F s = _mm256_maskload_ps(scale, keep);
-    const F y = bias ? _mm256_fmadd_ps(acc, s, _mm256_maskload_ps(bias, keep))
-                     : _mm256_mul_ps(acc, s);
-    _mm256_maskstore_ps(out, keep, y);
+  static I keep(int64_t count) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(int32_t(count)),
+                              _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  }
+  static F load_part(const float* p, int64_t count) { return _mm256_maskload_ps(p, keep(count)); }
+  static void store_part(float* p, F y, int64_t count) { _mm256_maskstore_ps(p, keep(count), y); }
+  static F scaled(F acc, F scale, F bias, bool has_bias) {
+    return has_bias ? _mm256_fmadd_ps(acc, scale, bias) : _mm256_mul_ps(acc, scale);
   }
 };
 #endif
@@ -257,35 +259,39 @@ inline void tile(const Form::Packed* packed, const Codes& x, int64_t m, int64_t 
   }
 }
 
+// acc -> out rows [m, m + R), outputs [n0, min(N, n0 + SLAB)): scale, then bias.
 template <int R>
 inline void rows_of_tile(const Form::Packed* packed, const Codes& x, int64_t m, int64_t K,
-                         const Part& part, int64_t n0) {
+                         const float* scale, const float* bias, float* out, int64_t N,
+                         int64_t n0) {
   Form::F acc[R][NV];
   tile<R>(packed, x, m, K, acc);
 #pragma GCC unroll 4
   for (int v = 0; v < NV; ++v) {
     const int64_t n = n0 + v * Form::LANES;
-    if (n >= part.N) break;
-    const int64_t count = std::min<int64_t>(Form::LANES, part.N - n);
+    if (n >= N) break;
+    const int64_t count = std::min<int64_t>(Form::LANES, N - n);
+    const Form::F s = Form::load_part(scale + n, count);
+    const Form::F b = bias ? Form::load_part(bias + n, count) : Form::zero();
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r)
-      Form::finish(acc[r][v], part.scale + n, part.bias ? part.bias + n : nullptr,
-                   part.out + (m + r) * part.N + n, count);
+      Form::store_part(out + (m + r) * N + n, Form::scaled(acc[r][v], s, b, bias), count);
   }
 }
 
 // Rows [m0, m1) against one packed slab.
 inline void rows_of_slab(const Form::Packed* packed, const Codes& x, int64_t m0, int64_t m1,
-                         int64_t K, const Part& part, int64_t n0) {
+                         int64_t K, const float* scale, const float* bias, float* out,
+                         int64_t N, int64_t n0) {
   constexpr int MR = Form::MR;
   int64_t m = m0;
-  for (; m + MR <= m1; m += MR) rows_of_tile<MR>(packed, x, m, K, part, n0);
+  for (; m + MR <= m1; m += MR) rows_of_tile<MR>(packed, x, m, K, scale, bias, out, N, n0);
   switch (m1 - m) {
-    case 5: rows_of_tile<5>(packed, x, m, K, part, n0); break;
-    case 4: rows_of_tile<4>(packed, x, m, K, part, n0); break;
-    case 3: rows_of_tile<3>(packed, x, m, K, part, n0); break;
-    case 2: rows_of_tile<2>(packed, x, m, K, part, n0); break;
-    case 1: rows_of_tile<1>(packed, x, m, K, part, n0); break;
+    case 5: rows_of_tile<5>(packed, x, m, K, scale, bias, out, N, n0); break;
+    case 4: rows_of_tile<4>(packed, x, m, K, scale, bias, out, N, n0); break;
+    case 3: rows_of_tile<3>(packed, x, m, K, scale, bias, out, N, n0); break;
+    case 2: rows_of_tile<2>(packed, x, m, K, scale, bias, out, N, n0); break;
+    case 1: rows_of_tile<1>(packed, x, m, K, scale, bias, out, N, n0); break;
     default: break;
   }
 }
@@ -315,7 +321,8 @@ void w8a8_parts(const float* x, int64_t M, int64_t K, const Part* parts, int64_t
         packed_slab = s;
       }
       const int64_t m0 = b * ROW_BLOCK, m1 = std::min(M, m0 + ROW_BLOCK);
-      rows_of_slab(packed.data(), xq, m0, m1, K, parts[p], n0);
+      const Part& part = parts[p];
+      rows_of_slab(packed.data(), xq, m0, m1, K, part.scale, part.bias, part.out, part.N, n0);
     }
   });
 }
