@@ -9,12 +9,13 @@
 // convert and scale every lane, and reduce the lanes at the end: 3 vector operations per
 // product instruction. Here a vector's lanes are as many outputs, an activation's few codes are
 // broadcast, and one product instruction adds them into each lane, so a chunk's whole integer
-// dot accumulates in one int32 lane and is converted once: per chunk and tile of 6 rows x 2
-// vectors of outputs, 12 products per broadcast group and 12 conversions and multiply-adds per
-// chunk. The integer lanes are exact and the float operations are the definition's, so every
-// instruction set computes the same bits (`w8a8_prefill_ref`); they differ from a decode step's
-// by fp32 rounding (the step sums partial lanes). Every output element is one fixed sequence of
-// operations on its own lane: the same whatever M, the tile or the thread count.
+// dot accumulates in one int32 lane and is converted once: per chunk and tile of MR rows x 2
+// vectors of outputs (MR = 6 with 32 registers, 4 with 16), 2 MR products per broadcast group
+// and 2 MR conversions and multiply-adds per chunk. The integer lanes are exact and the float
+// operations are the definition's, so every instruction set computes the same bits
+// (`w8a8_prefill_ref`); they differ from a decode step's by fp32 rounding (the step sums
+// partial lanes). Every output element is one fixed sequence of operations on its own lane:
+// the same whatever M, the tile or the thread count.
 //
 // The product instruction, per instruction set (`Form`):
 //   AVX-512 VNNI  vpdpbusd zmm: 16 outputs, 4 inputs per lane and instruction (u8 x s8: each
@@ -84,8 +85,12 @@ struct Form {
   static __mmask16 keep(int64_t count) {
     return count >= LANES ? __mmask16(0xFFFF) : __mmask16((1u << count) - 1);
   }
-  static F load_part(const float* p, int64_t count) { return _mm512_maskz_loadu_ps(keep(count), p); }
-  static void store_part(float* p, F y, int64_t count) { _mm512_mask_storeu_ps(p, keep(count), y); }
+  static F load_part(const float* p, int64_t count) {
+    return _mm512_maskz_loadu_ps(keep(count), p);
+  }
+  static void store_part(float* p, F y, int64_t count) {
+    _mm512_mask_storeu_ps(p, keep(count), y);
+  }
   static F scaled(F acc, F scale, F bias, bool has_bias) {  // acc * scale (+ bias, fused)
     return has_bias ? _mm512_fmadd_ps(acc, scale, bias) : _mm512_mul_ps(acc, scale);
   }
