@@ -187,8 +187,8 @@ def stages(repeats: int) -> list[dict]:
     from kernels.planes import HierLayerView, QueryRows, quantize_keys, quantize_values
     from kernels.reference import causal_attention, hier_attention_ref
     from qspec_core.bench.compute import attention_flops
-    from qspec_core.cache.products_choice import prefill_products
-    from qspec_core.quant import prefill_choice
+    from qspec_core.runner import prefill_choice
+    from qspec_core.runner.products_choice import prefill_products
 
     g = torch.Generator().manual_seed(0)
     rows = []
@@ -235,7 +235,7 @@ def stages(repeats: int) -> list[dict]:
         repeats,
     )
     row("prefill linear w8a8", t["gemm"], t["torch"], 2 * M * K * N, guarded=False)
-    # the path the INT8 prefill takes here (`quant/prefill_choice.py`) against its torch "fp32"
+    # the path the INT8 prefill takes here (`runner/prefill_choice.py`) against its torch "fp32"
     paths = prefill_choice._products(M, K, N)
     path = prefill_choice.prefill_path()
     t = _best({path: paths[path], "fp32": paths["fp32"]}, repeats)

@@ -169,10 +169,10 @@ def check_session_options(
 def check_run_options(dtype: str, threads: int | None, target_weights: str = "full") -> None:
     """Options `load` uses, checked before anything is read or loaded; then the qspec folder
     (QSPEC_HOME), before the CPU kernels would build in it."""
-    from qspec_core.cache import products_choice
     from qspec_core.paths import check_home
-    from qspec_core.quant.prefill_choice import override
     from qspec_core.registry.runtime import DTYPES, TARGET_WEIGHTS
+    from qspec_core.runner import products_choice
+    from qspec_core.runner.prefill_choice import override
 
     if dtype != "auto" and dtype not in DTYPES:
         raise QspecError(f"--dtype must be auto or one of {', '.join(DTYPES)}, not {dtype!r}")

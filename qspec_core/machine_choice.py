@@ -2,8 +2,8 @@
 kept in the qspec cache: later runs on that machine take the same path, so they compute the
 same numbers and greedy output stays reproducible from run to run (README).
 
-Used by `quant/prefill_choice.py` (the INT8 layers' many-row products) and
-`cache/products_choice.py` (the prefill attention's products). Each keeps a JSON file in the
+Used by `runner/prefill_choice.py` (the INT8 layers' many-row products) and
+`runner/products_choice.py` (the prefill attention's products). Each keeps a JSON file in the
 qspec cache, {machine key: {"path": name, "seconds": {name: s}}}; the key says what the
 timings depend on (the CPU's model and flags, torch, the kernels' version).
 """

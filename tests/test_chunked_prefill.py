@@ -102,8 +102,8 @@ def test_no_full_precision_copy_of_the_prompt(monkeypatch):
     seen = []
     real_init = ChunkedPrefill.__init__
 
-    def spy(self, cache, chunk_size):
-        real_init(self, cache, chunk_size)
+    def spy(self, cache, chunk_size, products="fp32"):
+        real_init(self, cache, chunk_size, products)
         seen.append(self)
 
     monkeypatch.setattr(ChunkedPrefill, "__init__", spy)

@@ -172,7 +172,7 @@ def test_summary_record_names_the_prefill_products(monkeypatch):
     """The measured (or forced) products of the QuantSpec prefill; ar's full-precision cache
     computes fp32 numbers unless QSPEC_PREFILL_PRODUCTS asks; none off the CPU."""
     from kernels.cpu import attention as cpu_attention
-    from qspec_core.cache import products_choice
+    from qspec_core.runner import products_choice
 
     monkeypatch.delenv("QSPEC_PREFILL_PRODUCTS", raising=False)
     measured = products_choice.prefill_products()

@@ -164,7 +164,7 @@ def test_infinite_or_nan_activations_give_nan_rows_in_every_w8a8_kernel(rows):
 def test_a_prefill_through_the_row_kernels_is_bit_for_bit_its_definition(
     weights, rows, out_features, monkeypatch
 ):
-    """With the "rows" prefill path (`quant/prefill_choice.py`), the runner runs a prefill's
+    """With the "rows" prefill path (`runner/prefill_choice.py`), the runner runs a prefill's
     INT8-weight linears through qspec's kernels: W8A16 a slice at a time through the step
     kernel, W8A8 in one call as a GEMM. Every row equals, bit for bit, that row alone through
     the step kernel (a decode step), except W8A8 with AVX-512 VNNI, whose GEMM sums each chunk

@@ -52,7 +52,8 @@ def _never() -> str:
     raise AssertionError("the prefill path was asked where no entry depends on it")
 
 
-# (format, rows, measured prefill path) -> kernel name; None: the prefill path is not asked
+# (format, rows, measured prefill path) -> kernel name on the CPU runner ("cpu"); None: the
+# prefill path is not asked
 EXPECTED = [
     ("float", 1, None, "linear_rows"),
     ("float", 17, None, "linear_rows"),
@@ -61,11 +62,12 @@ EXPECTED = [
     ("int8", 17, None, "int8_rows"),
     ("int8", 18, "rows", "int8_row_slices"),
     ("int8", 512, "int8pack", "twin"),
-    ("int8", 512, "fp32", "twin"),
+    ("int8", 512, "fp32", "int8_fp32"),
+    ("int8", 63, "fp32", "twin"),  # (fp32 from PREFILL_ROWS on: W read at 9 bytes a weight)
     ("w8a8", 5, None, "w8a8_rows"),
     ("w8a8", 512, "rows", "w8a8_gemm"),
     ("w8a8", 512, "int8pack", "twin_a8"),
-    ("w8a8", 512, "fp32", "twin_a8"),
+    ("w8a8", 512, "fp32", "w8a8_fp32"),
     ("w4a8", 1, None, "w4a8_rows"),
     ("w4a8", 512, None, "twin"),
     ("int4", 1, None, "twin"),
@@ -75,10 +77,29 @@ EXPECTED = [
 ]
 
 
-@pytest.mark.parametrize("fmt, n_rows, measured, name", EXPECTED)
-def test_the_table_picks(fmt, n_rows, measured, name):
+# the torch runner on a CPU ("torch"): each format's own forward, but the measured fp32 path
+EXPECTED_TORCH = [
+    ("float", 1, None, "torch_linear"),
+    ("float", 512, None, "torch_linear"),
+    ("int8", 1, None, "twin"),
+    ("int8", 512, "rows", "twin"),  # (no row kernels there: int8pack, prefill_choice)
+    ("int8", 512, "int8pack", "twin"),
+    ("int8", 512, "fp32", "int8_fp32"),
+    ("w8a8", 5, None, "twin_a8"),
+    ("w8a8", 512, "fp32", "w8a8_fp32"),
+    ("w8a8", 512, "int8pack", "twin_a8"),
+    ("w4a8", 1, None, "twin"),
+    ("int4", 512, None, "twin"),
+]
+
+
+@pytest.mark.parametrize(
+    "backend, fmt, n_rows, measured, name",
+    [("cpu", *row) for row in EXPECTED] + [("torch", *row) for row in EXPECTED_TORCH],
+)
+def test_the_table_picks(backend, fmt, n_rows, measured, name):
     asked = _never if measured is None else (lambda: measured)
-    assert table.choose(fmt, "cpu", n_rows, asked).name == name
+    assert table.choose(fmt, backend, n_rows, asked).name == name
 
 
 def test_every_format_has_a_step_and_a_prefill_entry():

@@ -1,5 +1,5 @@
 """The QuantSpec prefill attention's products, chosen by measurement once per machine
-(`qspec_core/cache/products_choice.py`), and what takes them."""
+(`qspec_core/runner/products_choice.py`), and what takes them."""
 
 from __future__ import annotations
 
@@ -11,11 +11,12 @@ from conftest import fresh_machine_choice, run_qspec
 
 from kernels.cpu import attention as cpu_attention
 from kernels.cpu import build as cpu_ext
-from qspec_core.cache import products_choice
 from qspec_core.cache.hierarchical import HierarchicalKVCache
 from qspec_core.cache.prefill import ChunkedPrefill
 from qspec_core.config import ModelConfig
 from qspec_core.errors import QspecError
+from qspec_core.runner import products_choice
+from qspec_core.runner.kernel_table import prefill_attention
 
 needs_kernels = pytest.mark.skipif(not cpu_ext.available(), reason="C++ kernels unavailable")
 
@@ -93,8 +94,9 @@ def test_measure_times_each_candidate_this_build_has():
 
 
 def _prefill(config: ModelConfig, monkeypatch) -> tuple[list[str | None], torch.Tensor]:
-    """A 2-chunk prefill of one layer through ChunkedPrefill: the products the tiled kernel
-    was asked for on each call, and the second chunk's attention."""
+    """A 2-chunk prefill of one layer through ChunkedPrefill, given the products the engine
+    gives it (the runner's choice, `kernel_table.prefill_attention`): the products the tiled
+    kernel was asked for on each call, and the second chunk's attention."""
     asked = []
     real = cpu_attention.prefill_attention
 
@@ -104,7 +106,7 @@ def _prefill(config: ModelConfig, monkeypatch) -> tuple[list[str | None], torch.
 
     monkeypatch.setattr(cpu_attention, "prefill_attention", spy)
     cache = HierarchicalKVCache(config, max_seq_len=256, group_size=32, dtype=torch.float32)
-    prefill = ChunkedPrefill(cache, chunk_size=64)
+    prefill = ChunkedPrefill(cache, 64, prefill_attention("hierarchical", "cpu"))
     gen = torch.Generator().manual_seed(1)
     H, n_kv, D = config.num_attention_heads, config.num_key_value_heads, config.head_dim
     out = None
@@ -175,10 +177,13 @@ def test_torch_sdpa_is_a_candidate_of_every_build_and_computes_the_fp32_numbers(
 
 @needs_kernels
 def test_the_full_precision_cache_takes_the_faster_fp32_path(fresh_choice, monkeypatch):
-    """ar's cache computes the fp32 numbers on whichever of the tiled kernel and SDPA measured
-    faster, from the same measurement as the QuantSpec prefill's products (int16 is never
-    taken there: it rounds)."""
-    from qspec_core.cache.full import FullPrecisionCache
+    """ar's cache (the engine's, `DecodePlan.new_cache`) computes the fp32 numbers on whichever
+    of the tiled kernel and SDPA measured faster, from the same measurement as the QuantSpec
+    prefill's products (int16 is never taken there: it rounds)."""
+    from types import SimpleNamespace
+
+    from qspec_core.engine.plan import DecodePlan
+    from qspec_core.precision import FP
 
     monkeypatch.setattr(
         products_choice, "measure", lambda: {"fp32": 3.0, "sdpa": 2.0, "int16": 1.0}
@@ -198,7 +203,8 @@ def test_the_full_precision_cache_takes_the_faster_fp32_path(fresh_choice, monke
         vocab_size=32, hidden_size=128, intermediate_size=64, num_hidden_layers=1,
         num_attention_heads=2, num_key_value_heads=1, head_dim=64,
     )  # fmt: skip
-    cache = FullPrecisionCache(config, 128, dtype=torch.float32)
+    model = SimpleNamespace(config=config, dtype=torch.float32, device=torch.device("cpu"))
+    cache = DecodePlan(target=FP).new_cache(model, 128)
     gen = torch.Generator().manual_seed(2)
     q = torch.randn(1, 2, 32, 64, generator=gen)
     k, v = (torch.randn(1, 1, 32, 64, generator=gen) for _ in range(2))

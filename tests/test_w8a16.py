@@ -16,16 +16,17 @@ from torch import nn
 
 from kernels import MAX_STEP_ROWS
 from kernels.cpu import build as cpu_ext
-from kernels.formats import dequantize_int8, quantize_int8
+from kernels.formats import dequantize_int8, quantize_activations, quantize_int8
 from kernels.triton import w8a16
 from kernels.triton.w8a16 import _launch, w8a16_matmul, w8a16_ref
 from qspec_core.errors import QspecError
 from qspec_core.model.transformer import Linear
 from qspec_core.precision import W8
 from qspec_core.quant import int8 as int8_linear
-from qspec_core.quant import prefill_choice
 from qspec_core.quant.int8 import Int8Linear
+from qspec_core.runner import prefill_choice
 from qspec_core.runner.cpu import CpuOps
+from qspec_core.runner.reference import TorchOps
 
 BF16_U = 2.0**-9  # unit roundoff of bf16 (8 significant bits, round to nearest)
 
@@ -56,7 +57,7 @@ def magnitude(x, layer: Int8Linear):
 @pytest.fixture
 def op_calls(monkeypatch):
     """Count calls of torch._weight_int8pack_mm, so a silent fallback to the twin can't pass.
-    (Many-row products take it whatever this machine measured: `quant/prefill_choice.py`.)"""
+    (Many-row products take it whatever this machine measured: `runner/prefill_choice.py`.)"""
     monkeypatch.setenv(prefill_choice.ENV, "int8pack")
     real = torch._weight_int8pack_mm
     calls = []
@@ -333,7 +334,6 @@ def test_w8a8_rows_and_prefill_round_the_activations_alike(m, op_calls):
     """W8A8 (the CPU default target): a step's rows run the integer-dot kernel, a prefill the
     same activation rounding then the int8 weight kernel; both within bf16 rounding of
     `quantize_activations` then dequantize-then-matmul, and visibly not W8A16."""
-    from kernels.formats import quantize_activations
 
     k, n = 576, 96
     layer = make_layer(k, n, bias=True, seed=m)
@@ -405,20 +405,38 @@ def test_a_damaged_choice_file_is_measured_over(fresh_choice, monkeypatch):
     assert json.loads((fresh_choice / prefill_choice.FILE).read_text())  # rewritten, whole
 
 
+@pytest.mark.parametrize("weights", ["int8", "w8a8"])
+@pytest.mark.parametrize("runner_ops", ["torch", "cpu"])
 @pytest.mark.parametrize("m", [1, 16, 63, 64, 300])
-def test_many_rows_take_the_chosen_path_and_few_rows_the_int8_kernel(m, monkeypatch, op_calls):
-    """fp32 chosen: from PREFILL_ROWS rows on, dequantize-then-fp32 (fp32 rounding only, far
-    inside the bf16 kernel's bound); fewer rows keep the int8 kernel (one byte a weight)."""
+def test_many_rows_take_the_chosen_path_and_few_rows_the_int8_kernel(
+    m, runner_ops, weights, monkeypatch, op_calls
+):
+    """fp32 chosen: from PREFILL_ROWS rows on, both runners' linears dequantize-then-fp32 (fp32
+    rounding only, far inside the bf16 kernel's bound); fewer rows keep an int8 kernel (one
+    byte a weight). The choice is the runner's (`kernel_table.py`): the INT8 layer called
+    alone runs its own forward whatever was measured."""
+    if runner_ops == "cpu" and not cpu_ext.available():
+        pytest.skip("C++ kernels unavailable")
     monkeypatch.setenv(prefill_choice.ENV, "fp32")
     layer = make_layer(576, 96, bias=True)
+    outer = Linear(576, 96, bias=True)
+    outer.int8 = layer
+    ops = TorchOps() if runner_ops == "torch" else CpuOps(cpu_ext.load())
     x = torch.randn(m, 576, generator=torch.Generator().manual_seed(m))
-    y = layer(x)
-    exact = fp64_reference(x, layer)
+    xq = quantize_activations(x) if weights == "w8a8" else x
+    with torch.no_grad():
+        y = ops.linear(outer, x, W8.with_weights(weights))
+    exact = fp64_reference(xq, layer)
     if m >= prefill_choice.PREFILL_ROWS:
         assert not op_calls
-        assert (y.double() - exact).abs().max() <= 1e-5 * magnitude(x, layer).max()
-    else:
+        assert (y.double() - exact).abs().max() <= 1e-5 * magnitude(xq, layer).max()
+        op_calls.clear()
+        layer(x)  # (its own forward: torch's int8 kernel)
         assert len(op_calls) == 1
+    elif runner_ops == "torch" or m > MAX_STEP_ROWS:
+        assert len(op_calls) == 1
+    else:
+        assert not op_calls  # (a step: the CPU runner's row kernels)
 
 
 def test_the_row_kernels_are_a_candidate_only_where_they_run(monkeypatch):

@@ -146,7 +146,7 @@ def prefill_products(asked: str | None = None) -> str:
     14-bit integer codes with a step per row, channel or block. `asked` (else
     QSPEC_PREFILL_PRODUCTS, else "fp32") where this build has it (`built_products`), else
     "fp32". The QuantSpec prefill asks for the products measured fastest on this machine
-    (`qspec_core/cache/products_choice.py`)."""
+    (`qspec_core/runner/products_choice.py`)."""
     asked = asked or asked_products() or "fp32"
     if asked not in PRODUCTS:
         raise cpu_ext.BuildSettingError(f"no prefill attention products {asked!r}")

@@ -124,7 +124,7 @@ def in_slices(run, x: torch.Tensor, weight_int8: torch.Tensor, *args) -> torch.T
     """`run(x_slice, weight_int8, *args)` (`int8_linear`) over x [..., K] `SLICE_ROWS` rows
     at a time: a W8A16 prefill through the step kernels. They are batch-invariant, so every
     row comes out bit for bit as a decode step computes it; each call reads the weights once
-    for its rows (`quant/prefill_choice.py` measures the paths per machine). W8A8 needs no
+    for its rows (`runner/prefill_choice.py` measures the paths per machine). W8A8 needs no
     slices: `w8a8_linear` takes any number of rows."""
     flat = x.reshape(-1, x.shape[-1])
     out = torch.empty(flat.shape[0], weight_int8.shape[0], dtype=x.dtype)

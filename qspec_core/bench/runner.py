@@ -31,9 +31,9 @@ from qspec_core.engine.speculative import SpecStats
 from qspec_core.errors import QspecError
 from qspec_core.model.transformer import has_draft, has_int8
 from qspec_core.precision import DRAFT, DRAFT_KV4, DRAFT_W4, FP, INT8_WEIGHTS, TARGET, Precision
-from qspec_core.quant.prefill_choice import prefill_path
 from qspec_core.registry.runtime import Runtime
 from qspec_core.runner.layouts import WeightLayouts
+from qspec_core.runner.prefill_choice import prefill_path
 from qspec_core.timing import StageTimer
 
 
@@ -455,9 +455,9 @@ def machine_info(runtime: Runtime, dtype: str) -> dict:
         "python": platform.python_version(),
         "dtype": dtype,
         "cpu_bf16_native": _cpu_bf16(),
-        # the INT8-weight prefill product this machine measured fastest (quant/prefill_choice)
+        # the INT8-weight prefill product this machine measured fastest (runner/prefill_choice)
         "int8_prefill": prefill_path() if device.type == "cpu" else None,
-        # the QuantSpec prefill attention's products (cache/products_choice: measured, or
+        # the QuantSpec prefill attention's products (runner/products_choice: measured, or
         # QSPEC_PREFILL_PRODUCTS), None without the C++ kernels (the reference's fp32)
         "prefill_products": _prefill_products() if device.type == "cpu" else None,
     }
@@ -465,7 +465,7 @@ def machine_info(runtime: Runtime, dtype: str) -> dict:
 
 def _prefill_products() -> str | None:
     from kernels.cpu import attention as cpu_attention
-    from qspec_core.cache.products_choice import prefill_products
+    from qspec_core.runner.products_choice import prefill_products
 
     return prefill_products() if cpu_attention.available() else None
 

@@ -8,10 +8,8 @@ import torch
 
 from kernels.attention import causal_attention
 from kernels.cpu import kv_cache as cpu_kv
-from kernels.cpu.attention import PREFILL_MIN_ROWS
 from kernels.reference import causal_mask
-from qspec_core.cache.products_choice import exact_products
-from qspec_core.cache.protocol import KVCache
+from qspec_core.cache.protocol import KVCache, write_kv
 from qspec_core.config import ModelConfig
 from qspec_core.precision import FP, Precision
 
@@ -35,6 +33,7 @@ class FullPrecisionCache(torch.nn.Module):
         dtype: torch.dtype = torch.bfloat16,
         device: torch.device | str = "cpu",
         rope_capacity: int | None = None,
+        products: str = "fp32",
     ):
         super().__init__()
         shape = (
@@ -53,6 +52,9 @@ class FullPrecisionCache(torch.nn.Module):
         self._mask = (None, None)  # (positions key, mask): built once per forward, not per layer
         self.attention_seconds = 0.0  # wall time inside `attend`'s attention (a prefill's stage)
         self._native = cpu_kv.NativeMemo()  # the C++ `FullKV` over k and v
+        # a prefill chunk's attention products on a CPU (`kernels.cpu.attention.PRODUCTS`): the
+        # runner's choice (`runner/kernel_table.prefill_attention`), handed in by the engine
+        self.products = products
 
     def attend(self, layer, q, k, v, input_pos, path: Precision = FP):
         if path.kv != "fp":
@@ -63,11 +65,9 @@ class FullPrecisionCache(torch.nn.Module):
             self.seq_len = end
         k_all, v_all = self.k[layer, :, :, :end], self.v[layer, :, :, :end]
         t0 = time.perf_counter()
-        # (a prefill's chunk on a CPU: the faster of the tiled kernel and SDPA, measured once;
-        # a decode or verify step takes neither)
-        prefill = q.device.type == "cpu" and q.shape[2] >= PREFILL_MIN_ROWS
-        products = exact_products() if prefill else None
-        out = causal_attention(q, k_all, v_all, input_pos, self._mask[1], self.softcap, products)
+        # (`products` run a prefill's chunk on a CPU; a decode or verify step takes its own)
+        mask = self._mask[1]
+        out = causal_attention(q, k_all, v_all, input_pos, mask, self.softcap, self.products)
         self.attention_seconds += time.perf_counter() - t0
         return out
 
@@ -85,14 +85,8 @@ class FullPrecisionCache(torch.nn.Module):
 
     def _put(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
         """Writes k/v [B, n_kv, T, D] at positions [start, start + T): through the C++
-        `FullKV` where there is one, the very object the C++ stack writes through."""
-        native = self.native
-        if native is not None:
-            native.write(layer, k, v, start)
-            return
-        end = start + k.shape[2]
-        self.k[layer, :, :, start:end] = k
-        self.v[layer, :, :, start:end] = v
+        `FullKV` where there is one (`write_kv`)."""
+        write_kv(self.native, self.k, self.v, layer, k, v, start)
 
     @property
     def native(self):

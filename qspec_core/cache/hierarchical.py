@@ -53,6 +53,7 @@ from kernels.planes import (
     quantize_values,
 )
 from kernels.triton.kv_pack import quantize_keys_triton, quantize_values_triton
+from qspec_core.cache.protocol import write_kv
 from qspec_core.config import ModelConfig
 from qspec_core.precision import Precision
 
@@ -274,15 +275,9 @@ class HierarchicalKVCache(torch.nn.Module):
 
     def _put(self, layer: int, k: torch.Tensor, v: torch.Tensor, lo: int) -> None:
         """Writes a forward's k/v [B, n_kv, T, D] at [lo, lo + T) of a layer's full-precision
-        region (claimed by `_claim`): the C++ `HierKV` where there is one, the very object the
-        C++ stack writes through, so the region has one writer per cache."""
-        native = self.native
-        if native is not None:
-            native.write(layer, k, v, lo)
-            return
-        hi = lo + k.shape[2]
-        self.fp_k[layer, :, :, lo:hi] = k
-        self.fp_v[layer, :, :, lo:hi] = v
+        region (claimed by `_claim`): through the C++ `HierKV` where there is one, so the
+        region has one writer per cache (`write_kv`)."""
+        write_kv(self.native, self.fp_k, self.fp_v, layer, k, v, lo)
 
     def _claim(self, layer: int, start: int, end: int) -> tuple[int, int]:
         """Make room for positions [start, end) in a layer's full-precision region (rotating

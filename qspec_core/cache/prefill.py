@@ -15,11 +15,12 @@ full precision, causally; the tiled C++ kernel computes it on a CPU
 (`kernels.attention.causal_attention`). A query at position p thus sees at least as much in
 full precision as the target path gives it in decoding (which quantizes up to
 (p // G - 1) G), and a prompt of one chunk is attended exactly as before, all in full
-precision. The kernel's products are those measured fastest on the machine
-(`products_choice.py`): fp32, or integer or bf16 ones that move the next-token law less than
-the INT8 history does. The paper's prefill attends over the whole prompt in full precision,
-which needs a full-precision copy of all of it: [L, n_kv, S, D] twice, 0.4 GB for SmolLM2 at
-8k, 0.8 GB for Qwen2.5-0.5B at 32k.
+precision. The kernel's products are the runner's choice, handed in (`products`; the engine
+gives those measured fastest on the machine, `runner/kernel_table.prefill_attention`): fp32,
+or integer or bf16 ones that move the next-token law less than the INT8 history does. The
+paper's prefill attends over the whole prompt in full precision, which needs a full-precision
+copy of all of it: [L, n_kv, S, D] twice, 0.4 GB for SmolLM2 at 8k, 0.8 GB for Qwen2.5-0.5B at
+32k.
 
 Memory beside the cache: the tail, [L, B, n_kv, C + 2G, D] twice, and while one layer
 attends its dequantized history, [B, n_kv, S, D] twice (1/L of that full-precision copy).
@@ -35,7 +36,6 @@ from kernels.attention import causal_attention
 from kernels.cpu.attention import prefill_usable
 from kernels.reference import causal_mask
 from qspec_core.cache.hierarchical import HierarchicalKVCache
-from qspec_core.cache.products_choice import prefill_products
 from qspec_core.precision import FP, Precision
 
 
@@ -43,7 +43,7 @@ class ChunkedPrefill:
     """The KV cache of a prefill into `cache` (empty), in chunks of at most `chunk_size`
     tokens fed in order; `finish()` hands the last tokens to `cache` (see the module doc)."""
 
-    def __init__(self, cache: HierarchicalKVCache, chunk_size: int):
+    def __init__(self, cache: HierarchicalKVCache, chunk_size: int, products: str = "fp32"):
         if cache.seq_len:
             raise ValueError("a chunked prefill fills an empty cache (reset it first)")
         L, B, n_kv, _, D = cache.fp_k.shape
@@ -62,8 +62,8 @@ class ChunkedPrefill:
         self.attention_seconds = 0.0  # attention, with the history's dequantization
         self.quantize_seconds = 0.0  # the groups' quantization into the planes
         self._mask: tuple = (None, None)  # (input_pos, mask) of the forward being run
-        # the tiled CPU attention's products (`products_choice`: measured once per machine)
-        self.products = prefill_products() if like.device.type == "cpu" else "fp32"
+        # the tiled CPU attention's products (`kernels.cpu.attention.PRODUCTS`; off a CPU unused)
+        self.products = products
 
     def attend(self, layer, q, k, v, input_pos, path: Precision = FP) -> torch.Tensor:
         """Store k/v [B, n_kv, T, D] at input_pos [T] (the next positions of this layer) and

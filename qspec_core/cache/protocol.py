@@ -60,3 +60,16 @@ class KVCache(Protocol):
     def nbytes(self) -> dict[str, int]:
         """Bytes held, split by kind (payload, scales, full-precision buffer)."""
         ...
+
+
+def write_kv(native, keys: torch.Tensor, values: torch.Tensor, layer: int, k, v, start: int):
+    """Writes a forward's k/v [B, n_kv, T, D] at positions [start, start + T) of one layer of
+    the buffers `keys`/`values` [L, B, n_kv, S, D]: through the cache's C++ object `native`
+    where there is one (the very object the C++ stack writes through: one writer per cache),
+    else by slice assignment."""
+    if native is not None:
+        native.write(layer, k, v, start)
+        return
+    end = start + k.shape[2]
+    keys[layer, :, :, start:end] = k
+    values[layer, :, :, start:end] = v

@@ -15,6 +15,7 @@ from qspec_core.cache.protocol import KVCache
 from qspec_core.engine.sampling import SamplingParams, sample
 from qspec_core.precision import FP, Precision
 from qspec_core.runner import Runner
+from qspec_core.runner.kernel_table import prefill_attention
 from qspec_core.timing import StageTimer
 
 PREFILL_CHUNK = 512
@@ -69,7 +70,8 @@ def prefill_hierarchical(
     Python. On any exception (Ctrl-C included) the cache is left empty.
     """
     cache.reset()
-    scratch = ChunkedPrefill(cache, chunk_size)
+    products = prefill_attention("hierarchical", cache.fp_k.device)  # (the runner's choice)
+    scratch = ChunkedPrefill(cache, chunk_size, products)
     linears = linear_clock(runner)
     try:
         path = FP.with_weights(weights)

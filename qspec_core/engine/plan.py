@@ -19,6 +19,7 @@ from qspec_core.engine.proposers import DraftSource
 from qspec_core.engine.sampling import SamplingParams
 from qspec_core.engine.speculative import SpecStats, speculative_decode
 from qspec_core.precision import Precision
+from qspec_core.runner.kernel_table import prefill_attention
 from qspec_core.timing import StageTimer, StepCosts
 
 
@@ -49,7 +50,8 @@ class DecodePlan:
         sequence length LongRoPE picks its factors by (None: `size`; `KVCache`)."""
         where = dict(dtype=model.dtype, device=model.device, rope_capacity=rope_capacity)
         if self.target.kv == "fp":
-            return FullPrecisionCache(model.config, size, **where)
+            products = prefill_attention("full", model.device)  # (the runner's choice)
+            return FullPrecisionCache(model.config, size, products=products, **where)
         return HierarchicalKVCache(model.config, size, group_size, **where)
 
     def start(

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from qspec_core.runner.kernel_table import prefill_attention
+
 # What output of each --target-weights follows: the distribution a run's text is drawn from.
 TARGET_DISTRIBUTION = {
     "full": "the target path: full-precision weights, INT8 KV (ar: full-precision KV)",
@@ -24,15 +26,11 @@ def reproduces(mode: str, target_weights: str) -> str:
 
 def prefill_products(mode: str, device) -> str | None:
     """The products of the prefill attention a run in `mode` computes on `device` (None off
-    the CPU): the measured ones for the hierarchical cache, fp32 ones (the kernel's or SDPA's,
-    whichever measured faster) for ar."""
-    from qspec_core.cache.products_choice import exact_products, prefill_products
-
+    the CPU): the runner's choice for its cache (`kernel_table.prefill_attention`: the measured
+    ones for the hierarchical cache, the fp32 numbers on the faster path for ar's)."""
     if torch.device(device).type != "cpu":
         return None
-    if mode == "ar":  # (the full-precision cache: the fp32 numbers, on the faster path)
-        return exact_products()
-    return prefill_products()
+    return prefill_attention("full" if mode == "ar" else "hierarchical", device)
 
 
 def summary_record(session, model_name: str, target_weights: str) -> dict:

@@ -38,9 +38,9 @@ Forward paths:
   vector of ones and applied in fp32 afterwards, because the kernel reads scales in the
   activation dtype: bf16 scales would add a fixed per-channel error of up to 2^-9 (a bias
   repeated on every token) on top of the rounding noise.
-  That is where the bf16 kernel runs only if this machine measured it faster: from
-  `PREFILL_ROWS` rows on, `quant/prefill_choice.py` picks it or the fp32 path below (W
-  dequantized, fp32 GEMM: fp32 rounding only), timed once per machine and kept in the cache.
+  This is the layer's own forward; which product a runner's prefill takes instead (qspec's
+  row kernels, or the fp32 path below: W dequantized, fp32 GEMM, fp32 rounding only) is the
+  runner's choice, measured once per machine (`qspec_core/runner/kernel_table.py`).
 - Anything else (other devices, shapes the CPU kernel cannot take, torch builds without the
   op): `kernels.triton.w8a16.w8a16_ref`, dequantize-then-fp32-matmul.
 
@@ -60,7 +60,6 @@ from torch import nn
 from kernels.formats import dequantize_int8, quantize_int8
 from kernels.triton.w8a16 import w8a16_matmul, w8a16_ref
 from qspec_core.quant import filled
-from qspec_core.quant.prefill_choice import PREFILL_ROWS, prefill_path
 
 # torch._weight_int8pack_mm walks K in vector steps of 8 (AVX2) or 16 (AVX-512) bf16 values.
 CPU_K_MULTIPLE = 16
@@ -143,9 +142,6 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:
             return w8a16_matmul(x, self.weight_int8, self.weight_scale, self.bias)
-        many = x.numel() >= PREFILL_ROWS * self.in_features
-        if x.device.type == "cpu" and many and prefill_path() == "fp32":
-            return w8a16_ref(x, self.weight_int8, self.weight_scale, self.bias)
         if x.device.type == "cpu" and self.cpu_kernel_ok():
             y = self._cpu_forward(x)
             if y is not None:

@@ -21,7 +21,7 @@ few-row kernel (`kernels/cpu/linear.cpp`, and `int_dot.cpp` for the int8-activat
 so a token's logits inside a verify are bit for bit those of the same token decoded alone, in
 every dtype and weight set (greedy QuantSpec == target-ar rests on it). Longer inputs (prefill)
 run PyTorch's GEMM or the quantized twin's own forward, or, for the INT8 sets, the row kernels a
-slice at a time where this machine measured them fastest (`quant/prefill_choice.py`).
+slice at a time where this machine measured them fastest (`runner/prefill_choice.py`).
 
 `tests/test_cpu_step.py` holds the C++ stack to the model's loop with these ops, bit for bit,
 and `tests/test_cpu_decode.py` both to the plain PyTorch model.
@@ -41,9 +41,8 @@ import torch.nn.functional as F
 from kernels import MAX_STEP_ROWS
 from qspec_core.model.ops import LayerOps
 from qspec_core.precision import Precision
-from qspec_core.quant.prefill_choice import prefill_path
 from qspec_core.runner.cpu_stack import build_stack
-from qspec_core.runner.kernel_table import run_linear, run_linears
+from qspec_core.runner.kernel_table import PrefillPath, run_linear, run_linears
 from qspec_core.runner.layouts import WeightLayouts
 from qspec_core.runner.reference import OfModel
 
@@ -53,7 +52,7 @@ class CpuOps(LayerOps):
 
     def __init__(self, ext):
         self.ext = ext  # the loaded C++ extension (`kernels.cpu.build.load()`)
-        self._prefill = None  # the INT8 prefill's product (`prefill_path`), asked once
+        self.prefill_path = PrefillPath()  # the INT8 prefill's product, asked once
         # seconds inside the linears this layer loop ran (a prefill's, and steps' where the
         # C++ stack does not run them), read as a difference by the prefill's stage timer
         # (`generate.linear_clock`): a perf_counter pair a call
@@ -83,7 +82,7 @@ class CpuOps(LayerOps):
         batch-invariant row kernels for at most MAX_STEP_ROWS rows, else PyTorch's GEMM, the
         twin's own forward, or the INT8 row kernels where this machine measured them fastest."""
         start = time.perf_counter()
-        y = run_linear(layer, x, path.weights, self.prefill_path, self.layouts)
+        y = run_linear(layer, x, path.weights, self.prefill_path, self.layouts, "cpu")
         self.linear_seconds += time.perf_counter() - start
         return y
 
@@ -101,13 +100,6 @@ class CpuOps(LayerOps):
             # so the same bits as the C++ step's silu then multiply)
             return F.silu(gate, inplace=True).mul_(up)
         return super().act_mul(act, gate, up)
-
-    def prefill_path(self) -> str:
-        """The many-row INT8 product of this machine, asked on the first one (it may measure:
-        seconds, once per machine) and kept, so that one runner's prefills all compute alike."""
-        if self._prefill is None:
-            self._prefill = prefill_path()
-        return self._prefill
 
 
 class CpuRunner(OfModel):

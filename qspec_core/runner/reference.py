@@ -1,11 +1,13 @@
-"""The torch runner: the model's own forward, as is (the PyTorch reference).
+"""The torch runner: the model's own forward on PyTorch's ops (the PyTorch reference).
 
 What `build_runner` gives where no native runner applies: a GPU (there the model's quantized
 twins and the cache's attention call the Triton kernels themselves), a CPU without qspec's C++
 kernels (`QSPEC_CPU_KERNELS=0`, or a failed build), or a family whose layer the C++ stack does
-not compute (`LayerSpec.native_ok()` false). It owns one thing: the layouts PyTorch's CPU int4
-kernel takes of the 4-bit twins (`TorchOps`), made on first use and dropped by `rebuild`; it is
-a runner so that the runtime and the engine treat every model alike.
+not compute (`LayerSpec.native_ok()` false). Its linears take the kernel table's "torch"
+backend (`kernel_table.py`): each format's own forward, but an INT8 prefill on the fp32 path
+where this machine measured that fastest. It owns the layouts PyTorch's CPU int4 kernel takes
+of the 4-bit twins (`TorchOps`), made on first use and dropped by `rebuild`; it is a runner so
+that the runtime and the engine treat every model alike.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ import torch
 
 from qspec_core.model.ops import LayerOps
 from qspec_core.precision import FP, Precision
-from qspec_core.quant.int4 import CpuLayouts, Int4Linear
+from qspec_core.quant.int4 import CpuLayouts
+from qspec_core.runner.kernel_table import PrefillPath, run_linear
 
 
 class OfModel:
@@ -54,20 +57,20 @@ class OfModel:
 
 
 class TorchOps(LayerOps):
-    """PyTorch's own ops, with the 4-bit twins' CPU int4 layouts kept (`CpuLayouts`)."""
+    """PyTorch's own ops, every linear on the kernel table's "torch" backend (`kernel_table.py`:
+    each format's own forward, with the 4-bit twins' CPU int4 layouts kept, `CpuLayouts`; the
+    fp32 path for an INT8 prefill where this machine measured it fastest)."""
 
     def __init__(self):
         self.layouts = CpuLayouts()
+        self.prefill_path = PrefillPath()  # the INT8 prefill's product, asked once
 
     def linear(self, layer, x: torch.Tensor, path: Precision) -> torch.Tensor:
-        twin = layer.twin(path.weights)
-        if isinstance(twin, Int4Linear) and x.device.type == "cpu":
-            return twin(x, self.layouts.get(twin))  # (a 4-bit twin's activations: as they come)
-        return layer(x, path)
+        return run_linear(layer, x, path.weights, self.prefill_path, self.layouts, "torch")
 
 
 class TorchRunner(OfModel):
-    """`model(...)` itself (see the module docstring)."""
+    """`model(...)` on PyTorch's ops (`TorchOps`; see the module docstring)."""
 
     kind = "torch"
 
