@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -50,11 +49,13 @@ def compare(ref: torch.Tensor, got: torch.Tensor) -> dict:
 
 
 @torch.inference_mode()
-def last_chunk_logits(rt, cache, ids: list[int], chunk: int) -> tuple[torch.Tensor, float]:
-    """QuantSpec's prefill of `ids` into `cache` in chunks of `chunk`, the last chunk's logits
-    [T, V] kept; and the attention's seconds."""
+def last_chunk_logits(
+    rt, cache, ids: list[int], chunk: int, products: str
+) -> tuple[torch.Tensor, float]:
+    """QuantSpec's prefill of `ids` into `cache` in chunks of `chunk`, its attention on
+    `products`, the last chunk's logits [T, V] kept; and the attention's seconds."""
     cache.reset()
-    scratch = ChunkedPrefill(cache, chunk)
+    scratch = ChunkedPrefill(cache, chunk, products)
     path = FP.with_weights(rt.target_weights)
     tokens = torch.tensor(ids)[None]
     last = (len(ids) - 1) // chunk * chunk
@@ -69,8 +70,7 @@ def run(args) -> list[dict]:
     torch.set_num_threads(args.threads)
     products = args.products.split(",")
     for p in products:
-        os.environ[cpu_attention.PRODUCTS_ENV] = p
-        if cpu_attention.prefill_products() != p:  # (raises on an unknown name)
+        if cpu_attention.prefill_products(p) != p:  # (raises on an unknown name)
             raise ValueError(f"products {p!r} need a build with AVX512-BF16 or AVX512-VNNI")
     rt = prepare_and_load(args.model, need_draft=False, target_weights=args.target_weights)
     session = ChatSession(rt, read_document(args.doc), mode="target-ar")
@@ -85,9 +85,8 @@ def run(args) -> list[dict]:
     if args.fp32_history:
         runs.append(("fp32 history", len(ids)))
     for name, chunk in runs:
-        os.environ[cpu_attention.PRODUCTS_ENV] = name.split()[0]
         t0 = time.perf_counter()
-        logits[name], attention = last_chunk_logits(rt, cache, ids, chunk)
+        logits[name], attention = last_chunk_logits(rt, cache, ids, chunk, name.split()[0])
         row = {"products": name, "tokens": len(ids), "positions": len(logits[name])}
         row.update(prefill_s=time.perf_counter() - t0, attention_s=attention)
         # (the one-chunk run's logits are all positions: compare its last chunk's)

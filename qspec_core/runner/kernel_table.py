@@ -51,8 +51,8 @@ from kernels.formats import quantize_activations
 from kernels.triton.w8a16 import w8a16_ref
 from qspec_core.quant.int4 import Int4Linear
 from qspec_core.quant.int8 import Int8Linear
-from qspec_core.runner.products_choice import exact_products, prefill_products
 from qspec_core.runner.prefill_choice import PREFILL_ROWS, prefill_path
+from qspec_core.runner.products_choice import exact_products, prefill_products
 
 FORMATS = ("float", "int8", "w8a8", "w4a8", "int4", "other")
 ROWS = ("step", "prefill", "prefill_rows", "prefill_fp32")
