@@ -260,9 +260,17 @@ def prepare(model: str | None, need_draft: bool, target_weights: str) -> None:
 def step_progress(description: str, disable: bool = False):
     """A transient bar on stderr: yields `start(total)`, which adds the task and returns the
     callback to call after each step (e.g. `convert`'s `on_layer`)."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn())
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn())  # fmt: skip
     with Progress(*columns, console=err, transient=True, disable=disable) as bar:
 
         def start(total: int):

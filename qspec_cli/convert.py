@@ -74,10 +74,15 @@ def convert(
     relative weight error and, on the calibration text, the draft's top-1 agreement and KL
     against the target. Use the output with --model everywhere.
     """
+    import torch
+
     from qspec_core.convert.convert import convert as run_convert
     from qspec_core.convert.export import export_gptq_folder
     from qspec_core.convert.info import convert_steps, read_draft_meta, weight_error_summary
     from qspec_core.convert.recipes import RECIPES, get_recipe
+    from qspec_core.convert.stream import convert_streaming
+    from qspec_core.model.checkpoint import load_model
+    from qspec_core.model.tokenizer import Tokenizer
     from qspec_core.registry.sources import resolve_model
 
     if list_recipes:
@@ -98,31 +103,36 @@ def convert(
     method = method or "rtn"
     if draft_from is None and method not in ("rtn", "gptq", "awq"):
         raise QspecError(f"--method {method!r} is not available (have: rtn, gptq, awq)")
+    if group_size is not None and group_size % 2:
+        raise QspecError(f"--group-size must be even, not {group_size}")
     common.check_run_options("fp32", threads)
+    check_output(output, force)
+    if export_gptq is not None:
+        check_output(export_gptq, True)
     calib_path = calib or BUNDLED_TEXTS / "gpl-3.0.txt"
     calib_text = common.read_text(calib_path)
-    runtime = common.load(model, "fp32", threads)  # quantization math runs in fp32
-    calib_ids = runtime.tokenizer.encode(calib_text)[:calib_tokens]
+    if threads:
+        torch.set_num_threads(threads)
+    folder = resolve_model(model, common.log)
+    calib_ids = Tokenizer(folder).encode(calib_text)[:calib_tokens]
     draft_path = resolve_model(draft_from, common.log) if draft_from else None
     label = "import" if draft_path else f"{chosen.name if chosen else method} 4-bit"
+    whole = None  # the whole model in fp32: an import, or a GPTQ export, reads it
     with common.step_progress(f"{label} + INT8 verifier", disable=as_json) as progress:
-        on_layer = progress(convert_steps(runtime.model, draft_path is None, chosen))
-        report = run_convert(
-            runtime.folder,
-            output,
-            runtime.model,
-            method,
-            group_size,
-            calib_ids,
-            str(calib_path),
-            force,
-            on_layer=on_layer,
-            draft_from=draft_path,
-            recipe=chosen,
-        )
+        if draft_path is None and export_gptq is None:  # (layer by layer: convert/stream.py)
+            report = convert_streaming(
+                folder, output, method, group_size, calib_ids, str(calib_path), force,
+                recipe=chosen, progress=progress,
+            )  # fmt: skip
+        else:
+            whole = load_model(folder, dtype=torch.float32)  # quantization math runs in fp32
+            on_layer = progress(convert_steps(whole, draft_path is None, chosen))
+            report = run_convert(folder, output, whole, method, group_size, calib_ids,
+                                 str(calib_path), force, on_layer=on_layer, draft_from=draft_path,
+                                 recipe=chosen)  # fmt: skip
     exported = None
     if export_gptq is not None:
-        exported = str(export_gptq_folder(runtime.model, runtime.folder, export_gptq))
+        exported = str(export_gptq_folder(whole, folder, export_gptq))
     meta = read_draft_meta(output)
     if as_json:
         print(json.dumps({"output": str(output), "exported_gptq": exported, **meta}))
@@ -144,3 +154,33 @@ def convert(
         )
     if exported:
         common.out.print(Text(f"GPTQ checkpoint: {exported}"))
+
+
+def check_output(folder: Path, force: bool) -> None:
+    """Refuse, before any work, an output folder qspec could not write: one that exists and is
+    not empty (without --force), a file, or one below a file or an unwritable folder."""
+    import os
+
+    if folder.exists() and (not folder.is_dir() or any(folder.iterdir())) and not force:
+        raise QspecError(f"{folder} exists and is not empty; pass --force to replace it")
+    if folder.exists() and not folder.is_dir():
+        raise QspecError(f"{folder} is a file, not a folder")
+    parent = folder.absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise QspecError(f"cannot write {folder}: {parent} is a file")
+    if not os.access(parent, os.W_OK | os.X_OK) or not _can_create_in(parent):
+        raise QspecError(f"cannot write {folder}: {parent} is not writable")
+
+
+def _can_create_in(folder: Path) -> bool:
+    """Whether a file can be made in `folder` (/proc and read-only mounts say no even to root,
+    whom `os.access` always answers yes)."""
+    import tempfile
+
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            return True
+    except OSError:
+        return False

@@ -86,11 +86,20 @@ def _forward_logits(model: Transformer, ids: list[int], path: Precision) -> torc
 
 def draft_agreement(model: Transformer, ids: list[int]) -> tuple[float, float]:
     """Top-1 agreement and mean KL of the draft weights vs the target weights (fp KV)."""
-    target = torch.log_softmax(_forward_logits(model, ids, FP), -1)
-    draft = torch.log_softmax(_forward_logits(model, ids, DRAFT_W4), -1)
-    top1 = float((target.argmax(-1) == draft.argmax(-1)).float().mean())
-    kl = float((target.exp() * (target - draft)).sum(-1).mean())
-    return top1, kl
+    same, kl = agreement_rows(
+        _forward_logits(model, ids, FP), _forward_logits(model, ids, DRAFT_W4)
+    )
+    return float(same.mean()), float(kl.mean())
+
+
+def agreement_rows(target_logits: torch.Tensor, draft_logits: torch.Tensor):
+    """Per position of logits [T, V]: whether the argmaxes agree (1.0 or 0.0) [T], and
+    KL(p_target || p_draft) in nats [T]. Row by row, so a caller may feed blocks of rows."""
+    target = torch.log_softmax(target_logits, -1)
+    draft = torch.log_softmax(draft_logits, -1)
+    return (target.argmax(-1) == draft.argmax(-1)).float(), (target.exp() * (target - draft)).sum(
+        -1
+    )
 
 
 def import_draft(model: Transformer, checkpoint: Path) -> tuple[dict[str, Int4Linear], dict]:
@@ -280,12 +289,8 @@ def quantize_model(
 
     GPTQ uses `hessians` when given (from `calibration_hessians` on `calib_ids`), and the
     (q, scale, zero) of `made` (`gptq_pairs`) where it has them."""
-    made = made or {}
-    if method not in METHODS:
-        raise QspecError(f"unknown method {method!r} (have: {', '.join(METHODS)})")
+    check_method(method, group_size)
     layers = linear_layers(model)
-    if group_size < 2 or group_size % 2:
-        raise QspecError(f"group size must be an even number >= 2, not {group_size}")
     if method == "gptq" and hessians is None:
         hessians = calibration_hessians(model, calib_ids)
     collector = None
@@ -295,6 +300,32 @@ def quantize_model(
             _forward_logits(model, calib_ids, FP)
         finally:
             collector.close()
+    return quantize_layers(layers, method, group_size, on_layer, hessians, select, damp, made,
+                           collector)  # fmt: skip
+
+
+def check_method(method: str, group_size: int) -> None:
+    if method not in METHODS:
+        raise QspecError(f"unknown method {method!r} (have: {', '.join(METHODS)})")
+    if group_size < 2 or group_size % 2:
+        raise QspecError(f"group size must be an even number >= 2, not {group_size}")
+
+
+def quantize_layers(
+    layers: dict[str, torch.nn.Module],
+    method: str,
+    group_size: int,
+    on_layer=None,
+    hessians: dict[str, torch.Tensor] | None = None,
+    select=None,
+    damp: float = 0.01,
+    made: dict[str, tuple] | None = None,
+    activations: ActivationCollector | None = None,
+) -> dict[str, Int4Linear]:
+    """The 4-bit twins of `layers` (linears by HF name; those `select` accepts) from their own
+    weights: RTN, GPTQ with `hessians` (or the codes `made` has), AWQ with the `activations`
+    its calibration collected. `on_layer(name)` after each one made here."""
+    made = made or {}
     drafts = {}
     for name, layer in layers.items():
         if select is not None and not select(name):
@@ -303,7 +334,7 @@ def quantize_model(
         bias = None if layer.bias is None else layer.bias.data.float()
         if method == "awq":
             q, scale, zero, input_scale = awq_quantize(
-                weight, collector.absmean[name], collector.sample[name], group_size
+                weight, activations.absmean[name], activations.sample[name], group_size
             )
             draft = Int4Linear.from_quantized(q, scale, zero, group_size, bias)
             draft = draft.with_scales(input_scale=input_scale)
@@ -319,6 +350,28 @@ def quantize_model(
         if on_layer and name not in made:
             on_layer(name)
     return drafts
+
+
+def upper_drafts(int8_twins: dict, group_size: int, select=None, on_layer=None) -> dict:
+    """The `int8-upper` drafts: the upper nibble of each INT8 twin `select` accepts."""
+    drafts = {
+        name: Int4Linear.from_int8_upper(t.weight_int8, t.weight_scale, t.bias, group_size)
+        for name, t in int8_twins.items()
+        if select is None or select(name)
+    }
+    for name in drafts:
+        if on_layer:
+            on_layer(name)
+    return drafts
+
+
+def weight_errors(drafts: dict[str, Int4Linear], layers: dict) -> dict[str, float]:
+    """Each draft's relative weight error against its layer's weight (the report's)."""
+    errors = {}
+    for name, draft in drafts.items():
+        w = layers[name].weight.data.float()
+        errors[name] = float((draft.effective_weight() - w).norm() / w.norm())
+    return errors
 
 
 def convert(
@@ -364,7 +417,7 @@ def convert(
     if draft_from is None and method == "gptq" and hessians is not None:
         damp = 0.01 if recipe is None else recipe.damp
         select = None if recipe is None else recipe.selects
-        paired = gptq_pairs(model, hessians, group_size, damp, select, on_layer)
+        paired = gptq_pairs(linear_layers(model), hessians, group_size, damp, select, on_layer)
     # the INT8 verifier's weights first: a layer left out of the draft drafts on them
     int8_twins, int8_meta = int8_weights(
         model, hessians, calib_source, on_layer, {n: p[1] for n, p in paired.items()}
@@ -372,16 +425,7 @@ def convert(
     attach_int8(model, int8_twins)
     if draft_from is None and method == UPPER:
         select = recipe.selects if recipe is not None else None
-        drafts = {
-            name: Int4Linear.from_int8_upper(
-                t.weight_int8, t.weight_scale, t.bias, group_size or 64
-            )
-            for name, t in int8_twins.items()
-            if select is None or select(name)
-        }
-        for name in drafts:
-            if on_layer:
-                on_layer(name)
+        drafts = upper_drafts(int8_twins, group_size or 64, select, on_layer)
     elif draft_from is None:
         select = None if recipe is None else recipe.selects
         damp = 0.01 if recipe is None else recipe.damp
@@ -389,15 +433,31 @@ def convert(
             model, method, group_size, calib_ids, on_layer, hessians, select, damp,
             {n: p[0] for n, p in paired.items()},
         )  # fmt: skip
-    layers = linear_layers(model)
     report = DraftReport(tokens=len(calib_ids))
-    for name, draft in drafts.items():
-        w = layers[name].weight.data.float()
-        report.rel_weight_error[name] = float((draft.effective_weight() - w).norm() / w.norm())
+    report.rel_weight_error = weight_errors(drafts, linear_layers(model))
     attach_draft(model, drafts)
     if calib_ids:
         report.top1_agreement, report.kl = draft_agreement(model, calib_ids[:1024])
-    meta = {
+    meta = draft_meta(source, method, group_size, extra, sorted(drafts), calib_source, report, t0)
+    tensors = twin_tensors(drafts, "draft") | twin_tensors(int8_twins, "int8")
+    meta["target_int8"] = int8_meta
+    write_folder(source, out, tensors, meta)
+    return report
+
+
+def draft_meta(
+    source: Path,
+    method: str,
+    group_size: int,
+    extra: dict,
+    modules: list[str],
+    calib_source: str,
+    report: DraftReport,
+    started: float,
+) -> dict:
+    """qspec_draft.json of a conversion that started at `started` (perf_counter), but for its
+    "target_int8" (`int8_meta`)."""
+    return {
         "format_version": FORMAT_VERSION,
         "qspec_version": qspec_core.__version__,
         "method": method,
@@ -406,27 +466,23 @@ def convert(
         "sym": extra.pop("sym", False),
         "zero_point": "integer",
         **extra,
-        "modules": sorted(drafts),
-        "calibration": {"source": calib_source, "tokens": len(calib_ids)},
+        "modules": modules,
+        "calibration": {"source": calib_source, "tokens": report.tokens},
         "source": {
             "path": str(source.resolve()),
             "files": {f.name: sha256_file(f) for f in checkpoint_files(source)},
         },
-        "seconds": round(time.perf_counter() - t0, 2),
+        "seconds": round(time.perf_counter() - started, 2),
         "report": {
             "top1_agreement": report.top1_agreement,
             "kl": report.kl,
             "rel_weight_error": report.rel_weight_error,
         },
     }
-    tensors = twin_tensors(drafts, "draft") | twin_tensors(int8_twins, "int8")
-    meta["target_int8"] = int8_meta
-    write_folder(source, out, tensors, meta)
-    return report
 
 
 def gptq_pairs(
-    model: Transformer,
+    layers: dict[str, torch.nn.Module],
     hessians: dict[str, torch.Tensor],
     group_size: int,
     damp: float,
@@ -441,7 +497,7 @@ def gptq_pairs(
     if damp != INT8_DAMP:
         return {}
     pairs = {}
-    for name, layer in linear_layers(model).items():
+    for name, layer in layers.items():
         if select is None or select(name):
             pairs[name] = gptq_quantize_both(layer.weight.data, hessians[name], group_size, damp)
             if on_layer:
@@ -479,8 +535,20 @@ def int8_weights(
     to nearest without. No activation smoothing (see docs/DESIGN.md). Returns the twins by
     linear name (`twin_tensors` gives their draft.safetensors entries) and their metadata.
     `made`: (q_int8, scale) already rounded with `hessians` (`gptq_pairs`), by linear name."""
+    layers = linear_layers(model)
+    twins = int8_twins(layers, hessians, on_layer, made)
+    return twins, int8_meta(sorted(layers), hessians is not None, calib_source)
+
+
+def int8_twins(
+    layers: dict[str, torch.nn.Module],
+    hessians: dict[str, torch.Tensor] | None = None,
+    on_layer=None,
+    made: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
+) -> dict[str, Int8Linear]:
+    """`int8_weights`' twins of `layers` (linears by HF name)."""
     twins, made = {}, made or {}
-    for name, layer in linear_layers(model).items():
+    for name, layer in layers.items():
         if hessians is None:
             q = Int8Linear.from_linear(layer)
         else:
@@ -492,14 +560,18 @@ def int8_weights(
         twins[name] = q
         if on_layer and name not in made:
             on_layer(name)
-    meta = {
+    return twins
+
+
+def int8_meta(modules: list[str], calibrated: bool, calib_source: str) -> dict:
+    """qspec_draft.json's "target_int8": the INT8 weights' scheme, rounding and modules."""
+    return {
         "scheme": INT8_SCHEME,
-        "method": "rtn" if hessians is None else "gptq",
-        "calibration": None if hessians is None else calib_source,
+        "method": "gptq" if calibrated else "rtn",
+        "calibration": calib_source if calibrated else None,
         "smoothing": None,
-        "modules": sorted(linear_layers(model)),
+        "modules": modules,
     }
-    return twins, meta
 
 
 def add_int8_weights(

@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -35,9 +36,24 @@ COPIED = (
 
 def write_folder(source: Path, out: Path, tensors: dict, meta: dict) -> None:
     """Write everything into a temporary sibling, then rename: no half-written model."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    with staged_folder(source, out) as tmp:
+        save_file(tensors, tmp / DRAFT_WEIGHTS, metadata={"format": "qspec-draft"})
+        (tmp / DRAFT_META).write_text(json.dumps(meta, indent=2) + "\n")
+
+
+@contextmanager
+def staged_folder(source: Path, out: Path):
+    """A temporary sibling of `out` to write the draft files into; when the block ends without
+    an exception, the source's config, tokenizer and weights (hard links where it can) join
+    them and the folder is renamed to `out` (replacing it). On any exception, Ctrl-C included,
+    nothing is left."""
     try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    except OSError as e:
+        raise QspecError(f"cannot write {out}: {e.strerror or e}") from None
+    try:
+        yield tmp
         for name in COPIED:
             if (source / name).exists():
                 shutil.copy2(source / name, tmp / name)
@@ -48,8 +64,6 @@ def write_folder(source: Path, out: Path, tensors: dict, meta: dict) -> None:
                 os.link(f, tmp / f.name)  # same weights, no copy
             except OSError:
                 shutil.copy2(f, tmp / f.name)
-        save_file(tensors, tmp / DRAFT_WEIGHTS, metadata={"format": "qspec-draft"})
-        (tmp / DRAFT_META).write_text(json.dumps(meta, indent=2) + "\n")
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -55,6 +56,105 @@ def load_state_dict(folder: Path) -> dict[str, torch.Tensor]:
     return state
 
 
+# safetensors dtype names -> torch dtypes (the ones checkpoints hold)
+_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool,
+}  # fmt: skip
+MAX_HEADER = 100 << 20  # bytes: a larger safetensors header is a damaged file
+
+
+class CheckpointReader:
+    """A checkpoint's tensors by HF name (`model.` stripped), read one at a time: what a
+    layer-by-layer conversion holds is the tensors it asked for, not the model. Plain reads
+    at the offsets the safetensors headers give, not a memory map: a mapped file's pages count
+    in the process's resident memory once touched, so reading a whole 16 GB checkpoint
+    through one would leave 16 GB resident. `shapes` lists every tensor's shape."""
+
+    def __init__(self, folder: Path):
+        self._where: dict[str, tuple[Path, int, int, torch.dtype]] = {}
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        for path in checkpoint_files(folder):
+            if not path.exists():
+                raise QspecError(f"checkpoint shard {path} is missing")
+            for name, (start, end, dtype, shape) in _header(path).items():
+                if name.endswith(_IGNORED_SUFFIXES):
+                    continue
+                key = name.removeprefix("model.")
+                self._where[key] = (path, start, end, dtype)
+                self.shapes[key] = shape
+
+    def _read(self, path: Path, start: int, size: int) -> bytearray:
+        buf = bytearray(size)
+        try:
+            with open(path, "rb") as f:
+                f.seek(start)
+                if f.readinto(buf) != size:
+                    raise OSError("the file ends inside a tensor")
+        except OSError as e:
+            raise QspecError(f"corrupt checkpoint {path}: {e}") from None
+        return buf
+
+    def get(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The tensor `name`, cast to `dtype`."""
+        return self.rows(name, 0, self.shapes[name][0] if self.shapes[name] else 1, dtype)
+
+    def rows(self, name: str, start: int, end: int, dtype=torch.float32) -> torch.Tensor:
+        """Rows [start, end) of the tensor `name` (its first dimension), cast to `dtype`."""
+        path, first, _, stored = self._where[name]
+        shape = self.shapes[name]
+        row = stored.itemsize * (math.prod(shape[1:]) if shape else 1)
+        buf = self._read(path, first + start * row, (end - start) * row)
+        if not buf:
+            return torch.empty((end - start, *shape[1:]), dtype=dtype)
+        t = torch.frombuffer(buf, dtype=stored).reshape((end - start, *shape[1:]) if shape else ())
+        return t.to(dtype)
+
+    def state(self, prefix: str, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+        """Every tensor whose name starts with `prefix` ("layers.3."), names kept whole."""
+        return {n: self.get(n, dtype) for n in self._where if n.startswith(prefix)}
+
+
+def _header(path: Path) -> dict[str, tuple[int, int, torch.dtype, tuple[int, ...]]]:
+    """name -> (first byte, end byte, dtype, shape) of every tensor in a safetensors file."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(8)
+            size = int.from_bytes(raw, "little") if len(raw) == 8 else -1
+            if not 0 < size <= MAX_HEADER:
+                raise ValueError("no safetensors header")
+            header = json.loads(f.read(size))
+            data = 8 + size
+            file_size = f.seek(0, 2)
+        out = {}
+        for name, entry in header.items():
+            if name == "__metadata__":
+                continue
+            start, end = (data + int(o) for o in entry["data_offsets"])
+            dtype, shape = _DTYPES[entry["dtype"]], tuple(int(d) for d in entry["shape"])
+            if end > file_size or end - start != dtype.itemsize * math.prod(shape):
+                raise ValueError(f"tensor {name} does not fit its offsets")
+            out[name] = (start, end, dtype, shape)
+        return out
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise QspecError(f"corrupt checkpoint {path}: {e}") from None
+
+
+def check_layer_count(config: ModelConfig, names) -> None:
+    """The decoder layers the tensor names `names` ("layers.7.mlp.up_proj.weight", ...) hold
+    against config.json's num_hidden_layers, before a model of that many layers is built (a
+    config of 10^9 layers would allocate for minutes)."""
+    held = {int(n.split(".")[1]) for n in names if n.startswith("layers.") and
+            n.split(".")[1].isdigit()}  # fmt: skip
+    n = config.num_hidden_layers
+    if len(held) != n or (held and (min(held), max(held)) != (0, n - 1)):  # (0 .. n - 1)
+        raise QspecError(
+            f"checkpoint does not match its config.json: it holds {len(held)} decoder layers, "
+            f"config.json says num_hidden_layers {config.num_hidden_layers}"
+        )
+
+
 def build_model(
     config: ModelConfig,
     state: dict[str, torch.Tensor],
@@ -62,6 +162,7 @@ def build_model(
     device: torch.device | str = "cpu",
 ) -> Transformer:
     """Instantiate without random init and assign the checkpoint tensors, cast to `dtype`."""
+    check_layer_count(config, state)
     with torch.device("meta"):
         model = Transformer(config)
     family = family_for(config.model_type)

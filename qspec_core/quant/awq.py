@@ -57,21 +57,25 @@ class ActivationCollector:
 
     def _hook(self, name):
         def hook(module, args, output):
-            x = args[0].reshape(-1, args[0].shape[-1]).float()  # [n, K]
-            n = self._count.get(name, 0)
-            total = x.abs().sum(0)
-            prev = self.absmean.get(name)
-            self.absmean[name] = (
-                total / x.shape[0] if prev is None else ((prev * n + total) / (n + x.shape[0]))
-            )
-            self._count[name] = n + x.shape[0]
-            kept = self.sample.get(name)
-            room = self.max_rows - (0 if kept is None else kept.shape[0])
-            if room > 0:
-                rows = x[torch.linspace(0, x.shape[0] - 1, min(room, x.shape[0])).long()]
-                self.sample[name] = rows if kept is None else torch.cat([kept, rows])
+            self.add(name, args[0])
 
         return hook
+
+    def add(self, name: str, inputs: torch.Tensor) -> None:
+        """Add the inputs [..., K] of layer `name` (what its hook sees) to its statistics."""
+        x = inputs.reshape(-1, inputs.shape[-1]).float()  # [n, K]
+        n = self._count.get(name, 0)
+        total = x.abs().sum(0)
+        prev = self.absmean.get(name)
+        self.absmean[name] = (
+            total / x.shape[0] if prev is None else ((prev * n + total) / (n + x.shape[0]))
+        )
+        self._count[name] = n + x.shape[0]
+        kept = self.sample.get(name)
+        room = self.max_rows - (0 if kept is None else kept.shape[0])
+        if room > 0:
+            rows = x[torch.linspace(0, x.shape[0] - 1, min(room, x.shape[0])).long()]
+            self.sample[name] = rows if kept is None else torch.cat([kept, rows])
 
     def close(self) -> None:
         for handle in self._handles:

@@ -205,12 +205,16 @@ class HessianCollector:
 
     def _hook(self, name):
         def hook(module, args, output):
-            x = args[0].reshape(-1, args[0].shape[-1]).float()  # [n, K]
-            h = 2 * x.t() @ x
-            prev = self.hessians[name]
-            self.hessians[name] = h if prev is None else prev + h
+            self.add(name, args[0])
 
         return hook
+
+    def add(self, name: str, inputs: torch.Tensor) -> None:
+        """Add the inputs [..., K] of layer `name` (what its hook sees) to its sum."""
+        x = inputs.reshape(-1, inputs.shape[-1]).float()  # [n, K]
+        h = 2 * x.t() @ x
+        prev = self.hessians.get(name)
+        self.hessians[name] = h if prev is None else prev + h
 
     def close(self) -> None:
         for handle in self._handles:
