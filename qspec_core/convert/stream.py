@@ -206,6 +206,7 @@ def convert_streaming(
             head = _Head(skeleton, reader, plan, streams)
             twins = head.quantize()
             drafted += _write(writer, twins, report)
+            del twins  # (written: the report needs the draft's head only)
             if streams.report is not None:
                 report.top1_agreement, report.kl = head.agreement()
             writer.close({"format": "qspec-draft"})
@@ -324,7 +325,10 @@ class _Plan:
         if method == "gptq" and hessians is not None and self.damp == INT8_DAMP and self.int8_gptq:
             paired = gptq_pairs(linears, hessians, G, self.damp, self.select, on_layer)
         rounding = hessians if self.int8_gptq else None  # (None: to nearest)
-        int8 = int8_twins(linears, rounding, on_layer, {n: p[1] for n, p in paired.items()})
+        # (the draft reads the Hessians after the INT8 rounding only as unpaired GPTQ)
+        release = not (method == "gptq" and not paired)
+        made = {n: p[1] for n, p in paired.items()}
+        int8 = int8_twins(linears, rounding, on_layer, made, release)
         if method == UPPER:
             return int8, upper_drafts(int8, G or 64, self.select, on_layer)
         drafts = quantize_layers(linears, method, G, on_layer, hessians, self.select, self.damp,
@@ -350,10 +354,16 @@ class _Plan:
         for stream in streams.fp():
             if stream is not streams.calib:
                 stream.through(layer, rope)
-        int8, drafts = self.twins(linears, hessians, activations, self.on_layer)
-        errors = weight_errors(drafts, linears)
-        for name, linear in linears.items():
-            linear.int8, linear.draft = int8[name], drafts.get(name)
+        int8, drafts, errors = {}, {}, {}
+        for name, linear in linears.items():  # (a linear at a time: its weight freed after)
+            one = {name: linear}
+            i8, d = self.twins(one, hessians, activations, self.on_layer)
+            int8 |= i8
+            drafts |= d
+            errors |= weight_errors(d, one)
+            linear.int8, linear.draft = i8[name], d.get(name)
+            linear.weight = nn.Parameter(linear.weight.to("meta"), False)  # (the twins run)
+            _give_back()
         if streams.draft is not None:
             streams.draft.through(layer, rope)
         return {"int8": int8, "draft": drafts, "errors": errors}
@@ -406,7 +416,9 @@ class _Head:
             end = min(V, start + rows)
             block = Linear(H, end - start, bias=False, device="meta")
             block.weight = nn.Parameter(self.reader.rows(self.weight, start, end), False)
-            int8, drafts = plan.twins({name: block}, hessians, activations, None)
+            # (a copy: the rounding releases what it reads, and every block reads H)
+            block_h = None if hessians is None else dict(hessians)
+            int8, drafts = plan.twins({name: block}, block_h, activations, None)
             if report is not None:  # (the target's logits of these rows, as the head's)
                 first = 0
                 for x in self.inputs[id(report)]:  # x [1, t, hidden]
@@ -433,23 +445,24 @@ class _Head:
         return {"int8": {name: int8}, "draft": drafts, "errors": errors if drafts else {}}
 
     def agreement(self) -> tuple[float, float]:
-        """The report's top-1 agreement and mean KL over its positions: the draft's logits a
-        chunk at a time (as the model's forward makes them), compared REPORT_ROWS at once."""
+        """The report's top-1 agreement and mean KL over its positions: the draft's logits and
+        their comparison REPORT_ROWS positions at a time."""
         cap = self.config.final_logit_softcapping
         same, kl, start = [], [], 0
         twin = self.head.draft  # (a 4-bit head: its CPU layout made once, not per chunk)
+        if twin is not None:
+            self.head.int8 = None  # (written already, and not the draft's: freed)
         layout = twin.cpu_layout() if twin is not None and twin.cpu_kernel_ok() else None
-        for x in self.inputs[id(self.streams.draft)]:
-            logits = self.head(x, DRAFT_W4) if layout is None else twin(x, layout)
-            draft = logits[0].float()  # [t, V]
-            target = self.target_logits[start : start + draft.shape[0]]
-            start += draft.shape[0]
-            if cap is not None:
-                target, draft = soft_cap(target, cap), soft_cap(draft, cap)
-            for row in range(0, draft.shape[0], REPORT_ROWS):
-                s, k = agreement_rows(
-                    target[row : row + REPORT_ROWS], draft[row : row + REPORT_ROWS]
-                )
+        for chunk in self.inputs[id(self.streams.draft)]:  # [1, t, hidden]
+            for row in range(0, chunk.shape[1], REPORT_ROWS):  # (rows are independent)
+                x = chunk[:, row : row + REPORT_ROWS]
+                logits = self.head(x, DRAFT_W4) if layout is None else twin(x, layout)
+                draft = logits[0].float()  # [rows, V]
+                target = self.target_logits[start : start + draft.shape[0]]
+                start += draft.shape[0]
+                if cap is not None:
+                    target, draft = soft_cap(target, cap), soft_cap(draft, cap)
+                s, k = agreement_rows(target, draft)
                 same.append(s)
                 kl.append(k)
         return float(torch.cat(same).mean()), float(torch.cat(kl).mean())
