@@ -102,7 +102,7 @@ def _executor(settings, todo, workers, snapshots, threads):
         return InProcess(None, settings, snapshots)  # (nothing to run: no model to load)
     runtime = common.load(
         settings.model, settings.dtype, threads, need_draft=need_draft,
-        target_weights=settings.target_weights,
+        target_weights=settings.target_weights, full_weights=False,
     )  # fmt: skip
     common.check_group_size(settings.group_size, runtime, settings.gamma if need_draft else None)
     return InProcess(runtime, settings, snapshots)

@@ -223,7 +223,11 @@ def load(
     quiet: bool = False,
     need_draft: bool = False,
     target_weights: str = "full",
+    full_weights: bool = True,
 ):
+    """The runtime of `model` (`prepare_and_load`). `full_weights=False`: a command whose paths
+    are all on the target weights and the draft does not read full weights it will not run
+    (`load_runtime`)."""
     import torch
 
     from qspec_core.registry.runtime import prepare_and_load
@@ -242,6 +246,7 @@ def load(
             log=say,
             need_draft=need_draft,
             target_weights=target_weights,
+            full_weights=full_weights,
         )
 
 
@@ -295,7 +300,14 @@ def load_session(
         # a snapshot holds KV its target weights computed: auto continues on those
         target_weights = read_manifest(snapshot).get("target_weights", "full")
     try:
-        runtime = load(model, dtype, threads, need_draft=need_draft, target_weights=target_weights)
+        runtime = load(
+            model,
+            dtype,
+            threads,
+            need_draft=need_draft,
+            target_weights=target_weights,
+            full_weights=False,
+        )  # fmt: skip (every mode runs the target weights)
     except QspecError as e:
         if not adopted:
             raise

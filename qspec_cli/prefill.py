@@ -58,7 +58,7 @@ def prefill(
     if output.suffix != ".qspec":  # (chat and summarize tell a snapshot from a text by it)
         raise QspecError(f"{output}: a snapshot's name ends in .qspec")
     text = common.read_text(file)
-    runtime = common.load(model, dtype, threads, target_weights=target_weights)
+    runtime = common.load(model, dtype, threads, target_weights=target_weights, full_weights=False)
     common.check_group_size(group_size, runtime)
     # --truncate leaves room for a question and an answer of chat's default length, so the
     # snapshot works with default settings

@@ -1,9 +1,12 @@
-"""Stage timing: `with timer.stage("prefill"): ...` accumulates wall seconds per stage; and
-`StepCosts`, what one decode measured of its step costs, kept for the next one."""
+"""Stage timing: `with timer.stage("prefill"): ...` accumulates wall seconds per stage;
+`StepCosts`, what one decode measured of its step costs, kept for the next one; and the
+process's peak memory (`peak_rss_bytes`)."""
 
 from __future__ import annotations
 
 import math
+import resource
+import sys
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -55,3 +58,10 @@ class StageTimer:
     def merge(self, other: StageTimer) -> None:
         for name, s in other.seconds.items():
             self.seconds[name] = self.seconds.get(name, 0.0) + s
+
+
+def peak_rss_bytes() -> int:
+    """The process's peak resident memory so far, in bytes (getrusage: kB on Linux, bytes on
+    macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024

@@ -166,3 +166,24 @@ def test_the_tensor_file_writer(tmp_path):
     writer.add("a", torch.zeros(1))
     with pytest.raises(ValueError, match="reserved"):
         writer.close()
+
+
+def test_int8_to_nearest_needs_no_calibration(llama_folder, tmp_path, monkeypatch):
+    """--int8 rtn with an RTN draft collects no Hessian: the INT8 twins are round-to-nearest
+    (those of a conversion without a calibration text), and the report is still made."""
+    added = []
+    real = stream.HessianCollector.add
+    monkeypatch.setattr(
+        stream.HessianCollector, "add", lambda self, n, x: added.append(n) or real(self, n, x)
+    )
+    stream.convert_streaming(
+        llama_folder, tmp_path / "a", "rtn", 32, _calib(100), int8_method="rtn"
+    )
+    assert added == []
+    stream.convert_streaming(llama_folder, tmp_path / "b", "rtn", 32)  # (no text at all)
+    a, b = (load_file(tmp_path / f / "draft.safetensors") for f in "ab")
+    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+    meta = json.loads((tmp_path / "a" / "qspec_draft.json").read_text())
+    assert meta["target_int8"]["method"] == "rtn" and meta["report"]["top1_agreement"] > 0
+    with pytest.raises(QspecError, match="INT8 rounding"):
+        stream.convert_streaming(llama_folder, tmp_path / "c", "rtn", 32, int8_method="awq")

@@ -89,6 +89,7 @@ def test_summarize_json_on_the_real_model(default_model_dir):
         "tokens_per_s",
         "timings_s",
         "stats",
+        "peak_rss_bytes",
     ):
         assert key in result
     assert result["mode"] == "quantspec" and result["model"] == "SmolLM2-135M-Instruct"

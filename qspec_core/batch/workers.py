@@ -40,6 +40,7 @@ def load_for(settings: BatchSettings, threads: int | None = None):
         need_draft=settings.mode == "quantspec",
         target_weights=settings.target_weights,
         log=lambda msg: None,
+        full_weights=False,  # (every mode runs the target weights and the draft)
     )
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import datetime
 import platform
-import resource
 import statistics
 import time
 from collections.abc import Callable
@@ -34,7 +33,7 @@ from qspec_core.precision import DRAFT, DRAFT_KV4, DRAFT_W4, FP, INT8_WEIGHTS, T
 from qspec_core.registry.runtime import Runtime
 from qspec_core.runner.layouts import WeightLayouts
 from qspec_core.runner.prefill_choice import prefill_path
-from qspec_core.timing import StageTimer
+from qspec_core.timing import StageTimer, peak_rss_bytes
 
 
 @dataclass(frozen=True)
@@ -529,8 +528,7 @@ def run_bench(
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "model": runtime.name,
         "context_limit": runtime.context_limit,
-        "machine": machine_info(runtime, dtype)
-        | {"peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024},
+        "machine": machine_info(runtime, dtype) | {"peak_rss_bytes": peak_rss_bytes()},
         "config": {
             "contexts": config.contexts,
             "gen": config.gen,

@@ -545,16 +545,20 @@ def int8_twins(
     hessians: dict[str, torch.Tensor] | None = None,
     on_layer=None,
     made: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
+    release: bool = False,
 ) -> dict[str, Int8Linear]:
-    """`int8_weights`' twins of `layers` (linears by HF name)."""
+    """`int8_weights`' twins of `layers` (linears by HF name). `release`: each Hessian is
+    dropped from `hessians` once its layer is rounded (nothing after needs it)."""
     twins, made = {}, made or {}
     for name, layer in layers.items():
         if hessians is None:
             q = Int8Linear.from_linear(layer)
         else:
+            hessian = hessians.pop(name) if release else hessians[name]
             w_int8, scale = made.get(name) or gptq_quantize_int8(
-                layer.weight.data, hessians[name], INT8_DAMP
+                layer.weight.data, hessian, INT8_DAMP
             )
+            del hessian
             bias = None if layer.bias is None else layer.bias.data.float()
             q = Int8Linear.from_quantized(w_int8, scale, bias)
         twins[name] = q

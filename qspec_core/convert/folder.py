@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import save_file
 
 from qspec_core.errors import QspecError
-from qspec_core.model.checkpoint import checkpoint_files, load_model
+from qspec_core.model.checkpoint import TensorFile, checkpoint_files, load_model
 from qspec_core.model.transformer import Transformer, attach_draft, attach_int8, linear_layers
 from qspec_core.quant.int4 import Int4Linear
 from qspec_core.quant.int8 import Int8Linear
@@ -76,8 +76,6 @@ def load_draft(folder: Path, model: Transformer) -> dict | None:
     meta_path = folder / DRAFT_META
     if not meta_path.exists():
         return None
-    from safetensors import SafetensorError, safe_open
-
     try:
         meta = json.loads(meta_path.read_text())
     except json.JSONDecodeError as e:
@@ -98,11 +96,11 @@ def load_draft(folder: Path, model: Transformer) -> dict | None:
         return Int8Linear(target.in_features, target.out_features, bias="bias" in state)
 
     int8_modules = (meta.get("target_int8") or {}).get("modules", [])
-    try:
-        with safe_open(folder / DRAFT_WEIGHTS, framework="pt") as f:
-            drafts = _load_twins(f, meta["modules"], layers, "draft", int4, model.device)
-            int8s = _load_twins(f, int8_modules, layers, "int8", int8, model.device)
-    except (SafetensorError, OSError) as e:
+    try:  # (plain reads: `TensorFile`; the twins are the run's weights, held once)
+        f = TensorFile(folder / DRAFT_WEIGHTS)
+        drafts = _load_twins(f, meta["modules"], layers, "draft", int4, model.device)
+        int8s = _load_twins(f, int8_modules, layers, "int8", int8, model.device)
+    except QspecError as e:
         raise QspecError(f"corrupt draft weights in {folder}: {e}") from None
     attach_draft(model, drafts)
     attach_int8(model, int8s)
@@ -139,3 +137,12 @@ def load_converted(folder: Path, dtype=torch.bfloat16, device="cpu") -> Transfor
     model = load_model(folder, dtype=dtype, device=device)
     load_draft(folder, model)
     return model
+
+
+def int8_modules(folder: Path) -> list[str]:
+    """The linears a converted folder has INT8 weights of (none for any other folder)."""
+    try:
+        meta = json.loads((folder / DRAFT_META).read_text())
+        return list((meta.get("target_int8") or {}).get("modules", []))
+    except (OSError, ValueError, AttributeError):
+        return []  # (`load_draft` says what is wrong with a damaged one)

@@ -30,6 +30,7 @@ target logits [REPORT_TOKENS, V].
 
 from __future__ import annotations
 
+import ctypes
 import json
 import time
 from dataclasses import replace
@@ -76,8 +77,9 @@ from qspec_core.quant.int8 import Int8Linear
 CHUNK = 512  # calibration tokens per forward: `convert._forward_logits`' chunks (its bits)
 REPORT_TOKENS = 1024  # the draft-vs-target report's tokens (`convert.draft_agreement`'s)
 REPORT_ROWS = 128  # positions of the report's logits compared at once
-HEAD_BLOCK_BYTES = 256 << 20  # lm_head rows read and quantized at once, in fp32 bytes
+HEAD_BLOCK_BYTES = 64 << 20  # lm_head rows read and quantized at once, in fp32 bytes
 MIN_CALIBRATION = 64  # fewer calibration tokens: no Hessians (`convert.convert`'s rule)
+INT8_METHODS = ("gptq", "rtn")  # the INT8 weights' rounding (`--int8`)
 # every buffer a twin may write (Int4Linear's, Int8Linear's): the header's room is sized on them
 TWIN_KEYS = {
     "draft": ("packed", "scale", "zero", "bias", "perm", "input_scale", "output_scale"),
@@ -146,11 +148,16 @@ def convert_streaming(
     on_layer=None,
     recipe: Recipe | None = None,
     progress=None,
+    int8_method: str = "gptq",
 ) -> DraftReport:
     """`convert.convert(source, out, model, ...)` (not an import: `--draft-from` loads the
     model), one layer at a time from the checkpoint (see the module docstring). `progress`:
     called with the number of steps (`info.convert_steps`) once the inputs are checked, it
-    returns the `on_layer` callback (in place of `on_layer`)."""
+    returns the `on_layer` callback (in place of `on_layer`). `int8_method`: the INT8
+    weights' rounding, "gptq" (with a calibration text: `convert.convert`'s) or "rtn" (to
+    nearest: with an RTN draft, no Hessian is collected, and no GPTQ runs)."""
+    if int8_method not in INT8_METHODS:
+        raise QspecError(f"INT8 rounding must be one of {', '.join(INT8_METHODS)}")
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
         raise QspecError(f"{out} exists and is not empty; pass --force to replace it")
     if out.resolve() == source.resolve():
@@ -177,7 +184,7 @@ def convert_streaming(
         )
     if progress is not None:
         on_layer = progress(convert_steps(skeleton, True, recipe))
-    plan = _Plan(method, group_size, damp, select, on_layer)
+    plan = _Plan(method, group_size, damp, select, on_layer, int8_method == "gptq")
     names = list(linear_layers(skeleton))
     room = header_room(
         [f"{n}.{kind}.{k}" for n in names for kind, keys in TWIN_KEYS.items() for k in keys],
@@ -195,9 +202,11 @@ def convert_streaming(
                 twins = plan.layer(layer, f"layers.{i}.", streams, rope)
                 drafted += _write(writer, twins, report)
                 skeleton.layers[i] = layer.to("meta")  # (its weights and twins freed)
+                _give_back()
             head = _Head(skeleton, reader, plan, streams)
             twins = head.quantize()
             drafted += _write(writer, twins, report)
+            del twins  # (written: the report needs the draft's head only)
             if streams.report is not None:
                 report.top1_agreement, report.kl = head.agreement()
             writer.close({"format": "qspec-draft"})
@@ -206,7 +215,8 @@ def convert_streaming(
             raise
         meta = draft_meta(source, method, group_size, extra, sorted(drafted), calib_source,
                           report, started)  # fmt: skip
-        meta["target_int8"] = int8_meta(sorted(names), streams.calib is not None, calib_source)
+        int8_gptq = streams.calib is not None and plan.int8_gptq
+        meta["target_int8"] = int8_meta(sorted(names), int8_gptq, calib_source)
         (tmp / DRAFT_META).write_text(json.dumps(meta, indent=2) + "\n")
     return report
 
@@ -298,20 +308,27 @@ def _embed(config: ModelConfig, reader: CheckpointReader, ids: list[int]) -> lis
 class _Plan:
     """What `convert.convert` makes of each linear, as one object the layer loop asks."""
 
-    def __init__(self, method, group_size, damp, select, on_layer):
+    def __init__(self, method, group_size, damp, select, on_layer, int8_gptq=True):
         self.method, self.group_size, self.damp = method, group_size, damp
-        self.select, self.on_layer = select, on_layer
+        self.select, self.on_layer, self.int8_gptq = select, on_layer, int8_gptq
 
     def calibrated(self, calib_ids: list[int]) -> bool:
-        return len(calib_ids) >= MIN_CALIBRATION
+        """Whether the layers' Hessians (or AWQ's statistics) are collected: a calibration
+        text long enough, and a quantizer that reads them."""
+        needed = self.int8_gptq or self.method in ("gptq", "awq")
+        return needed and len(calib_ids) >= MIN_CALIBRATION
 
     def twins(self, linears: dict, hessians, activations, on_layer) -> tuple[dict, dict]:
         """(INT8 twins, drafts) of `linears` by name, as `convert.convert` makes them."""
         method, G = self.method, self.group_size
         paired = {}
-        if method == "gptq" and hessians is not None and self.damp == INT8_DAMP:
+        if method == "gptq" and hessians is not None and self.damp == INT8_DAMP and self.int8_gptq:
             paired = gptq_pairs(linears, hessians, G, self.damp, self.select, on_layer)
-        int8 = int8_twins(linears, hessians, on_layer, {n: p[1] for n, p in paired.items()})
+        rounding = hessians if self.int8_gptq else None  # (None: to nearest)
+        # (the draft reads the Hessians after the INT8 rounding only as unpaired GPTQ)
+        release = not (method == "gptq" and not paired)
+        made = {n: p[1] for n, p in paired.items()}
+        int8 = int8_twins(linears, rounding, on_layer, made, release)
         if method == UPPER:
             return int8, upper_drafts(int8, G or 64, self.select, on_layer)
         drafts = quantize_layers(linears, method, G, on_layer, hessians, self.select, self.damp,
@@ -337,10 +354,16 @@ class _Plan:
         for stream in streams.fp():
             if stream is not streams.calib:
                 stream.through(layer, rope)
-        int8, drafts = self.twins(linears, hessians, activations, self.on_layer)
-        errors = weight_errors(drafts, linears)
-        for name, linear in linears.items():
-            linear.int8, linear.draft = int8[name], drafts.get(name)
+        int8, drafts, errors = {}, {}, {}
+        for name, linear in linears.items():  # (a linear at a time: its weight freed after)
+            one = {name: linear}
+            i8, d = self.twins(one, hessians, activations, self.on_layer)
+            int8 |= i8
+            drafts |= d
+            errors |= weight_errors(d, one)
+            linear.int8, linear.draft = i8[name], d.get(name)
+            linear.weight = nn.Parameter(linear.weight.to("meta"), False)  # (the twins run)
+            _give_back()
         if streams.draft is not None:
             streams.draft.through(layer, rope)
         return {"int8": int8, "draft": drafts, "errors": errors}
@@ -388,12 +411,14 @@ class _Head:
         if report is not None:
             n = sum(x.shape[1] for x in self.inputs[id(report)])
             self.target_logits = torch.empty(n, V)
-        parts, sq_err, sq_w = [], 0.0, 0.0
+        joined, sq_err, sq_w = _Joined(V, rows >= V), 0.0, 0.0
         for start in range(0, V, rows):
             end = min(V, start + rows)
             block = Linear(H, end - start, bias=False, device="meta")
             block.weight = nn.Parameter(self.reader.rows(self.weight, start, end), False)
-            int8, drafts = plan.twins({name: block}, hessians, activations, None)
+            # (a copy: the rounding releases what it reads, and every block reads H)
+            block_h = None if hessians is None else dict(hessians)
+            int8, drafts = plan.twins({name: block}, block_h, activations, None)
             if report is not None:  # (the target's logits of these rows, as the head's)
                 first = 0
                 for x in self.inputs[id(report)]:  # x [1, t, hidden]
@@ -405,10 +430,12 @@ class _Head:
                 w = block.weight.float()
                 sq_err += float((drafts[name].effective_weight() - w).norm() ** 2)
                 sq_w += float(w.norm() ** 2)
-            parts.append((int8[name], drafts.get(name)))
+            joined.add(start, end, int8[name], drafts.get(name))
+            del block, int8, drafts  # (the block's weight and twins: a block at a time)
+            _give_back()
         if rows < V and sq_w:
             errors = {name: (sq_err / sq_w) ** 0.5}
-        int8, draft = _joined(parts)
+        int8, draft = joined.int8, joined.draft
         for _ in range(1 + (draft is not None)):  # (`info.convert_steps`: INT8, then the draft)
             if plan.on_layer:
                 plan.on_layer(name)
@@ -418,35 +445,61 @@ class _Head:
         return {"int8": {name: int8}, "draft": drafts, "errors": errors if drafts else {}}
 
     def agreement(self) -> tuple[float, float]:
-        """The report's top-1 agreement and mean KL over its positions: the draft's logits a
-        chunk at a time (as the model's forward makes them), compared REPORT_ROWS at once."""
+        """The report's top-1 agreement and mean KL over its positions: the draft's logits and
+        their comparison REPORT_ROWS positions at a time."""
         cap = self.config.final_logit_softcapping
         same, kl, start = [], [], 0
-        for x in self.inputs[id(self.streams.draft)]:
-            draft = self.head(x, DRAFT_W4)[0].float()  # [t, V]
-            target = self.target_logits[start : start + draft.shape[0]]
-            start += draft.shape[0]
-            if cap is not None:
-                target, draft = soft_cap(target, cap), soft_cap(draft, cap)
-            for row in range(0, draft.shape[0], REPORT_ROWS):
-                s, k = agreement_rows(
-                    target[row : row + REPORT_ROWS], draft[row : row + REPORT_ROWS]
-                )
+        twin = self.head.draft  # (a 4-bit head: its CPU layout made once, not per chunk)
+        if twin is not None:
+            self.head.int8 = None  # (written already, and not the draft's: freed)
+        layout = twin.cpu_layout() if twin is not None and twin.cpu_kernel_ok() else None
+        for chunk in self.inputs[id(self.streams.draft)]:  # [1, t, hidden]
+            for row in range(0, chunk.shape[1], REPORT_ROWS):  # (rows are independent)
+                x = chunk[:, row : row + REPORT_ROWS]
+                logits = self.head(x, DRAFT_W4) if layout is None else twin(x, layout)
+                draft = logits[0].float()  # [rows, V]
+                target = self.target_logits[start : start + draft.shape[0]]
+                start += draft.shape[0]
+                if cap is not None:
+                    target, draft = soft_cap(target, cap), soft_cap(draft, cap)
+                s, k = agreement_rows(target, draft)
                 same.append(s)
                 kl.append(k)
         return float(torch.cat(same).mean()), float(torch.cat(kl).mean())
 
 
-def _joined(parts: list):
-    """One INT8 twin and one draft (or None) from the row blocks' (int8, draft) pairs."""
-    if len(parts) == 1:
-        return parts[0]
-    int8 = Int8Linear.from_quantized(
-        torch.cat([p[0].weight_int8 for p in parts]), torch.cat([p[0].weight_scale for p in parts])
-    )
-    if parts[0][1] is None:
-        return int8, None
-    drafts = [p[1] for p in parts]
-    q = torch.cat([d.unpacked() for d in drafts])
-    scale, zero = torch.cat([d.scale for d in drafts]), torch.cat([d.zero for d in drafts])
-    return int8, Int4Linear.from_quantized(q, scale, zero, drafts[0].group_size)
+def _give_back() -> None:
+    """Return freed heap memory to the system (glibc's `malloc_trim`; nothing elsewhere). A
+    layer's temporaries are many blocks of a few MB, which glibc keeps in its heap once freed
+    (its mmap threshold rises to the largest block freed): without this, a 1B conversion's
+    resident memory grew from 0.76 to 3.7 GB over its layers, with it stays at 0.76."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+class _Joined:
+    """lm_head's twins, filled a row block at a time: each block's rows copied into the whole
+    twin's buffers (every buffer of Int8Linear and Int4Linear but AWQ's per-input scales and
+    act-order's permutation is per output row: AWQ heads are one block, RTN/GPTQ never
+    permute), so a block's twins are freed as soon as they are made."""
+
+    def __init__(self, rows: int, whole: bool):
+        self.rows, self.whole = rows, whole
+        self.int8 = self.draft = None
+
+    def add(self, start: int, end: int, int8: Int8Linear, draft: Int4Linear | None) -> None:
+        if self.whole:
+            self.int8, self.draft = int8, draft
+            return
+        if start == 0:
+            self.int8 = Int8Linear(int8.in_features, self.rows, bias=False)
+            if draft is not None:
+                self.draft = Int4Linear(draft.in_features, self.rows, draft.group_size)
+        for twin, part in ((self.int8, int8), (self.draft, draft)):
+            if twin is None:
+                continue
+            whole = twin.state_dict()
+            for key, tensor in part.state_dict().items():
+                whole[key][start:end] = tensor

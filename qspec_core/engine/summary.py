@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from qspec_core.runner.kernel_table import prefill_attention
+from qspec_core.timing import peak_rss_bytes
 
 # What output of each --target-weights follows: the distribution a run's text is drawn from.
 TARGET_DISTRIBUTION = {
@@ -49,6 +50,7 @@ def summary_record(session, model_name: str, target_weights: str) -> dict:
         "prefill_tokens_per_s": round(stats.prefill_tokens_per_s, 3),
         "truncated_tokens": session.truncated_tokens,
         "timings_s": {k: round(v, 6) for k, v in stats.timings_s.items()},
+        "peak_rss_bytes": peak_rss_bytes(),  # (the process's, model and caches included)
     }
     if stats.spec is not None:
         record["stats"] = stats.spec.to_dict(session.gamma)

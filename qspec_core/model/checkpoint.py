@@ -7,7 +7,6 @@ import math
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
 
 from qspec_core.config import ConfigError, ModelConfig
 from qspec_core.errors import QspecError
@@ -17,6 +16,7 @@ from qspec_core.model.transformer import Transformer, local_rope_config
 
 # Buffers some checkpoints carry that the model recomputes.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+LINEAR = ("weight", "bias")  # a linear's tensors
 
 
 def checkpoint_files(folder: Path) -> list[Path]:
@@ -39,21 +39,13 @@ def checkpoint_files(folder: Path) -> list[Path]:
     return files
 
 
-def load_state_dict(folder: Path) -> dict[str, torch.Tensor]:
-    """HF tensor names with the `model.` prefix stripped (the key filter of style.md)."""
-    state: dict[str, torch.Tensor] = {}
-    for path in checkpoint_files(folder):
-        if not path.exists():
-            raise QspecError(f"checkpoint shard {path} is missing")
-        try:
-            with safe_open(path, framework="pt") as f:
-                for name in f.keys():
-                    if name.endswith(_IGNORED_SUFFIXES):
-                        continue
-                    state[name.removeprefix("model.")] = f.get_tensor(name)
-        except (SafetensorError, OSError, RuntimeError) as e:
-            raise QspecError(f"corrupt checkpoint {path}: {e}") from None
-    return state
+def load_state_dict(
+    folder: Path, dtype: torch.dtype | None = None, skip=()
+) -> dict[str, torch.Tensor]:
+    """HF tensor names with the `model.` prefix stripped (the key filter of style.md), each
+    cast to `dtype` as it is read (None: as stored); tensors named in `skip` are not read."""
+    reader = CheckpointReader(folder)
+    return {n: reader.get(n, dtype) for n in reader.shapes if n not in skip}
 
 
 # safetensors dtype names -> torch dtypes (the ones checkpoints hold)
@@ -65,51 +57,74 @@ _DTYPES = {
 MAX_HEADER = 100 << 20  # bytes: a larger safetensors header is a damaged file
 
 
+class TensorFile:
+    """One safetensors file, its tensors read by plain reads at the offsets its header gives,
+    not through a memory map: a mapped file's pages count in the process's resident memory
+    once touched, so a 16 GB checkpoint read through one would stay 16 GB resident beside the
+    copies made of it. `keys()` and `get_tensor(name)` as safetensors' `safe_open` has them."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.entries = _header(self.path)  # name -> (first byte, end byte, dtype, shape)
+
+    def keys(self):
+        return self.entries.keys()
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.entries[name][3]
+
+    def get_tensor(self, name: str, start: int = 0, end: int | None = None) -> torch.Tensor:
+        """The tensor `name` as stored, or rows [start, end) of its first dimension."""
+        first, _, dtype, shape = self.entries[name]
+        if not shape:
+            return self._tensor(first, dtype.itemsize, dtype).reshape(())
+        end = shape[0] if end is None else end
+        row = dtype.itemsize * math.prod(shape[1:])
+        return self._tensor(first + start * row, (end - start) * row, dtype).reshape(
+            end - start, *shape[1:]
+        )
+
+    def _tensor(self, offset: int, size: int, dtype: torch.dtype) -> torch.Tensor:
+        buf = bytearray(size)
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(offset)
+                if f.readinto(buf) != size:
+                    raise OSError("the file ends inside a tensor")
+        except OSError as e:
+            raise QspecError(f"corrupt checkpoint {self.path}: {e}") from None
+        return torch.frombuffer(buf, dtype=dtype) if size else torch.empty(0, dtype=dtype)
+
+
 class CheckpointReader:
-    """A checkpoint's tensors by HF name (`model.` stripped), read one at a time: what a
-    layer-by-layer conversion holds is the tensors it asked for, not the model. Plain reads
-    at the offsets the safetensors headers give, not a memory map: a mapped file's pages count
-    in the process's resident memory once touched, so reading a whole 16 GB checkpoint
-    through one would leave 16 GB resident. `shapes` lists every tensor's shape."""
+    """A checkpoint's tensors by HF name (`model.` stripped), read one at a time from its
+    shards (`TensorFile`): a layer-by-layer conversion holds the tensors it asked for, not the
+    model. `shapes` lists every tensor's shape, read from the headers."""
 
     def __init__(self, folder: Path):
-        self._where: dict[str, tuple[Path, int, int, torch.dtype]] = {}
+        self._where: dict[str, tuple[TensorFile, str]] = {}
         self.shapes: dict[str, tuple[int, ...]] = {}
         for path in checkpoint_files(folder):
             if not path.exists():
                 raise QspecError(f"checkpoint shard {path} is missing")
-            for name, (start, end, dtype, shape) in _header(path).items():
+            shard = TensorFile(path)
+            for name in shard.keys():
                 if name.endswith(_IGNORED_SUFFIXES):
                     continue
                 key = name.removeprefix("model.")
-                self._where[key] = (path, start, end, dtype)
-                self.shapes[key] = shape
+                self._where[key] = (shard, name)
+                self.shapes[key] = shard.shape(name)
 
-    def _read(self, path: Path, start: int, size: int) -> bytearray:
-        buf = bytearray(size)
-        try:
-            with open(path, "rb") as f:
-                f.seek(start)
-                if f.readinto(buf) != size:
-                    raise OSError("the file ends inside a tensor")
-        except OSError as e:
-            raise QspecError(f"corrupt checkpoint {path}: {e}") from None
-        return buf
-
-    def get(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The tensor `name`, cast to `dtype`."""
-        return self.rows(name, 0, self.shapes[name][0] if self.shapes[name] else 1, dtype)
+    def get(self, name: str, dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
+        """The tensor `name`, cast to `dtype` (None: as stored)."""
+        shard, stored = self._where[name]
+        t = shard.get_tensor(stored)
+        return t if dtype is None else t.to(dtype)
 
     def rows(self, name: str, start: int, end: int, dtype=torch.float32) -> torch.Tensor:
         """Rows [start, end) of the tensor `name` (its first dimension), cast to `dtype`."""
-        path, first, _, stored = self._where[name]
-        shape = self.shapes[name]
-        row = stored.itemsize * (math.prod(shape[1:]) if shape else 1)
-        buf = self._read(path, first + start * row, (end - start) * row)
-        if not buf:
-            return torch.empty((end - start, *shape[1:]), dtype=dtype)
-        t = torch.frombuffer(buf, dtype=stored).reshape((end - start, *shape[1:]) if shape else ())
-        return t.to(dtype)
+        shard, stored = self._where[name]
+        return shard.get_tensor(stored, start, end).to(dtype)
 
     def state(self, prefix: str, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
         """Every tensor whose name starts with `prefix` ("layers.3."), names kept whole."""
@@ -160,15 +175,18 @@ def build_model(
     state: dict[str, torch.Tensor],
     dtype: torch.dtype = torch.bfloat16,
     device: torch.device | str = "cpu",
+    skipped=(),
 ) -> Transformer:
-    """Instantiate without random init and assign the checkpoint tensors, cast to `dtype`."""
-    check_layer_count(config, state)
+    """Instantiate without random init and assign the checkpoint tensors, cast to `dtype`.
+    `skipped`: linears whose weights (and biases) the caller left out of `state`, on purpose
+    (`load_model`): they stay on the meta device, and the model has no "full" weight set."""
+    check_layer_count(config, [*state, *(f"{m}.weight" for m in skipped)])
     with torch.device("meta"):
         model = Transformer(config)
     family = family_for(config.model_type)
     if family is not None and family.fused:
         state = split_fused(state, family.fused, model)
-    expected = set(model.state_dict().keys())
+    expected = set(model.state_dict().keys()) - {f"{m}.{k}" for m in skipped for k in LINEAR}
     if config.tie_word_embeddings:
         expected.discard("lm_head.weight")
         state = {k: t for k, t in state.items() if k != "lm_head.weight"}
@@ -192,6 +210,8 @@ def build_model(
     model.rotary_emb = model.rotary_emb.__class__(config).to(device)  # real buffers, not meta
     if config.layer.local_rope:
         model.local_rotary_emb = RotaryEmbedding(local_rope_config(config)).to(device)
+    if skipped:
+        model.weight_sets.discard("full")
     return model.eval().requires_grad_(False)
 
 
@@ -222,9 +242,10 @@ def split_fused(state: dict, fused, model: Transformer) -> dict[str, torch.Tenso
     return state
 
 
-def load_model(folder: Path, dtype=torch.bfloat16, device="cpu") -> Transformer:
+def load_model(folder: Path, dtype=torch.bfloat16, device="cpu", skip=()) -> Transformer:
     """Read `config.json` and the weights of a local HF folder (a converted folder's 4-bit and
-    INT8 twins are attached by `convert.folder.load_converted`)."""
+    INT8 twins are attached by `convert.folder.load_converted`). `skip`: linears (HF names)
+    whose weights a run does not need and are not read (`build_model`'s `skipped`)."""
     config_path = folder / "config.json"
     if not config_path.exists():
         raise QspecError(f"{folder} has no config.json: not a Hugging Face model folder")
@@ -232,4 +253,7 @@ def load_model(folder: Path, dtype=torch.bfloat16, device="cpu") -> Transformer:
         config = ModelConfig.from_file(config_path)
     except ConfigError as e:
         raise QspecError(f"corrupt {config_path}: {e}") from None
-    return build_model(config, load_state_dict(folder), dtype=dtype, device=device)
+    skip = [m for m in skip if not (m == "lm_head" and config.tie_word_embeddings)]
+    names = {f"{m}.{k}" for m in skip for k in LINEAR}
+    state = load_state_dict(folder, dtype, names)
+    return build_model(config, state, dtype=dtype, device=device, skipped=skip)

@@ -46,13 +46,17 @@ def _inverse_hessian_factor(
 
     Zeroes, in place, the columns of W whose inputs were never active: they cannot matter.
     """
-    K = W.shape[1]
     H = hessian.float().clone()
     dead = torch.diag(H) == 0
     H[dead, dead] = 1.0
     W[:, dead] = 0.0
-    H += damp_percent * torch.diag(H).mean() * torch.eye(K)
-    return torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
+    H.diagonal().add_(damp_percent * torch.diag(H).mean())  # (H + c I, no [K, K] identity)
+    # one [K, K] factor alive beside the next (K = 14,336: 0.8 GB each), not three
+    L = torch.linalg.cholesky(H)
+    del H
+    H_inv = torch.cholesky_inverse(L)
+    del L
+    return torch.linalg.cholesky(H_inv, upper=True)
 
 
 def _gptq_columns(

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from kernels.cpu import build as cpu_kernels
-from qspec_core.convert.folder import load_draft
+from qspec_core.convert.folder import int8_modules, load_draft
 from qspec_core.errors import QspecError
 from qspec_core.model.checkpoint import load_model
 from qspec_core.model.tokenizer import Tokenizer
@@ -71,6 +71,8 @@ class Runtime:
         """Move or cast the model (`nn.Module.to`), then build the runner again for where it
         now is: what the old one built points at the old tensors, and the device may want
         another kind of runner."""
+        if "full" not in self.model.weight_sets:
+            raise QspecError(f"{self.name} was loaded without its full weights: load it again")
         self.runner.close()
         self.model.to(device=device, dtype=dtype)
         self.runner = build_runner(self.model)
@@ -103,6 +105,7 @@ def load_runtime(
     log=print,
     need_draft: bool = False,
     target_weights: str = "full",
+    full_weights: bool = True,
 ) -> Runtime:
     """Resolve `--model` and load it in `dtype` ("auto": `default_dtype`). Never converts:
     a named model's converted folder (4-bit draft, INT8 weights) is made by an explicit step
@@ -113,6 +116,11 @@ def load_runtime(
     use this runtime run on the INT8 weights of a converted folder (`Runtime.target`), "w8a8"
     the same with int8 activations; "auto" picks (`wanted_target_weights`, then
     `Runtime.target_weights` says what it got).
+
+    `full_weights=False`: a run whose every path is on the INT8 weights or the 4-bit draft
+    (summarize, chat, prefill on a converted folder) does not read the linears' full weights
+    where the folder has INT8 ones: it holds what it reads (the model then has no "full"
+    weight set, `Transformer.check_path`).
     """
     if target_weights not in TARGET_WEIGHTS:
         raise QspecError(
@@ -135,7 +143,8 @@ def load_runtime(
         folder = resolve_model(spec, log)
         name = spec or folder.name
     tokenizer = Tokenizer(folder)
-    model = load_model(folder, dtype=DTYPES[dtype], device=device)
+    skip = () if full_weights or wanted not in INT8_WEIGHTS else int8_modules(folder)
+    model = load_model(folder, dtype=DTYPES[dtype], device=device, skip=skip)
     load_draft(folder, model)  # a converted folder carries its 4-bit draft and INT8 weights
     if target_weights in INT8_WEIGHTS and not has_int8(model):
         raise QspecError(
@@ -148,7 +157,10 @@ def load_runtime(
             f"{name} has others: use int8 or full"
         )
     if target_weights == "auto":
-        if wanted == "w8a8" and "w8a8" not in model.weight_sets:
+        if wanted == "w8a8" and "w8a8" not in model.weight_sets and skip:
+            log(f"target weights: int8 ({name} has no INT8 weights that W8A8 can run)")
+            wanted = "int8"  # (the full weights were not read)
+        elif wanted == "w8a8" and "w8a8" not in model.weight_sets:
             log(f"target weights: full ({name} has no INT8 weights that W8A8 can run)")
             wanted = "full"
         target_weights = wanted
