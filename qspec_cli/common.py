@@ -265,18 +265,11 @@ def prepare(model: str | None, need_draft: bool, target_weights: str) -> None:
 def step_progress(description: str, disable: bool = False):
     """A transient bar on stderr: yields `start(total)`, which adds the task and returns the
     callback to call after each step (e.g. `convert`'s `on_layer`)."""
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
+    from rich import progress as rp
 
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-               TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn())  # fmt: skip
-    with Progress(*columns, console=err, transient=True, disable=disable) as bar:
+    columns = (rp.TextColumn("{task.description}"), rp.BarColumn(), rp.MofNCompleteColumn(),
+               rp.TimeElapsedColumn(), rp.TextColumn("eta"), rp.TimeRemainingColumn())  # fmt: skip
+    with rp.Progress(*columns, console=err, transient=True, disable=disable) as bar:
 
         def start(total: int):
             task = bar.add_task(description, total=total)

@@ -9,7 +9,8 @@ from hf_tiny import tiny_hf
 
 from kernels.formats import quantize_activations, quantize_int8
 from qspec_core.cache.full import FullPrecisionCache
-from qspec_core.convert.convert import convert, export_gptq, import_draft
+from qspec_core.convert.convert import convert, import_draft
+from qspec_core.convert.export import export_gptq
 from qspec_core.convert.folder import load_converted
 from qspec_core.convert.formats import Int4Weight, read_quantized_checkpoint
 from qspec_core.convert.recipes import MODULE_SETS, RECIPES, get_recipe

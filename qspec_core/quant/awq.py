@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from qspec_core.quant.hooks import InputHooks
 from qspec_core.quant.int4 import dequantize, rtn_quantize
 
 
@@ -43,7 +44,7 @@ def awq_quantize(
     return best[1], best[2], best[3], best[4]
 
 
-class ActivationCollector:
+class ActivationCollector(InputHooks):
     """Forward hooks keeping mean |x| per input channel and a row sample of each layer input."""
 
     def __init__(self, layers: dict[str, torch.nn.Module], max_rows: int = 512):
@@ -51,15 +52,7 @@ class ActivationCollector:
         self.absmean = {}
         self.sample = {}
         self._count = {}
-        self._handles = [
-            layer.register_forward_hook(self._hook(name)) for name, layer in layers.items()
-        ]
-
-    def _hook(self, name):
-        def hook(module, args, output):
-            self.add(name, args[0])
-
-        return hook
+        super().__init__(layers)
 
     def add(self, name: str, inputs: torch.Tensor) -> None:
         """Add the inputs [..., K] of layer `name` (what its hook sees) to its statistics."""
@@ -76,7 +69,3 @@ class ActivationCollector:
         if room > 0:
             rows = x[torch.linspace(0, x.shape[0] - 1, min(room, x.shape[0])).long()]
             self.sample[name] = rows if kept is None else torch.cat([kept, rows])
-
-    def close(self) -> None:
-        for handle in self._handles:
-            handle.remove()

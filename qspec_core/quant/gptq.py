@@ -26,6 +26,7 @@ from contextlib import contextmanager
 
 import torch
 
+from qspec_core.quant.hooks import InputHooks
 from qspec_core.quant.int4 import n_groups, rtn_quantize
 
 
@@ -197,21 +198,13 @@ def gptq_quantize_both(
     return codes, (q8, scale8)
 
 
-class HessianCollector:
+class HessianCollector(InputHooks):
     """Forward hooks that sum x^T x over the inputs of each linear layer (calibration)."""
 
     def __init__(self, layers: dict[str, torch.nn.Module]):
         self.hessians = {name: None for name in layers}
         self.tokens = 0
-        self._handles = [
-            layer.register_forward_hook(self._hook(name)) for name, layer in layers.items()
-        ]
-
-    def _hook(self, name):
-        def hook(module, args, output):
-            self.add(name, args[0])
-
-        return hook
+        super().__init__(layers)
 
     def add(self, name: str, inputs: torch.Tensor) -> None:
         """Add the inputs [..., K] of layer `name` (what its hook sees) to its sum."""
@@ -219,7 +212,3 @@ class HessianCollector:
         h = 2 * x.t() @ x
         prev = self.hessians.get(name)
         self.hessians[name] = h if prev is None else prev + h
-
-    def close(self) -> None:
-        for handle in self._handles:
-            handle.remove()
