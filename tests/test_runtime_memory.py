@@ -1,0 +1,56 @@
+"""A run on INT8 target weights holds what it reads: the linears' full weights are never read
+(`load_runtime(full_weights=False)`), and it decodes what the runtime with them decodes."""
+
+import pytest
+import torch
+
+from kernels.cpu import build as cpu_ext
+from qspec_core.engine.session import ChatSession
+from qspec_core.errors import QspecError
+from qspec_core.model.transformer import linear_layers
+from qspec_core.registry.runtime import load_runtime
+
+needs_kernels = pytest.mark.skipif(not cpu_ext.available(), reason="C++ kernels unavailable")
+
+
+def _load(folder, full: bool, weights: str = "w8a8"):
+    return load_runtime(str(folder), dtype="fp32", log=lambda m: None, need_draft=True,
+                        target_weights=weights, full_weights=full)  # fmt: skip
+
+
+@pytest.mark.parametrize("weights", ["w8a8", "int8"])
+def test_int8_runs_do_not_read_the_full_weights(tiny_model_dir, weights, monkeypatch):
+    from qspec_core.model import checkpoint
+
+    read = []
+    real = checkpoint.TensorFile.get_tensor
+    monkeypatch.setattr(
+        checkpoint.TensorFile, "get_tensor", lambda self, n, *a: read.append(n) or real(self, n, *a)
+    )
+    lean = _load(tiny_model_dir, False, weights)
+    layers = linear_layers(lean.model)
+    tied = lean.model.config.tie_word_embeddings
+    for name, layer in layers.items():
+        assert layer.int8 is not None
+        assert layer.weight.is_meta != (name == "lm_head" and tied), name
+    assert not any(n.endswith("proj.weight") for n in read)  # (not even read, then dropped)
+    assert "full" not in lean.model.weight_sets and lean.target_weights == weights
+    with pytest.raises(QspecError, match="without its full weights"):
+        lean.to(dtype=torch.bfloat16)
+
+
+def test_full_weights_are_read_where_the_run_needs_them(tiny_model_dir):
+    for runtime in (_load(tiny_model_dir, True), _load(tiny_model_dir, False, "full")):
+        assert "full" in runtime.model.weight_sets
+        assert not any(la.weight.is_meta for la in linear_layers(runtime.model).values())
+
+
+@needs_kernels
+@pytest.mark.parametrize("mode", ["quantspec", "target-ar", "ar"])
+def test_the_lean_runtime_writes_the_same_text(tiny_model_dir, mode):
+    text = "The quick brown fox jumps over the lazy dog. " * 30
+    outputs = []
+    for full in (True, False):
+        session = ChatSession(_load(tiny_model_dir, full), text, mode=mode, max_new_tokens=24)
+        outputs.append("".join(session.ask("Summarize.")))
+    assert outputs[0] == outputs[1] and outputs[0]
