@@ -329,6 +329,14 @@ def weight_errors(drafts: dict[str, Int4Linear], layers: dict) -> dict[str, floa
     return errors
 
 
+def check_output(source: Path, out: Path, force: bool) -> None:
+    """Refuse an output folder that holds something (without `force`) or is the source."""
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
+        raise QspecError(f"{out} exists and is not empty; pass --force to replace it")
+    if out.resolve() == source.resolve():
+        raise QspecError("the output folder must differ from the source model folder")
+
+
 def convert(
     source: Path,
     out: Path,
@@ -347,10 +355,7 @@ def convert(
     weights. A `recipe` (`convert.recipes`) gives the method, group size, the layers that get
     a 4-bit twin and GPTQ's damping, in place of `method` and `group_size`. `on_layer(name)`
     is called after each layer's draft and each layer's INT8 (`info.convert_steps`)."""
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
-        raise QspecError(f"{out} exists and is not empty; pass --force to replace it")
-    if out.resolve() == source.resolve():
-        raise QspecError("the output folder must differ from the source model folder")
+    check_output(source, out, force)
     calib_ids = calib_ids or []
     t0 = time.perf_counter()
     extra = {}

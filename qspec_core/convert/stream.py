@@ -49,6 +49,7 @@ from qspec_core.convert.convert import (
     DraftReport,
     agreement_rows,
     check_method,
+    check_output,
     default_group_size,
     draft_meta,
     gptq_pairs,
@@ -158,10 +159,7 @@ def convert_streaming(
     nearest: with an RTN draft, no Hessian is collected, and no GPTQ runs)."""
     if int8_method not in INT8_METHODS:
         raise QspecError(f"INT8 rounding must be one of {', '.join(INT8_METHODS)}")
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
-        raise QspecError(f"{out} exists and is not empty; pass --force to replace it")
-    if out.resolve() == source.resolve():
-        raise QspecError("the output folder must differ from the source model folder")
+    check_output(source, out, force)
     started = time.perf_counter()
     calib_ids = list(calib_ids or [])
     extra, select, damp = {}, None, 0.01
