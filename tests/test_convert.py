@@ -430,3 +430,47 @@ def test_gptq_both_sweeps_at_once_round_as_each_alone(shape, group):
         diff = (got.int() - alone.int()).abs()
         assert diff.max() <= 1 and (diff > 0).float().mean() < 1e-3
     assert torch.allclose(s4, as4) and torch.allclose(z4, az4)
+
+
+@pytest.mark.parametrize("K,block", [(300, 512), (1100, 256), (96, 32)])
+def test_the_inverse_hessian_factor_is_the_upper_cholesky_of_the_damped_inverse(
+    K, block, monkeypatch
+):
+    """GPTQ's U (U^T U = (H + damp)^-1, upper) made from one Cholesky of the reversed H and a
+    blocked triangular inverse, against the reference's three steps; over several blocks (a
+    block's rows below it are the part a wrong slice breaks). Dead inputs: zeroed columns."""
+    from qspec_core.quant import gptq
+
+    monkeypatch.setattr(gptq, "INVERSE_BLOCK", block)
+    x = torch.randn(2 * K, K, generator=_g(6))
+    x[:, 7] = 0  # an input never active
+    hessian = 2 * x.t() @ x
+    W = torch.randn(8, K, generator=_g(7))
+    U, dead = gptq._inverse_hessian_factor(W, hessian, 0.01)
+    assert dead.nonzero().flatten().tolist() == [7] and not W[:, 7].any()
+    H = hessian.double()
+    H[7, 7] = 1.0
+    H.diagonal().add_(0.01 * H.diagonal().mean())
+    want = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
+    assert U.dtype == torch.float32 and torch.equal(U, U.triu())
+    assert (U.double() - want).abs().max() < 1e-5 * want.abs().max()  # (fp32's rounding)
+
+
+def test_linears_that_read_one_input_share_one_factor(spy):
+    """q/k/v (and gate/up) have equal Hessians: `SharedFactors` makes their factor once, and
+    their codes are those made alone; a different Hessian gets its own."""
+    from qspec_core.quant import gptq
+
+    x = torch.randn(512, 128, generator=_g(8))
+    hessian = 2 * x.t() @ x
+    weights = [torch.randn(n, 128, generator=_g(9 + n)) for n in (64, 32, 32)]
+    made = spy(gptq, "_inverse_hessian_factor")
+    factors = gptq.SharedFactors()
+    shared = [gptq_quantize_int8(w, hessian.clone(), factors=factors) for w in weights]
+    assert len(made) == 1
+    for (q, s), w in zip(shared, weights, strict=True):
+        alone_q, alone_s = gptq_quantize_int8(w, hessian)
+        assert torch.equal(q, alone_q) and torch.equal(s, alone_s)
+    made.clear()
+    gptq_quantize_int8(weights[0], hessian * 2, factors=factors)
+    assert len(made) == 1
