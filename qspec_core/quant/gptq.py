@@ -118,19 +118,21 @@ def _gptq_columns(
     K = W.shape[1]
     for b0 in range(0, K, block_size):
         b1 = min(b0 + block_size, K)
-        W1 = W[:, b0:b1].clone()  # [N, B] updated lazily within the block
-        err = torch.zeros_like(W1)
+        # the block transposed, [B, N]: column i is row i, contiguous, and the lazy update of
+        # the block's later columns is one rank-1 update of contiguous rows (BLAS ger)
+        W1 = W[:, b0:b1].t().contiguous()
+        err = torch.empty_like(W1)
         H1 = Hinv[b0:b1, b0:b1]
         with single_threaded():
             for i in range(b1 - b0):
-                w = W1[:, i]
+                w = W1[i]
                 deq = round_column(
-                    b0 + i, w, lambda W1=W1, i=i, b1=b1: torch.cat([W1[:, i:], W[:, b1:]], 1)
+                    b0 + i, w, lambda W1=W1, i=i, b1=b1: torch.cat([W1[i:].t(), W[:, b1:]], 1)
                 )
                 e = (w - deq) / H1[i, i]
-                W1[:, i:] -= e[:, None] * H1[i, i:][None, :]
-                err[:, i] = e
-        W[:, b1:] -= err @ Hinv[b0:b1, b1:]  # a real GEMM: all threads
+                W1[i:].addr_(H1[i, i:], e, alpha=-1)  # W1[j] -= H1[i, j] e for j >= i
+                err[i] = e
+        W[:, b1:] -= err.t() @ Hinv[b0:b1, b1:]  # a real GEMM: all threads
 
 
 def _int4_rounder(q, scale, zero, group_size: int):
