@@ -474,3 +474,21 @@ def test_linears_that_read_one_input_share_one_factor(spy):
     made.clear()
     gptq_quantize_int8(weights[0], hessian * 2, factors=factors)
     assert len(made) == 1
+
+
+def test_linears_fed_one_input_share_one_hessian_sum():
+    """q/k/v (gate/up) see the very same input tensor: one sum for them, equal to what each
+    would collect alone, over several calls; a linear fed another input keeps its own."""
+    lin = {n: torch.nn.Linear(16, 8, bias=False) for n in ("q", "k", "v", "o")}
+    shared, alone = HessianCollector(lin), {}
+    for call in range(3):
+        x = torch.randn(2, 5, 16, generator=_g(20 + call))
+        for n in ("q", "k", "v"):
+            lin[n](x)
+        lin["o"](torch.randn(2, 5, 16, generator=_g(30 + call)))
+        h = 2 * x.reshape(-1, 16).t() @ x.reshape(-1, 16)
+        alone["q"] = h if call == 0 else alone["q"] + h
+    shared.close()
+    H = shared.hessians
+    assert H["k"] is H["q"] and H["v"] is H["q"] and H["o"] is not H["q"]
+    assert torch.equal(H["q"], alone["q"])

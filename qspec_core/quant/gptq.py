@@ -256,11 +256,19 @@ class HessianCollector(InputHooks):
     def __init__(self, layers: dict[str, torch.nn.Module]):
         self.hessians = {name: None for name in layers}
         self.tokens = 0
+        # linears fed the very input tensor the previous one was (q/k/v, gate/up) share its
+        # sum, one tensor: Llama-3.1-8B shapes hold 5 fewer [4,096, 4,096] sums per layer
+        self._last: tuple | None = None  # (that input, its linear's name, its sum before)
         super().__init__(layers)
 
     def add(self, name: str, inputs: torch.Tensor) -> None:
         """Add the inputs [..., K] of layer `name` (what its hook sees) to its sum."""
+        last = self._last
+        if last is not None and last[0] is inputs and self.hessians.get(name) is last[2]:
+            self.hessians[name] = self.hessians[last[1]]  # (the same sum, already added to)
+            return
+        prev = self.hessians.get(name)
         x = inputs.reshape(-1, inputs.shape[-1]).float()  # [n, K]
         h = 2 * x.t() @ x
-        prev = self.hessians.get(name)
         self.hessians[name] = h if prev is None else prev + h
+        self._last = (inputs, name, prev)
