@@ -457,23 +457,26 @@ def test_the_inverse_hessian_factor_is_the_upper_cholesky_of_the_damped_inverse(
 
 
 def test_linears_that_read_one_input_share_one_factor(spy):
-    """q/k/v (and gate/up) have equal Hessians: `SharedFactors` makes their factor once, and
-    their codes are those made alone; a different Hessian gets its own."""
+    """q/k/v (and gate/up) share one Hessian sum (`HessianCollector`): `SharedFactors` makes
+    its factor once, and their codes are those made alone; another sum gets its own. With
+    `release` the sum's storage is freed once its factor exists, and the sharers still
+    round as before."""
     from qspec_core.quant import gptq
 
     x = torch.randn(512, 128, generator=_g(8))
     hessian = 2 * x.t() @ x
     weights = [torch.randn(n, 128, generator=_g(9 + n)) for n in (64, 32, 32)]
+    alone = [gptq_quantize_int8(w, hessian) for w in weights]
     made = spy(gptq, "_inverse_hessian_factor")
-    factors = gptq.SharedFactors()
-    shared = [gptq_quantize_int8(w, hessian.clone(), factors=factors) for w in weights]
-    assert len(made) == 1
-    for (q, s), w in zip(shared, weights, strict=True):
-        alone_q, alone_s = gptq_quantize_int8(w, hessian)
-        assert torch.equal(q, alone_q) and torch.equal(s, alone_s)
-    made.clear()
-    gptq_quantize_int8(weights[0], hessian * 2, factors=factors)
-    assert len(made) == 1
+    for release in (False, True):
+        made.clear()
+        factors, shared = gptq.SharedFactors(), hessian.clone()
+        for w, (q, s) in zip(weights, alone, strict=True):
+            got_q, got_s = gptq_quantize_int8(w, shared, factors=factors, release=release)
+            assert torch.equal(got_q, q) and torch.equal(got_s, s)
+        assert len(made) == 1 and shared.numel() == (0 if release else hessian.numel())
+        gptq_quantize_int8(weights[0], hessian * 2, factors=factors)
+        assert len(made) == 2
 
 
 def test_linears_fed_one_input_share_one_hessian_sum():

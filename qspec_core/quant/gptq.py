@@ -21,6 +21,7 @@ process busy: a 576x1536 layer took 27 s instead of 0.46 s. Quiet, one thread co
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from contextlib import contextmanager
 
@@ -84,22 +85,29 @@ def _inverse_hessian_factor(
 
 
 class SharedFactors:
-    """The last H^-1 factor made, for the next linear whose Hessian is equal: q/k/v and
-    gate/up read the same input, so a decoder layer needs two or three factors, not seven
-    (Llama-3.2-1B shapes: ...). One entry, dropped before another is made: no factor outlives
-    the linears that share it by more than one."""
+    """The last H^-1 factor made, for the next linear fed the same Hessian sum (the same
+    tensor: `HessianCollector` gives q/k/v one sum and gate/up another), so a decoder layer
+    makes three or four factors, not seven. One entry, dropped before another is made."""
 
     def __init__(self):
-        self._last: tuple | None = None  # (hessian, damp, U, dead)
+        self._last: tuple | None = None  # (the sum, damp, U, dead)
 
-    def factor(self, W: torch.Tensor, hessian: torch.Tensor, damp: float) -> torch.Tensor:
+    def factor(
+        self, W: torch.Tensor, hessian: torch.Tensor, damp: float, release: bool = False
+    ) -> torch.Tensor:
+        """U for `hessian` (`_inverse_hessian_factor`), W's dead columns zeroed. `release`: the
+        sum is the caller's to free once its factor exists (a streamed conversion's last use
+        of it): its storage is emptied then, so the largest (down_proj's, 0.8 GB at 14,336
+        inputs) is not alive beside its factor during the sweep; the linears sharing it read
+        the factor kept here."""
         last = self._last
-        if last is not None and last[1] == damp and last[0].shape == hessian.shape:
-            if last[0] is hessian or torch.equal(last[0], hessian):
-                W[:, last[3]] = 0.0
-                return last[2]
+        if last is not None and last[0] is hessian and last[1] == damp:
+            W[:, last[3]] = 0.0
+            return last[2]
         self._last = None
         U, dead = _inverse_hessian_factor(W, hessian, damp)
+        if release:
+            hessian.set_()
         self._last = (hessian, damp, U, dead)
         return U
 
@@ -166,15 +174,22 @@ def _int8_rounder(q, scale):
 
 
 def _sweep(
-    weight, hessian, damp_percent: float, block_size: int, rounders: list, factors=None
+    weight,
+    hessian,
+    damp_percent: float,
+    block_size: int,
+    rounders: list,
+    factors=None,
+    release: bool = False,
 ) -> None:
     """GPTQ over len(rounders) copies of weight [N, K] stacked as [len * N, K], copy i rounded
     by rounders[i]. The copies share H^-1 and, row for row, every update (a row's GPTQ never
     reads another row), so one sweep does the work of several: the per-column Python once.
-    `factors`: a `SharedFactors` the caller keeps across linears (None: one for this one)."""
+    `factors`: a `SharedFactors` the caller keeps across linears (None: one for this one);
+    `release`: `SharedFactors.factor`'s."""
     W = weight.float().clone()
     N = W.shape[0]
-    Hinv = (factors or SharedFactors()).factor(W, hessian, damp_percent)
+    Hinv = (factors or SharedFactors()).factor(W, hessian, damp_percent, release)
     if len(rounders) == 1:
         _gptq_columns(W, Hinv, block_size, rounders[0])
         return
@@ -218,6 +233,7 @@ def gptq_quantize_int8(
     damp_percent: float = 0.01,
     block_size: int = 128,
     factors: SharedFactors | None = None,
+    release: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """weight [N, K], hessian [K, K] -> (q int8 [N, K], scale fp32 [N]) on the per-channel
     symmetric grid of `kernels.formats.quantize_int8` (same scales; GPTQ picks the rounding)."""
@@ -225,7 +241,7 @@ def gptq_quantize_int8(
 
     _, scale = quantize_int8(weight)  # [N]: max|w|/127 (1 for an all-zero row)
     q = torch.zeros(weight.shape, dtype=torch.int8)
-    _sweep(weight, hessian, damp_percent, block_size, [_int8_rounder(q, scale)], factors)
+    _sweep(weight, hessian, damp_percent, block_size, [_int8_rounder(q, scale)], factors, release)
     return q, scale
 
 
@@ -257,18 +273,19 @@ class HessianCollector(InputHooks):
         self.hessians = {name: None for name in layers}
         self.tokens = 0
         # linears fed the very input tensor the previous one was (q/k/v, gate/up) share its
-        # sum, one tensor: Llama-3.1-8B shapes hold 5 fewer [4,096, 4,096] sums per layer
+        # sum, one tensor: Llama-3.1-8B shapes hold 4 fewer [4,096, 4,096] sums per layer.
+        # Weak references: holding down_proj's last input or its sum before would keep
+        # 0.8 GB alive through the rounding.
         self._last: tuple | None = None  # (that input, its linear's name, its sum before)
         super().__init__(layers)
 
     def add(self, name: str, inputs: torch.Tensor) -> None:
         """Add the inputs [..., K] of layer `name` (what its hook sees) to its sum."""
-        last = self._last
-        if last is not None and last[0] is inputs and self.hessians.get(name) is last[2]:
+        last, prev = self._last, self.hessians.get(name)
+        if last is not None and last[0]() is inputs and (last[2] and last[2]()) is prev:
             self.hessians[name] = self.hessians[last[1]]  # (the same sum, already added to)
             return
-        prev = self.hessians.get(name)
         x = inputs.reshape(-1, inputs.shape[-1]).float()  # [n, K]
         h = 2 * x.t() @ x
         self.hessians[name] = h if prev is None else prev + h
-        self._last = (inputs, name, prev)
+        self._last = (weakref.ref(inputs), name, None if prev is None else weakref.ref(prev))
