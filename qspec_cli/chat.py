@@ -77,7 +77,6 @@ def chat(
         max_new_tokens=max_new_tokens,
         mode=mode,
         truncate=truncate,
-        whole_context=True,  # a chat grows
         gamma=drafts,
         group_size=group_size,
         lookup=lookup,

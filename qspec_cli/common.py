@@ -278,12 +278,9 @@ def step_progress(description: str, disable: bool = False):
         yield start
 
 
-def load_session(
-    model, dtype, threads, target_weights, snapshot, text, whole_context=False, **kwargs
-) -> ChatSession:
+def load_session(model, dtype, threads, target_weights, snapshot, text, **kwargs) -> ChatSession:
     """Load the model a session's mode needs (checking --group-size against it), then open the
-    session over the snapshot or the text; `kwargs` are `ChatSession`'s (mode, gamma, ...).
-    `whole_context`: the cache takes the model's whole context up front (a chat grows)."""
+    session over the snapshot or the text; `kwargs` are `ChatSession`'s (mode, gamma, ...)."""
     mode, gamma = kwargs["mode"], kwargs.get("gamma")
     need_draft = mode == "quantspec"
     adopted = target_weights == "auto" and snapshot is not None
@@ -309,8 +306,6 @@ def load_session(
             f"cannot use ({e}); prefill the document again"
         ) from None
     check_group_size(kwargs.get("group_size"), runtime, gamma if need_draft else None)
-    if whole_context:
-        kwargs["capacity"] = runtime.context_limit
     return open_session(snapshot, text, runtime, **kwargs)
 
 

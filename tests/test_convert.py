@@ -430,3 +430,68 @@ def test_gptq_both_sweeps_at_once_round_as_each_alone(shape, group):
         diff = (got.int() - alone.int()).abs()
         assert diff.max() <= 1 and (diff > 0).float().mean() < 1e-3
     assert torch.allclose(s4, as4) and torch.allclose(z4, az4)
+
+
+@pytest.mark.parametrize("K,block", [(300, 512), (1100, 256), (96, 32)])
+def test_the_inverse_hessian_factor_is_the_upper_cholesky_of_the_damped_inverse(
+    K, block, monkeypatch
+):
+    """GPTQ's U (U^T U = (H + damp)^-1, upper) made from one Cholesky of the reversed H and a
+    blocked triangular inverse, against the reference's three steps; over several blocks (a
+    block's rows below it are the part a wrong slice breaks). Dead inputs: zeroed columns."""
+    from qspec_core.quant import gptq
+
+    monkeypatch.setattr(gptq, "INVERSE_BLOCK", block)
+    x = torch.randn(2 * K, K, generator=_g(6))
+    x[:, 7] = 0  # an input never active
+    hessian = 2 * x.t() @ x
+    W = torch.randn(8, K, generator=_g(7))
+    U, dead = gptq._inverse_hessian_factor(W, hessian, 0.01)
+    assert dead.nonzero().flatten().tolist() == [7] and not W[:, 7].any()
+    H = hessian.double()
+    H[7, 7] = 1.0
+    H.diagonal().add_(0.01 * H.diagonal().mean())
+    want = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
+    assert U.dtype == torch.float32 and torch.equal(U, U.triu())
+    assert (U.double() - want).abs().max() < 1e-5 * want.abs().max()  # (fp32's rounding)
+
+
+def test_linears_that_read_one_input_share_one_factor(spy):
+    """q/k/v (and gate/up) share one Hessian sum (`HessianCollector`): `SharedFactors` makes
+    its factor once, and their codes are those made alone; another sum gets its own. With
+    `release` the sum's storage is freed once its factor exists, and the sharers still
+    round as before."""
+    from qspec_core.quant import gptq
+
+    x = torch.randn(512, 128, generator=_g(8))
+    hessian = 2 * x.t() @ x
+    weights = [torch.randn(n, 128, generator=_g(9 + n)) for n in (64, 32, 32)]
+    alone = [gptq_quantize_int8(w, hessian) for w in weights]
+    made = spy(gptq, "_inverse_hessian_factor")
+    for release in (False, True):
+        made.clear()
+        factors, shared = gptq.SharedFactors(), hessian.clone()
+        for w, (q, s) in zip(weights, alone, strict=True):
+            got_q, got_s = gptq_quantize_int8(w, shared, factors=factors, release=release)
+            assert torch.equal(got_q, q) and torch.equal(got_s, s)
+        assert len(made) == 1 and shared.numel() == (0 if release else hessian.numel())
+        gptq_quantize_int8(weights[0], hessian * 2, factors=factors)
+        assert len(made) == 2
+
+
+def test_linears_fed_one_input_share_one_hessian_sum():
+    """q/k/v (gate/up) see the very same input tensor: one sum for them, equal to what each
+    would collect alone, over several calls; a linear fed another input keeps its own."""
+    lin = {n: torch.nn.Linear(16, 8, bias=False) for n in ("q", "k", "v", "o")}
+    shared, alone = HessianCollector(lin), {}
+    for call in range(3):
+        x = torch.randn(2, 5, 16, generator=_g(20 + call))
+        for n in ("q", "k", "v"):
+            lin[n](x)
+        lin["o"](torch.randn(2, 5, 16, generator=_g(30 + call)))
+        h = 2 * x.reshape(-1, 16).t() @ x.reshape(-1, 16)
+        alone["q"] = h if call == 0 else alone["q"] + h
+    shared.close()
+    H = shared.hessians
+    assert H["k"] is H["q"] and H["v"] is H["q"] and H["o"] is not H["q"]
+    assert torch.equal(H["q"], alone["q"])

@@ -54,3 +54,25 @@ def test_the_lean_runtime_writes_the_same_text(tiny_model_dir, mode):
         session = ChatSession(_load(tiny_model_dir, full), text, mode=mode, max_new_tokens=24)
         outputs.append("".join(session.ask("Summarize.")))
     assert outputs[0] == outputs[1] and outputs[0]
+
+
+def test_the_embedding_stays_in_the_checkpoint_dtype_where_only_its_rows_are_read(tiny_model_dir):
+    """With lm_head on its INT8 twin the table is only looked up by rows: a bf16 checkpoint's
+    stays bf16 (half the bytes) and its rows are cast exactly; with the full weights it is
+    lm_head's weight too, in the model's dtype."""
+    from qspec_core.config import ModelConfig
+    from qspec_core.convert.folder import int8_modules
+    from qspec_core.model.checkpoint import LINEAR, build_model, load_state_dict
+
+    config = ModelConfig.from_file(tiny_model_dir / "config.json")
+    stored = load_state_dict(tiny_model_dir, torch.bfloat16)  # (a bf16 checkpoint)
+    skipped = int8_modules(tiny_model_dir)
+    assert "lm_head" in skipped
+    gone = {f"{m}.{k}" for m in skipped for k in LINEAR if m != "lm_head"}
+    lean = build_model(config, {k: t for k, t in stored.items() if k not in gone},
+                       dtype=torch.float32, skipped=skipped)  # fmt: skip
+    full = build_model(config, stored, dtype=torch.float32)
+    assert lean.embed_tokens.weight.dtype == torch.bfloat16 and lean.dtype == torch.float32
+    assert full.embed_tokens.weight.dtype == torch.float32 == full.lm_head.weight.dtype
+    ids = torch.tensor([[0, 5, 17, config.vocab_size - 1]])
+    assert lean.embed(ids).dtype == torch.float32 and torch.equal(lean.embed(ids), full.embed(ids))

@@ -1,7 +1,9 @@
 """Multi-turn sessions reuse the cached prefix and stay exact after interruptions."""
 
 import pytest
+import torch
 
+from qspec_core.cache.hierarchical import K_GROUPED, PLANE_BUFFERS
 from qspec_core.engine.session import ChatSession
 from qspec_core.errors import QspecError
 from qspec_core.registry.runtime import load_runtime
@@ -139,3 +141,24 @@ def test_a_second_answer_starts_from_the_runtime_step_timings(tiny):
     again = ChatSession(tiny, DOC, max_new_tokens=24, mode="quantspec")
     target = ChatSession(tiny, DOC, max_new_tokens=24, mode="target-ar")
     assert _answer(again, "Summarize.") == first == _answer(target, "Summarize.")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_cache_grown_turn_by_turn_answers_as_one_made_at_the_whole_context(tiny, mode):
+    """A session's cache holds what its first question needs and grows after (a preallocated
+    128k context would be gigabytes at 8B): the planes, their scales, the staged slot and the
+    C++ cache over them must carry over, or a later answer changes."""
+    grown = ChatSession(tiny, DOC, max_new_tokens=24, mode=mode)
+    whole = ChatSession(tiny, DOC, max_new_tokens=24, mode=mode, capacity=tiny.context_limit)
+    sizes = []
+    for question in ("How many ships?", "And in April?", "Say it again, longer."):
+        assert _answer(grown, question) == _answer(whole, question)
+        sizes.append(grown._cache.max_seq_len)
+        if mode != "ar":  # the history both have quantized: every plane and scale, bit for bit
+            ours, theirs = grown._cache.state(), whole._cache.state()  # (rotation is lazy)
+            n = min(ours["k_upper"].shape[3], theirs["k_upper"].shape[3])
+            assert n > 0  # (history was quantized before it grew)
+            for name in PLANE_BUFFERS:
+                m = n // grown._cache.group_size if name in K_GROUPED else n
+                assert torch.equal(ours[name][:, :, :, :m], theirs[name][:, :, :, :m]), name
+    assert sizes[0] < sizes[-1] < tiny.context_limit == whole._cache.max_seq_len

@@ -97,11 +97,15 @@ def test_chat_from_snapshot_equals_chat_from_document(tiny, tmp_path, mode):
 
 def test_a_snapshot_keeps_the_capacity_its_rope_was_chosen_by(tiny, tmp_path):
     """LongRoPE (Phi-3.5) picks its factors by the cache's rope_capacity: a chat loading the
-    snapshot into a cache of another size must rotate its new tokens as the prefill did."""
+    snapshot into a cache of another size (its tokens, grown as a chat goes) must rotate its
+    new tokens as the prefill did."""
     path = tmp_path / "doc.qspec"
     _make(tiny, path)
-    made = snap.read_manifest(path)["rope_capacity"]
+    manifest = snap.read_manifest(path)
+    made = manifest["rope_capacity"]
     loaded = snap.load_snapshot(path, tiny.folder, tiny.model, made + 64)
+    assert loaded.cache.max_seq_len == manifest["tokens"] and loaded.cache.rope_capacity == made
+    loaded.cache.grow(made + 64)
     assert loaded.cache.max_seq_len == made + 64 and loaded.cache.rope_capacity == made
 
 

@@ -81,6 +81,20 @@ class CacheCheckpoint:
     fp_v: torch.Tensor
 
 
+# the buffers that grow with the context (dim 3); the full-precision region does not
+PLANE_BUFFERS = (
+    "k_upper",
+    "k_lower",
+    "v_upper",
+    "v_lower",
+    "k_scale",
+    "k_zero",
+    "v_scale",
+    "v_zero",
+)
+K_GROUPED = ("k_scale", "k_zero")  # one entry per G positions
+
+
 class HierarchicalKVCache(torch.nn.Module):
     def __init__(
         self,
@@ -163,6 +177,23 @@ class HierarchicalKVCache(torch.nn.Module):
         for layer in range(len(self.fp_len)):
             self.fp_len[layer] = length - self.n_quant[layer]
         self.committed = min(self.committed, length)
+
+    def grow(self, max_seq_len: int) -> None:
+        """Reallocate the planes and their scales to hold `max_seq_len` positions, keeping
+        every position and the staged slot; the full-precision region keeps its size. A
+        session sizes its cache to what it needs now and grows it (`ChatSession`): a
+        preallocated context of 128k positions would be 8.6 GB for an 8B model. The C++
+        `HierKV` is made again over the new buffers (`NativeMemo` sees them replaced)."""
+        if max_seq_len <= self.max_seq_len:
+            return
+        G = self.group_size
+        S = -(-max_seq_len // G) * G
+        for name in PLANE_BUFFERS:  # dim 3: positions, or K groups (k_scale, k_zero)
+            old = getattr(self, name)
+            new = old.new_zeros(*old.shape[:3], S // G if name in K_GROUPED else S, old.shape[4])
+            new[:, :, :, : old.shape[3]] = old
+            setattr(self, name, new)  # (replaces the registered buffer)
+        self.max_seq_len = max_seq_len
 
     def reset(self) -> None:
         self.n_quant = [0] * len(self.n_quant)

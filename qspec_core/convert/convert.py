@@ -45,6 +45,7 @@ from qspec_core.precision import DRAFT_W4, FP, Precision
 from qspec_core.quant.awq import ActivationCollector, awq_quantize
 from qspec_core.quant.gptq import (
     HessianCollector,
+    SharedFactors,
     gptq_quantize,
     gptq_quantize_both,
     gptq_quantize_int8,
@@ -276,12 +277,14 @@ def quantize_layers(
     damp: float = 0.01,
     made: dict[str, tuple] | None = None,
     activations: ActivationCollector | None = None,
+    factors: SharedFactors | None = None,
 ) -> dict[str, Int4Linear]:
     """The 4-bit twins of `layers` (linears by HF name; those `select` accepts) from their own
     weights: RTN, GPTQ with `hessians` (or the codes `made` has), AWQ with the `activations`
-    its calibration collected. `on_layer(name)` after each one made here."""
+    its calibration collected. `on_layer(name)` after each one made here. `factors`: GPTQ's
+    H^-1 factors shared across calls (`SharedFactors`; None: across this call's linears)."""
     made = made or {}
-    drafts = {}
+    drafts, factors = {}, factors or SharedFactors()  # (q/k/v, gate/up: one factor each)
     for name, layer in layers.items():
         if select is not None and not select(name):
             continue
@@ -297,7 +300,8 @@ def quantize_layers(
             if method == "gptq" and name in made:
                 q, scale, zero = made[name]
             elif method == "gptq":
-                q, scale, zero = gptq_quantize(weight, hessians[name], group_size, damp)
+                q, scale, zero = gptq_quantize(weight, hessians[name], group_size, damp,
+                                               factors=factors)  # fmt: skip
             else:
                 q, scale, zero = rtn_quantize(weight, group_size)
             draft = Int4Linear.from_quantized(q, scale, zero, group_size, bias)
@@ -448,6 +452,7 @@ def gptq_pairs(
     damp: float,
     select=None,
     on_layer=None,
+    factors: SharedFactors | None = None,
 ) -> dict[str, tuple[tuple, tuple]]:
     """GPTQ's 4-bit codes and the INT8 verifier's of each layer both get, made in one sweep
     (`gptq_quantize_both`) where the two roundings would share their H^-1 (the same damping as
@@ -456,10 +461,12 @@ def gptq_pairs(
     `on_layer` (called here twice a pair: a step for each weight set, as `convert_steps` has)."""
     if damp != INT8_DAMP:
         return {}
-    pairs = {}
+    pairs, factors = {}, factors or SharedFactors()
     for name, layer in layers.items():
         if select is None or select(name):
-            pairs[name] = gptq_quantize_both(layer.weight.data, hessians[name], group_size, damp)
+            pairs[name] = gptq_quantize_both(
+                layer.weight.data, hessians[name], group_size, damp, factors=factors
+            )
             if on_layer:
                 on_layer(name)
                 on_layer(name)
@@ -506,17 +513,19 @@ def int8_twins(
     on_layer=None,
     made: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
     release: bool = False,
+    factors: SharedFactors | None = None,
 ) -> dict[str, Int8Linear]:
     """`int8_weights`' twins of `layers` (linears by HF name). `release`: each Hessian is
-    dropped from `hessians` once its layer is rounded (nothing after needs it)."""
-    twins, made = {}, made or {}
+    dropped from `hessians`, its storage freed once its factor exists (nothing after needs
+    it). `factors`: shared across calls (`SharedFactors`; None: across this call's)."""
+    twins, made, factors = {}, made or {}, factors or SharedFactors()
     for name, layer in layers.items():
         if hessians is None:
             q = Int8Linear.from_linear(layer)
         else:
             hessian = hessians.pop(name) if release else hessians[name]
             w_int8, scale = made.get(name) or gptq_quantize_int8(
-                layer.weight.data, hessian, INT8_DAMP
+                layer.weight.data, hessian, INT8_DAMP, factors=factors, release=release
             )
             del hessian
             bias = None if layer.bias is None else layer.bias.data.float()

@@ -71,7 +71,7 @@ from qspec_core.model.rope import RotaryEmbedding
 from qspec_core.model.transformer import Linear, Transformer, linear_layers, local_rope_config
 from qspec_core.precision import DRAFT_W4, FP, Precision
 from qspec_core.quant.awq import ActivationCollector
-from qspec_core.quant.gptq import HessianCollector
+from qspec_core.quant.gptq import HessianCollector, SharedFactors
 from qspec_core.quant.int4 import Int4Linear
 from qspec_core.quant.int8 import Int8Linear
 
@@ -316,21 +316,29 @@ class _Plan:
         needed = self.int8_gptq or self.method in ("gptq", "awq")
         return needed and len(calib_ids) >= MIN_CALIBRATION
 
-    def twins(self, linears: dict, hessians, activations, on_layer) -> tuple[dict, dict]:
-        """(INT8 twins, drafts) of `linears` by name, as `convert.convert` makes them."""
+    def twins(
+        self, linears: dict, hessians, activations, on_layer, factors=None
+    ) -> tuple[dict, dict]:
+        """(INT8 twins, drafts) of `linears` by name, as `convert.convert` makes them.
+        `factors`: the layer's GPTQ factors by use ("pairs", "int8", "draft": each a
+        `SharedFactors` kept across the layer's linears, which share Hessian sums)."""
+        factors = factors or {}
         method, G = self.method, self.group_size
         paired = {}
         if method == "gptq" and hessians is not None and self.damp == INT8_DAMP and self.int8_gptq:
-            paired = gptq_pairs(linears, hessians, G, self.damp, self.select, on_layer)
+            paired = gptq_pairs(
+                linears, hessians, G, self.damp, self.select, on_layer, factors.get("pairs")
+            )
         rounding = hessians if self.int8_gptq else None  # (None: to nearest)
         # (the draft reads the Hessians after the INT8 rounding only as unpaired GPTQ)
         release = not (method == "gptq" and not paired)
         made = {n: p[1] for n, p in paired.items()}
-        int8 = int8_twins(linears, rounding, on_layer, made, release)
+        int8 = int8_twins(linears, rounding, on_layer, made, release, factors.get("int8"))
         if method == UPPER:
             return int8, upper_drafts(int8, G or 64, self.select, on_layer)
         drafts = quantize_layers(linears, method, G, on_layer, hessians, self.select, self.damp,
-                                 {n: p[0] for n, p in paired.items()}, activations)  # fmt: skip
+                                 {n: p[0] for n, p in paired.items()}, activations,
+                                 factors.get("draft"))  # fmt: skip
         return int8, drafts
 
     def layer(self, layer, prefix: str, streams: _Streams, rope) -> dict:
@@ -353,9 +361,10 @@ class _Plan:
             if stream is not streams.calib:
                 stream.through(layer, rope)
         int8, drafts, errors = {}, {}, {}
+        factors = _shared_factors()
         for name, linear in linears.items():  # (a linear at a time: its weight freed after)
             one = {name: linear}
-            i8, d = self.twins(one, hessians, activations, self.on_layer)
+            i8, d = self.twins(one, hessians, activations, self.on_layer, factors)
             int8 |= i8
             drafts |= d
             errors |= weight_errors(d, one)
@@ -365,6 +374,12 @@ class _Plan:
         if streams.draft is not None:
             streams.draft.through(layer, rope)
         return {"int8": int8, "draft": drafts, "errors": errors}
+
+
+def _shared_factors() -> dict[str, SharedFactors]:
+    """`_Plan.twins`' factors: one `SharedFactors` per use, kept across the linears (or the
+    head's row blocks) that share Hessian sums."""
+    return {use: SharedFactors() for use in ("pairs", "int8", "draft")}
 
 
 def _write(writer: TensorFileWriter, twins: dict, report: DraftReport) -> list[str]:
@@ -410,13 +425,14 @@ class _Head:
             n = sum(x.shape[1] for x in self.inputs[id(report)])
             self.target_logits = torch.empty(n, V)
         joined, sq_err, sq_w = _Joined(V, rows >= V), 0.0, 0.0
+        factors = _shared_factors()  # (every block reads the same Hessian: one factor)
         for start in range(0, V, rows):
             end = min(V, start + rows)
             block = Linear(H, end - start, bias=False, device="meta")
             block.weight = nn.Parameter(self.reader.rows(self.weight, start, end), False)
             # (a copy: the rounding releases what it reads, and every block reads H)
             block_h = None if hessians is None else dict(hessians)
-            int8, drafts = plan.twins({name: block}, block_h, activations, None)
+            int8, drafts = plan.twins({name: block}, block_h, activations, None, factors)
             if report is not None:  # (the target's logits of these rows, as the head's)
                 first = 0
                 for x in self.inputs[id(report)]:  # x [1, t, hidden]

@@ -205,23 +205,16 @@ class ChatSession:
         return self.runtime.baseline if self.mode == "ar" else self.runtime.target
 
     def _ensure_cache(self, need: int):
-        size = min(self.limit, max(need, self.capacity or 0))
-        model = self.runtime.model
+        """The session's cache, holding at least `need` positions: made at what the first
+        question needs (or `capacity`), grown by half again at least when a later one needs
+        more, so a long chat copies it a few times, not once a turn. Every mode's sequence
+        rotates as the session's planned length says (LongRoPE), whatever the cache holds."""
+        planned = self.capacity or self.limit
         if self._cache is None:
-            # a full-precision cache grows; preallocated planes cannot grow cheaply: a
-            # hierarchical cache takes the whole context
-            planned = self.capacity or self.limit
-            size = size if self.mode == "ar" else planned
-            # (every mode's sequence rotates as the session's planned length says: LongRoPE)
-            self._cache = self.plan.new_cache(model, size, self.group_size, planned)
+            size = min(self.limit, max(need, self.capacity or 0))
+            self._cache = self.plan.new_cache(self.runtime.model, size, self.group_size, planned)
         elif self._cache.max_seq_len < need:
-            if self.mode == "ar":
-                self._cache.grow(size)
-            else:  # rebuild: the planes are preallocated (rare: only chat without --capacity)
-                self._cache = None
-                self._cached_ids = []
-                self._doc_point = None
-                return self._ensure_cache(need)
+            self._cache.grow(min(self.limit, max(need, self._cache.max_seq_len * 3 // 2)))
         return self._cache
 
     def document_prefix_ids(self) -> list[int]:

@@ -40,12 +40,15 @@ def checkpoint_files(folder: Path) -> list[Path]:
 
 
 def load_state_dict(
-    folder: Path, dtype: torch.dtype | None = None, skip=()
+    folder: Path, dtype: torch.dtype | None = None, skip=(), as_stored=()
 ) -> dict[str, torch.Tensor]:
     """HF tensor names with the `model.` prefix stripped (the key filter of style.md), each
-    cast to `dtype` as it is read (None: as stored); tensors named in `skip` are not read."""
+    cast to `dtype` as it is read (None: as stored); tensors named in `skip` are not read,
+    those in `as_stored` are read in the checkpoint's dtype."""
     reader = CheckpointReader(folder)
-    return {n: reader.get(n, dtype) for n in reader.shapes if n not in skip}
+    return {
+        n: reader.get(n, None if n in as_stored else dtype) for n in reader.shapes if n not in skip
+    }
 
 
 # safetensors dtype names -> torch dtypes (the ones checkpoints hold)
@@ -54,6 +57,7 @@ _DTYPES = {
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
     "U8": torch.uint8, "BOOL": torch.bool,
 }  # fmt: skip
+EMBEDDING = "embed_tokens.weight"
 MAX_HEADER = 100 << 20  # bytes: a larger safetensors header is a damaged file
 
 
@@ -179,7 +183,10 @@ def build_model(
 ) -> Transformer:
     """Instantiate without random init and assign the checkpoint tensors, cast to `dtype`.
     `skipped`: linears whose weights (and biases) the caller left out of `state`, on purpose
-    (`load_model`): they stay on the meta device, and the model has no "full" weight set."""
+    (`load_model`): they stay on the meta device, and the model has no "full" weight set.
+    With lm_head among them, the embedding table is only ever read by rows (`embed`): it
+    stays in the checkpoint's dtype where that is narrower (bf16: half an fp32 table; 0.5 GB
+    at Llama 3's vocabulary and 2,048 wide), its rows cast as they are read, exactly."""
     check_layer_count(config, [*state, *(f"{m}.weight" for m in skipped)])
     with torch.device("meta"):
         model = Transformer(config)
@@ -203,7 +210,12 @@ def build_model(
                 f"checkpoint tensor {name} has shape {list(tensor.shape)}, "
                 f"config.json implies {list(want)}"
             )
-    state = {k: t.to(device=device, dtype=dtype) for k, t in state.items()}
+    narrow = {EMBEDDING} if "lm_head" in skipped else set()
+    state = {
+        k: t.to(device) if k in narrow and t.dtype.itemsize <= dtype.itemsize else
+        t.to(device=device, dtype=dtype)
+        for k, t in state.items()
+    }  # fmt: skip
     model.load_state_dict(state, strict=False, assign=True)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
@@ -253,7 +265,8 @@ def load_model(folder: Path, dtype=torch.bfloat16, device="cpu", skip=()) -> Tra
         config = ModelConfig.from_file(config_path)
     except ConfigError as e:
         raise QspecError(f"corrupt {config_path}: {e}") from None
-    skip = [m for m in skip if not (m == "lm_head" and config.tie_word_embeddings)]
-    names = {f"{m}.{k}" for m in skip for k in LINEAR}
-    state = load_state_dict(folder, dtype, names)
+    tied = config.tie_word_embeddings  # (lm_head's weight is the embedding's: it is read)
+    names = {f"{m}.{k}" for m in skip for k in LINEAR if not (m == "lm_head" and tied)}
+    as_stored = {EMBEDDING} if "lm_head" in skip else set()
+    state = load_state_dict(folder, dtype, names, as_stored)
     return build_model(config, state, dtype=dtype, device=device, skipped=skip)

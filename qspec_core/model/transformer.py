@@ -229,7 +229,7 @@ class Transformer(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed_tokens.weight.dtype
+        return self.norm.weight.dtype  # (the embedding table may be narrower: `embed`)
 
     @property
     def device(self) -> torch.device:
@@ -274,8 +274,9 @@ class Transformer(nn.Module):
             )
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens [B, T] -> the first layer's input [B, T, hidden] (a fresh tensor)."""
-        x = self.embed_tokens(tokens)
+        """tokens [B, T] -> the first layer's input [B, T, hidden] (a fresh tensor), in the
+        model's dtype: a table kept narrower (`build_model`) has its rows cast, exactly."""
+        x = self.embed_tokens(tokens).to(self.dtype)
         if self.config.layer.embed_scale:  # (the scale cast to x's dtype first, as HF does)
             x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
         return x

@@ -406,9 +406,10 @@ def load_snapshot(
     group_size: int | None = None,
     target_weights: str = "full",
 ) -> Snapshot:
-    """Load and verify a snapshot into a fresh hierarchical cache of `capacity` positions.
+    """Load and verify a snapshot into a fresh hierarchical cache that holds its tokens (a
+    session grows it for what comes next); `capacity`: the context it may not exceed.
 
-    Allocates no more than this model's cache of `capacity` positions and the document take:
+    Allocates no more than this model's cache of its tokens and the document take:
     the cache's shape is checked against the model before any read, and the document (the
     one tensor the cache does not bound) is hashed in chunks before it is read into memory.
     """
@@ -452,11 +453,12 @@ def _cache_from(tensors: dict, manifest: dict, model, capacity: int, path: Path)
     try:  # the fingerprint matched, so only a forged manifest's shapes can fail here
         cache = HierarchicalKVCache(
             model.config,
-            capacity,
+            manifest["tokens"],
             G,
             dtype=model.dtype,
             device=model.device,
-            rope_capacity=manifest.get("rope_capacity"),  # (None: older snapshots)
+            # (older snapshots have none: they were made at the whole context)
+            rope_capacity=manifest.get("rope_capacity") or capacity,
         )
         cache.load_state(tensors, meta | {"committed": manifest["tokens"]})
     except (RuntimeError, ValueError) as e:
