@@ -13,7 +13,7 @@ from typing import Annotated
 import typer
 
 from qspec_cli import bench, chat, common, convert, info, prefill, quality, summarize
-from qspec_core.errors import user_errors
+from qspec_core.errors import disk_full_error, is_disk_full, user_errors
 
 app = typer.Typer(
     help="qspec: chat with and summarize long documents, fast, on one GPU or a plain CPU.",
@@ -70,6 +70,11 @@ def main(argv: list[str] | None = None) -> None:
         code = app(args=argv, prog_name="qspec", standalone_mode=False)
     except user_errors() as e:  # ours, and the kernels' settings errors (QSPEC_CPU_*)
         common.print_error(str(e))
+        sys.exit(2)
+    except OSError as e:  # a full disk wherever a write is not wrapped in `disk_space`
+        if not is_disk_full(e):
+            raise
+        common.print_error(str(disk_full_error(e.filename or ".", e)))
         sys.exit(2)
     except typer.TyperException as e:  # click's ClickException and its UsageErrors
         if type(e).__name__ == "NoArgsIsHelpError":  # bare `qspec`: the help is printed

