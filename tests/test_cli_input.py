@@ -226,6 +226,14 @@ def test_other_inputs_before_loading(capsys, tmp_path, doc, no_model):
     assert_one_error(qspec(capsys, "summarize", doc, "--mode", "warp"), "mode 'warp'")
 
 
+def test_convert_refuses_an_odd_group_and_an_unwritable_output_before_work(capsys, no_model):
+    """Issue 55's `--group-size 3` and `-o /proc/x`: refused before the model is read."""
+    assert_one_error(qspec(capsys, "convert", "--group-size", "3"), "--group-size must be even")
+    if os.path.isfile("/proc/version"):  # (a Linux /proc: no file can be made in it)
+        result = qspec(capsys, "convert", "-o", "/proc/x")
+        assert_one_error(result, "cannot write /proc/x: /proc is not writable")
+
+
 def test_output_files_are_refused_with_the_true_reason(capsys, tmp_path, doc, no_model):
     blocker = tmp_path / "a-file"
     blocker.write_text("x")
