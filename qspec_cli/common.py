@@ -97,7 +97,12 @@ TopKOpt = Annotated[int, typer.Option(min=0, help="Sample from the k likeliest t
 SEED_MAX = 2**64 - 1  # torch.Generator.manual_seed takes 64 bits
 SeedOpt = Annotated[
     int,
-    typer.Option(min=0, max=SEED_MAX, help="Seed of the sampling generator (runs reproduce)."),
+    typer.Option(
+        min=0,
+        max=SEED_MAX,
+        help="Seed of the sampling: each token's randomness is keyed by (seed, position), so "
+        "runs reproduce whatever --gamma picks, and quantspec gives target-ar's text.",
+    ),
 ]
 TruncOpt = Annotated[
     bool,
