@@ -191,7 +191,7 @@ def test_prefill_and_quality_options_are_checked_before_loading(
     "content,message",
     [
         (b"\xef\xbb\xbf", "file is empty"),
-        (b"\xef\xbb\xbf  \n", "file is empty"),
+        (b"\xef\xbb\xbf  \n", "holds only whitespace"),
         (b"caf\xe9", "not UTF-8"),
         (b"\x00\x01", "looks binary"),
     ],

@@ -70,6 +70,11 @@ class RecordLog:
         if path.is_dir():
             raise QspecError(f"{display_name(path)}: is a folder; -o takes a .jsonl file")
         if not path.parent.is_dir():
+            blocker = next((p for p in path.parents if p.exists()), None)
+            if blocker is not None and not blocker.is_dir():
+                raise QspecError(
+                    f"{display_name(path)}: {display_name(blocker)} is a file, not a folder"
+                )
             raise QspecError(f"{display_name(path.parent)}: folder does not exist")
         if path.exists():
             try:
@@ -202,6 +207,13 @@ def _parse(path: Path, data: bytes) -> tuple[list[dict], int]:
         if isinstance(record, dict) and record.get(FORMAT) == VERSION and "path" in record:
             records.append(record)
             continue
+        later = isinstance(record, dict) and isinstance(record.get(FORMAT), int)
+        if later and record[FORMAT] > VERSION:
+            raise QspecError(
+                f"{name}: line {number} was written by a later qspec (batch format "
+                f"{record[FORMAT]}; this one reads {VERSION}); upgrade qspec or give another -o "
+                "(nothing was changed)"
+            )
         if not records and line.startswith(UNTAGGED_START) and isinstance(record, dict):
             _refuse_untagged(name)
         raise QspecError(
