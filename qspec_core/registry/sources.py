@@ -9,8 +9,10 @@ hub id (downloaded through huggingface_hub when online).
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import importlib.util
+import io
 import json
 import os
 import shutil
@@ -337,6 +339,8 @@ def _check_sha(path: Path, expected: str, what: str | None = None) -> None:
 
 
 def ensure_gguf_converted(gguf: Path, log) -> Path:
+    from qspec_core.registry.gguf_import import check_runnable
+
     try:
         digest = sha256_file(gguf)
     except OSError as e:
@@ -345,6 +349,7 @@ def ensure_gguf_converted(gguf: Path, log) -> Path:
     if (target / "config.json").exists():
         return target
     writable_models_dir()
+    check_runnable(gguf)  # (a file no conversion would help: one line, nothing logged first)
     log(f"converting {gguf.name} to a bf16 folder in {target} (once)")
     _convert_gguf(gguf, target, {"source": str(gguf.resolve()), "gguf_sha256": digest}, log=log)
     return target
@@ -413,11 +418,12 @@ def _convert_with_transformers(gguf: Path, folder: Path, what: str, log) -> None
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-    try:
-        model = AutoModelForCausalLM.from_pretrained(
-            gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16
-        )
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    try:  # (its own progress bar and warnings would surround our one line: not shown)
+        with contextlib.redirect_stderr(io.StringIO()):
+            model = AutoModelForCausalLM.from_pretrained(
+                gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16
+            )
+            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     except Exception as e:
         # transformers' GGUF reader parses untrusted bytes and lets whatever a damaged file
         # causes escape (struct.error from a cut header, IndexError, ...): any failure here
