@@ -114,6 +114,19 @@ def test_kernel_setting_errors_are_one_line(capsys, doc, monkeypatch):
     assert_one_error(qspec(capsys, "summarize", doc), "QSPEC_CPU_ISA='avx9'")
 
 
+def test_a_bad_cpu_kernels_switch_is_refused_before_loading(capsys, doc, no_model, monkeypatch):
+    """QSPEC_CPU_KERNELS takes 0 (off) or 1 (on, the default); anything else was taken as on."""
+    from kernels.cpu import build
+
+    monkeypatch.setenv("QSPEC_CPU_KERNELS", "bogus")
+    assert_one_error(qspec(capsys, "summarize", doc), "QSPEC_CPU_KERNELS='bogus': expected 0 or 1")
+    with pytest.raises(build.BuildSettingError):
+        build.available()
+    for value, on in (("0", False), ("1", True), ("", True)):
+        monkeypatch.setenv("QSPEC_CPU_KERNELS", value)
+        assert build.kernels_enabled() is on
+
+
 @pytest.mark.parametrize("command", ["summarize", "prefill", "bench"])
 def test_a_bad_int8_prefill_setting_is_refused_before_loading(capsys, doc, monkeypatch, command):
     monkeypatch.setenv("QSPEC_INT8_PREFILL", "bf16")

@@ -86,7 +86,7 @@ SOURCES = tuple(
     )
 )
 HEADERS = tuple(sorted(HERE.glob("*.h")))  # hashed with the sources, so an edit rebuilds
-DISABLE_ENV = "QSPEC_CPU_KERNELS"  # "0" turns the C++ kernels off (the PyTorch paths run)
+DISABLE_ENV = "QSPEC_CPU_KERNELS"  # "0" turns the C++ kernels off (the PyTorch paths run), "1" on
 ISA_ENV = "QSPEC_CPU_ISA"  # native (default) | avx2 | avxvnni | generic
 SANITIZE_ENV = "QSPEC_CPU_SANITIZE"  # address,undefined | thread: a checking build (make sanitize)
 OS_XFEATURES_ENV = "QSPEC_CPU_OS_XFEATURES"  # tests: the XCR0 mask to take as the OS's grant
@@ -526,8 +526,17 @@ def load(isa: str | None = None):
         return _variants[chosen][0]
 
 
+def kernels_enabled() -> bool:
+    """QSPEC_CPU_KERNELS: 0 turns the C++ kernels off, 1 (or unset) leaves them on;
+    BuildSettingError for anything else (a typo must not silently mean "on")."""
+    value = os.environ.get(DISABLE_ENV, "").strip()
+    if value not in ("", "0", "1"):
+        raise BuildSettingError(f"{DISABLE_ENV}={value!r}: expected 0 or 1 (0 turns them off)")
+    return value != "0"
+
+
 def available() -> bool:
-    if os.environ.get(DISABLE_ENV) == "0":
+    if not kernels_enabled():
         return False
     return load() is not None
 
@@ -535,7 +544,7 @@ def available() -> bool:
 def loaded():
     """The extension module where this process has loaded it already, else None: never
     builds (the caches ask it for their C++ side on every write; a runner loads the kernels)."""
-    if os.environ.get(DISABLE_ENV) == "0":
+    if not kernels_enabled():
         return None
     return _module
 
