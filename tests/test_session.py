@@ -161,3 +161,19 @@ def test_the_advice_for_too_long_is_only_what_would_help(tiny):
     assert "--truncate" not in message and "a shorter question" in message
     with pytest.raises(QspecError, match="Use a shorter question$"):
         _answer(ChatSession(tiny, DOC, max_new_tokens=8, mode="target-ar"), "Why? " * 600)
+
+
+def test_a_document_far_too_long_is_refused_before_it_is_tokenized(tiny, monkeypatch):
+    """10 MB of one repeated character took 105 s and 2.1 GB to tokenize before the refusal:
+    its bytes bound its tokens from below (no token stands for more bytes than the longest
+    one in the vocabulary), so it is refused first."""
+    tok = tiny.tokenizer
+    huge = "a" * 4_000_000
+    assert tok.min_tokens(huge) <= len(tok.encode("a" * 100_000)) * 40  # (a true lower bound)
+
+    def encode(text):
+        raise AssertionError("the whole document was tokenized")
+
+    monkeypatch.setattr(tok, "encode", encode)
+    with pytest.raises(QspecError, match=r"the document is at least \d+ tokens.*context is 512"):
+        ChatSession(tiny, huge, max_new_tokens=8)

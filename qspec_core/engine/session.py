@@ -133,6 +133,8 @@ class ChatSession:
         self.truncated_tokens = 0
         self.can_truncate = document is not None  # (--truncate could cut the document)
         self.history: list[dict] = []
+        if document is not None and not truncate:
+            self._check_not_far_too_long(document)
         self.document = self._fit_document(document) if truncate else document
         self.totals = ReplyStats()  # every reply's stats, stopped ones included
         self.turns = 0  # finished answers (in the history)
@@ -184,6 +186,16 @@ class ChatSession:
             f"{self.max_new_tokens} new tokens are allowed, {need} in all, but the model's "
             f"context is {self.limit} tokens. Use {advice}"
         )
+
+    def _check_not_far_too_long(self, document: str) -> None:
+        """Refuse, before tokenizing it, a document whose bytes alone show it cannot fit."""
+        at_least = self.runtime.tokenizer.min_tokens(document)
+        if at_least >= self.limit:  # (the document alone: --max-new-tokens is check_fits')
+            raise QspecError(
+                f"too long for {self.runtime.name}: the document is at least {at_least} tokens "
+                f"(from its size alone), but the model's context is {self.limit} tokens. Use "
+                "--truncate to keep the start of the document"
+            )
 
     def _fit_document(self, document: str | None) -> str | None:
         """Cut the document's tail so that the first question and the reply fit."""
