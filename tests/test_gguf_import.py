@@ -448,3 +448,18 @@ def test_a_gguf_qspec_cannot_run_is_one_line_without_pip(tmp_path, capsys, arch,
     doc.write_text("The keeper counted 41 ships.\n")
     # (the user's QSPEC_HOME: a fresh one would build the CPU kernels first; nothing is written)
     assert_one_error(qspec(capsys, "summarize", doc, "--model", gguf), words)
+
+
+@pytest.mark.parametrize("cut", [100, 3000], ids=["tensor-data", "header"])
+def test_a_damaged_gguf_is_refused_before_the_converting_line(tmp_path, capsys, cut):
+    """The error alone: no "converting ... (once)" line before it (three lines, once)."""
+    from test_cli_input import assert_one_error, qspec
+
+    gguf = _damaged(tmp_path, lambda d: d[:-cut] if cut == 100 else d[:cut])
+    messages = []
+    with pytest.raises(QspecError, match="truncated"):
+        models.ensure_gguf_converted(gguf, log=messages.append)
+    assert messages == []
+    doc = tmp_path / "doc.txt"
+    doc.write_text("The keeper counted 41 ships.\n")
+    assert_one_error(qspec(capsys, "summarize", doc, "--model", gguf), "truncated")
