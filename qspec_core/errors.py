@@ -53,8 +53,8 @@ def disk_full_error(path: str | os.PathLike, error: OSError) -> QspecError:
         free = ""
     what = "the disk quota is used up" if error.errno == errno.EDQUOT else "the disk is full"
     return QspecError(
-        f"cannot write {os.fsdecode(path)}: {what} (the filesystem mounted at {mount}{free}); "
-        "free some space and run again"
+        f"cannot write {os.fsdecode(path)}: {what} ({error.strerror}; the filesystem mounted "
+        f"at {mount}{free}); free some space and run again"
     )
 
 
