@@ -13,7 +13,7 @@ from typing import Annotated
 import typer
 
 from qspec_cli import bench, chat, common, convert, info, prefill, quality, summarize
-from qspec_core.errors import user_errors
+from qspec_core.errors import disk_full_error, is_disk_full, user_errors
 
 app = typer.Typer(
     help="qspec: chat with and summarize long documents, fast, on one GPU or a plain CPU.",
@@ -63,6 +63,12 @@ def _main(
 def main(argv: list[str] | None = None) -> None:
     """Console entry point: user errors are one line on stderr and exit code 2."""
     warnings.showwarning = _show_warning
+    if sys.stdout is None:  # (fd 1 closed: `>&-`) every result would be lost
+        common.print_error(
+            "standard output is closed: qspec writes its results there; redirect it to a file "
+            "(or /dev/null)"
+        )
+        sys.exit(2)
     try:
         # standalone_mode=False: click's own errors (unknown option, bad value, missing
         # argument) reach us as exceptions instead of a multi-line box, and follow the same
@@ -70,6 +76,14 @@ def main(argv: list[str] | None = None) -> None:
         code = app(args=argv, prog_name="qspec", standalone_mode=False)
     except user_errors() as e:  # ours, and the kernels' settings errors (QSPEC_CPU_*)
         common.print_error(str(e))
+        sys.exit(2)
+    except OSError as e:  # a full disk wherever a write is not wrapped in `disk_space`
+        if not is_disk_full(e):
+            raise
+        if e.filename is None:  # (standard output on a full device: no file to name)
+            common.print_error(f"a write failed: {e.strerror}; free some space and run again")
+        else:
+            common.print_error(str(disk_full_error(e.filename, e)))
         sys.exit(2)
     except typer.TyperException as e:  # click's ClickException and its UsageErrors
         if type(e).__name__ == "NoArgsIsHelpError":  # bare `qspec`: the help is printed

@@ -12,6 +12,20 @@ from qspec_cli import common
 from qspec_core.documents import is_stdin
 from qspec_core.errors import QspecError, user_errors
 
+COMMANDS = {
+    "/exit": "leave (also /quit, Ctrl-D)",
+    "/reset": "clear the conversation; the document stays loaded",
+    "/stats": "the session's totals: tokens, timings, acceptance",
+    "/help": "this list",
+}
+
+
+def is_command(line: str) -> bool:
+    """A line whose first word is a slash and letters (`/exti`) is meant as a command, never a
+    question; a path (`/etc/hosts ...`) is a question."""
+    word = line.split()[0]
+    return len(word) > 1 and word[0] == "/" and word[1:].isalpha()
+
 
 def chat(
     snapshot: Annotated[
@@ -41,12 +55,17 @@ def chat(
     dtype: common.DtypeOpt = "auto",
     threads: common.ThreadsOpt = None,
 ):
-    """Interactive multi-turn chat, streamed. Commands: /exit, /reset, /stats.
+    """Interactive multi-turn chat, streamed. Commands: /exit, /reset, /stats, /help.
 
     Ctrl-C stops the current answer and keeps the session; Ctrl-D or /exit leaves.
     """
     from qspec_cli.render import PrefillProgress, session_title, stats_table
 
+    if sys.stdin is None:  # (fd 0 closed: `<&-`)
+        raise QspecError(
+            "standard input is closed: chat reads its questions from it; give it a terminal "
+            "or a pipe (for one answer, use qspec summarize --prompt)"
+        )
     if snapshot is not None and document is not None:
         raise QspecError("give a snapshot or --document, not both")
     if snapshot is not None and snapshot.suffix != ".qspec":
@@ -84,7 +103,7 @@ def chat(
     runtime = session.runtime
     if session.truncated_tokens:
         common.warn(f"document truncated: dropped its last {session.truncated_tokens} tokens")
-    common.log(f"{runtime.name} · mode {mode} · /exit /reset /stats · Ctrl-C stops an answer")
+    common.log(f"{runtime.name} · mode {mode} · /help lists the commands · Ctrl-C stops an answer")
     out = common.out
     progress = PrefillProgress(common.err)
     while True:
@@ -93,10 +112,20 @@ def chat(
         except (EOFError, KeyboardInterrupt):
             out.print()
             return
+        except (OSError, ValueError, RuntimeError):  # standard input closed under us: its end
+            out.print()
+            return
         if not question:
             continue
         if question in ("/exit", "/quit"):
             return
+        if question == "/help":
+            for name, about in COMMANDS.items():
+                out.print(f"{name:8s} {about}")
+            continue
+        if is_command(question) and question not in COMMANDS:
+            common.warn(f"unknown command {question.split()[0]}; /help lists them")
+            continue
         if question == "/reset":
             session.reset()
             common.log("conversation cleared (the document stays loaded)")

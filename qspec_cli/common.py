@@ -97,7 +97,12 @@ TopKOpt = Annotated[int, typer.Option(min=0, help="Sample from the k likeliest t
 SEED_MAX = 2**64 - 1  # torch.Generator.manual_seed takes 64 bits
 SeedOpt = Annotated[
     int,
-    typer.Option(min=0, max=SEED_MAX, help="Seed of the sampling generator (runs reproduce)."),
+    typer.Option(
+        min=0,
+        max=SEED_MAX,
+        help="Seed of the sampling: each token's randomness is keyed by (seed, position), so "
+        "runs reproduce whatever --gamma picks, and quantspec gives target-ar's text.",
+    ),
 ]
 TruncOpt = Annotated[
     bool,
@@ -169,6 +174,7 @@ def check_session_options(
 def check_run_options(dtype: str, threads: int | None, target_weights: str = "full") -> None:
     """Options `load` uses, checked before anything is read or loaded; then the qspec folder
     (QSPEC_HOME), before the CPU kernels would build in it."""
+    from kernels.cpu.build import kernels_enabled
     from qspec_core.paths import check_home
     from qspec_core.registry.runtime import DTYPES, TARGET_WEIGHTS
     from qspec_core.runner import products_choice
@@ -184,6 +190,7 @@ def check_run_options(dtype: str, threads: int | None, target_weights: str = "fu
         raise QspecError(
             f"--target-weights must be one of {', '.join(TARGET_WEIGHTS)}, not {target_weights!r}"
         )
+    kernels_enabled()  # (QSPEC_CPU_KERNELS, likewise: 0 or 1)
     override()  # (QSPEC_INT8_PREFILL: a bad value is an error now, not at the first prefill)
     products_choice.override()  # (QSPEC_PREFILL_PRODUCTS, likewise)
     check_home()

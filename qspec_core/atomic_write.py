@@ -32,7 +32,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
-from qspec_core.errors import QspecError
+from qspec_core.errors import QspecError, disk_full_error, is_disk_full
 
 # errnos of a link(2) the filesystem does not offer (as opposed to "the name exists")
 _NO_HARD_LINKS = {errno.EPERM, errno.EXDEV, errno.EMLINK, errno.ENOSYS, errno.EOPNOTSUPP}
@@ -150,6 +150,8 @@ def _probe_writable(path: Path) -> None:
             trial.mkdir()
             trial.rmdir()
     except OSError as e:
+        if is_disk_full(e):
+            raise disk_full_error(path, e) from None
         raise QspecError(f"cannot write {path}: {_create_failure(folder, base, e)}") from None
 
 
@@ -275,6 +277,8 @@ def write_atomic(path: Path, write: Callable[[BinaryIO], None], force: bool) -> 
             _publish_exclusive(tmp, path)
         _fsync_folder(path.parent)
     except OSError as e:
+        if is_disk_full(e):
+            raise disk_full_error(path, e) from None
         raise QspecError(f"cannot write {path}: {e.strerror or e}") from None
     finally:
         try:

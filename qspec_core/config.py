@@ -318,14 +318,29 @@ _ROPE_NUMBERS = {
 }
 
 
+def _renamed(raw: dict) -> dict:
+    """A RoPE object with transformers 4's "type" as "rope_type" (default: "default")."""
+    rope = dict(raw)
+    if "rope_type" not in rope:  # transformers 4 wrote "type"
+        rope["rope_type"] = rope.pop("type", "default")
+    return rope
+
+
 def _rope_parameters(hf: dict) -> dict:
     """Normalize transformers 4 (`rope_theta` + `rope_scaling`) and 5 (`rope_parameters`)."""
     raw = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     if not isinstance(raw, dict):
         raise ConfigError(f"rope_parameters/rope_scaling must be an object, not {raw!r}")
-    rope = dict(raw)
-    if "rope_type" not in rope:  # transformers 4 wrote "type"
-        rope["rope_type"] = rope.pop("type", "default")
+    rope = _renamed(raw)
+    older = hf.get("rope_scaling")
+    if hf.get("rope_parameters") and isinstance(older, dict):  # both: neither may win silently
+        older = _renamed(older)
+        for key in rope.keys() & older.keys():
+            if rope[key] != older[key]:
+                raise ConfigError(
+                    f"rope_parameters and rope_scaling disagree on {key} ({rope[key]!r} against "
+                    f"{older[key]!r}); keep one of them"
+                )
     if rope["rope_type"] == "su":  # (LongRoPE's first name, in early Phi-3-128k configs)
         rope["rope_type"] = "longrope"
     rope.setdefault("rope_theta", hf.get("rope_theta", 10000.0))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import functools
 import hashlib
@@ -78,8 +79,13 @@ def open_document(path: str | Path) -> BinaryIO:
         # opening a FIFO without it would wait for a writer; the opened fd decides
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
+        if os.path.islink(path):
+            target = display_name(os.readlink(path))
+            raise QspecError(f"{name}: a symlink to nothing ({target} does not exist)") from None
         raise QspecError(f"{name}: no such file") from None
     except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise QspecError(f"{name}: a symlink loop (it never reaches a file)") from None
         raise QspecError(f"{name}: cannot read ({e.strerror or e})") from None
     try:
         _check_kind(os.fstat(fd), name)
@@ -126,8 +132,20 @@ def read_document_bytes(path: str | Path) -> bytes:
         raise QspecError(f"{name}: cannot read ({e.strerror or e})") from None
 
 
+# byte-order marks of the wide encodings, UTF-32's first (its LE mark begins with UTF-16's)
+_WIDE_MARKS = (
+    (b"\xff\xfe\x00\x00", 32), (b"\x00\x00\xfe\xff", 32), (b"\xff\xfe", 16), (b"\xfe\xff", 16),
+)  # fmt: skip
+
+
 def _read(stream: BinaryIO, name) -> bytes:
     head = stream.read(SNIFF_BYTES)
+    for mark, width in _WIDE_MARKS:
+        if head.startswith(mark):
+            raise QspecError(
+                f"{name}: UTF-{width} text (it starts with a UTF-{width} byte-order mark); qspec "
+                f"reads UTF-8: convert it first, e.g. iconv -f UTF-{width} -t UTF-8"
+            )
     if b"\x00" in head:
         raise QspecError(f"{name}: looks binary (NUL bytes); qspec reads UTF-8 text files")
     rest = stream.read(MAX_DOCUMENT_BYTES + 1 - len(head))
@@ -146,5 +164,7 @@ def _decode(data: bytes, name) -> str:
         ) from None
     # emptiness is judged on the text: a byte-order mark (U+FEFF) alone is not content
     if not text.replace("\ufeff", "").strip():
+        if text.replace("\ufeff", ""):
+            raise QspecError(f"{name}: holds only whitespace, no text")
         raise QspecError(f"{name}: file is empty")
     return text.replace("\r\n", "\n")

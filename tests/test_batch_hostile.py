@@ -88,7 +88,7 @@ def test_only_tagged_records_make_a_log(tmp_path):
     ]
     for content in foreign:
         out.write_bytes(content)
-        with pytest.raises(QspecError, match="not a qspec batch record|earlier qspec"):
+        with pytest.raises(QspecError, match="not a qspec batch record|earlier qspec|later qspec"):
             RecordLog(out).open()
         assert out.read_bytes() == content
     out.write_bytes(b"")  # an empty file is adopted
@@ -190,3 +190,53 @@ def test_a_failed_ray_join_creates_nothing_and_says_so_briefly(tiny_model_dir, t
     assert len(run.stderr.strip().splitlines()) <= 2, run.stderr  # where Ray's log is, the error
     assert time.monotonic() - start < 60
     assert not out.exists() and not snaps.exists()
+
+
+# ----------------------------------------------------------------------------- links and paths
+
+
+def test_dangling_links_and_link_loops_are_recorded_as_failed(tiny_model_dir, tmp_path):
+    from qspec_core.batch.inputs import expand_inputs
+
+    folder = tmp_path / "links"
+    folder.mkdir()
+    (folder / "good.txt").write_text("The keeper counted 41 ships.\n")
+    (folder / "dangling.txt").symlink_to(folder / "gone.txt")
+    (folder / "loop.txt").symlink_to(folder / "loop.txt")
+    assert [p.name for p in expand_inputs([folder])] == ["dangling.txt", "good.txt", "loop.txt"]
+    out = tmp_path / "links.jsonl"
+    run = run_qspec("summarize", folder, "-o", out, "--model", tiny_model_dir, *GEN)
+    assert _one_error_line(run) and "2 of 3 documents failed" in run.stderr, run.stderr
+    errors = {r["path"].rsplit("/", 1)[1]: r.get("error") for r in _records(out)}
+    assert errors["good.txt"] is None
+    assert "a symlink to nothing" in errors["dangling.txt"]
+    assert "a symlink loop" in errors["loop.txt"]
+
+
+def test_one_file_under_two_paths_is_one_document(tmp_path):
+    from qspec_core.batch.inputs import expand_inputs
+
+    folder = tmp_path / "bw"
+    folder.mkdir()
+    (folder / "doc1.txt").write_text("The keeper counted 41 ships.\n")
+    (folder / "doc2.txt").write_text("The keeper counted 42 ships.\n")
+    (tmp_path / "alias.txt").symlink_to(folder / "doc2.txt")
+    twice = [folder / "doc1.txt", folder / ".." / "bw" / "doc1.txt", folder, tmp_path / "alias.txt"]
+    assert expand_inputs(twice) == [folder / "doc1.txt", folder / "doc2.txt"]
+
+
+def test_a_log_of_a_later_qspec_says_so(tmp_path):
+    out = tmp_path / "later.jsonl"
+    content = b'{"qspec_batch": 2, "path": "a.txt", "sha256": null}\n'
+    out.write_bytes(content)
+    with pytest.raises(QspecError, match="written by a later qspec .batch format 2"):
+        RecordLog(out).check()
+    assert out.read_bytes() == content
+
+
+def test_an_output_below_a_file_says_the_file_is_in_the_way(tmp_path):
+    blocker = tmp_path / "notes.txt"
+    blocker.write_text("a file, not a folder\n")
+    for out in (blocker / "b.jsonl", blocker / "deeper" / "b.jsonl"):
+        with pytest.raises(QspecError, match=f"{blocker} is a file, not a folder"):
+            RecordLog(out).check()

@@ -31,7 +31,7 @@ def _bad_files(tmp):
     (tmp / "folder").mkdir()
     return {
         "missing": (tmp / "nope.txt", "no such file"),
-        "empty": (tmp / "empty.txt", "empty"),
+        "empty": (tmp / "empty.txt", "only whitespace"),
         "binary": (tmp / "binary.bin", "binary"),
         "latin1": (tmp / "latin1.txt", "not UTF-8"),
         "folder": (tmp / "folder", "folder"),

@@ -114,6 +114,19 @@ def test_kernel_setting_errors_are_one_line(capsys, doc, monkeypatch):
     assert_one_error(qspec(capsys, "summarize", doc), "QSPEC_CPU_ISA='avx9'")
 
 
+def test_a_bad_cpu_kernels_switch_is_refused_before_loading(capsys, doc, no_model, monkeypatch):
+    """QSPEC_CPU_KERNELS takes 0 (off) or 1 (on, the default); anything else was taken as on."""
+    from kernels.cpu import build
+
+    monkeypatch.setenv("QSPEC_CPU_KERNELS", "bogus")
+    assert_one_error(qspec(capsys, "summarize", doc), "QSPEC_CPU_KERNELS='bogus': expected 0 or 1")
+    with pytest.raises(build.BuildSettingError):
+        build.available()
+    for value, on in (("0", False), ("1", True), ("", True)):
+        monkeypatch.setenv("QSPEC_CPU_KERNELS", value)
+        assert build.kernels_enabled() is on
+
+
 @pytest.mark.parametrize("command", ["summarize", "prefill", "bench"])
 def test_a_bad_int8_prefill_setting_is_refused_before_loading(capsys, doc, monkeypatch, command):
     monkeypatch.setenv("QSPEC_INT8_PREFILL", "bf16")
@@ -191,7 +204,7 @@ def test_prefill_and_quality_options_are_checked_before_loading(
     "content,message",
     [
         (b"\xef\xbb\xbf", "file is empty"),
-        (b"\xef\xbb\xbf  \n", "file is empty"),
+        (b"\xef\xbb\xbf  \n", "holds only whitespace"),
         (b"caf\xe9", "not UTF-8"),
         (b"\x00\x01", "looks binary"),
     ],
@@ -224,6 +237,14 @@ def test_other_inputs_before_loading(capsys, tmp_path, doc, no_model):
     assert_one_error(qspec(capsys, "bench", "--json", tmp_path / "no" / "r.json"), "not exist")
     assert_one_error(qspec(capsys, "bench", "--json", tmp_path), "is a folder")
     assert_one_error(qspec(capsys, "summarize", doc, "--mode", "warp"), "mode 'warp'")
+
+
+def test_convert_refuses_an_odd_group_and_an_unwritable_output_before_work(capsys, no_model):
+    """Issue 55's `--group-size 3` and `-o /proc/x`: refused before the model is read."""
+    assert_one_error(qspec(capsys, "convert", "--group-size", "3"), "--group-size must be even")
+    if os.path.isfile("/proc/version"):  # (a Linux /proc: no file can be made in it)
+        result = qspec(capsys, "convert", "-o", "/proc/x")
+        assert_one_error(result, "cannot write /proc/x: /proc is not writable")
 
 
 def test_output_files_are_refused_with_the_true_reason(capsys, tmp_path, doc, no_model):

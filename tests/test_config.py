@@ -160,3 +160,22 @@ def test_config_errors_are_user_errors_naming_the_file(tmp_path):
         config.write_bytes(content)
         with pytest.raises(QspecError, match=f"corrupt {config}: {match}"):
             load_model(tmp_path)
+
+
+def test_rope_scaling_beside_rope_parameters_must_agree():
+    """transformers 5's rope_parameters and 4's rope_scaling in one config.json: used where they
+    agree on every key both give; refused, naming both, where they do not (neither wins)."""
+    both = {**BASE, "model_type": "llama", "rope_theta": 5e5}
+    agree = {
+        "rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 5e5},
+        "rope_scaling": {"type": "linear", "factor": 2.0},
+    }
+    assert ModelConfig.from_hf_config(both | agree).rope_type == "linear"
+    differ = agree | {"rope_scaling": {"rope_type": "linear", "factor": 4.0}}
+    with pytest.raises(ConfigError, match="rope_parameters and rope_scaling disagree on factor"):
+        ModelConfig.from_hf_config(both | differ)
+    other_type = agree | {"rope_scaling": {"type": "dynamic", "factor": 2.0}}
+    with pytest.raises(ConfigError, match="disagree on rope_type .'linear' against 'dynamic'."):
+        ModelConfig.from_hf_config(both | other_type)
+    unset = agree | {"rope_scaling": None}  # (transformers 4's "no scaling")
+    assert ModelConfig.from_hf_config(both | unset).rope_type == "linear"

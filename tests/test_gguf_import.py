@@ -408,3 +408,58 @@ def test_random_header_bytes_give_a_user_error_or_the_fallback(tmp_path):
             outcomes.add(type(e).__name__)
         shutil.rmtree(out)
     assert outcomes == {"converted", "QspecError", "NotCovered"}
+
+
+# An architecture qspec does not run, or a file without a tokenizer, is refused before any
+# conversion, in one line, with no advice to install transformers (it would not help).
+
+
+def _odd_gguf(path, arch="mamba", tokenizer=True):
+    writer = GGUFWriter(path, arch)
+    writer.add_block_count(1)
+    if tokenizer:
+        writer.add_tokenizer_model("gpt2")
+    writer.add_tensor("token_embd.weight", np.zeros((4, 4), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize(
+    "arch,tokenizer,words",
+    [
+        ("mamba", True, "architecture 'mamba', which qspec does not run (it runs"),
+        ("llama", False, "no tokenizer (tokenizer.ggml.model)"),
+    ],
+    ids=["architecture", "no-tokenizer"],
+)
+def test_a_gguf_qspec_cannot_run_is_one_line_without_pip(tmp_path, capsys, arch, tokenizer, words):
+    from test_cli_input import assert_one_error, qspec
+
+    gguf = _odd_gguf(tmp_path / "odd.gguf", arch, tokenizer)
+    messages = []
+    with pytest.raises(QspecError) as refused:
+        models.ensure_gguf_converted(gguf, log=messages.append)
+    assert words in str(refused.value) and "pip install" not in str(refused.value)
+    assert messages == []  # ("converting ... (once)" only for a file that will convert)
+    doc = tmp_path / "doc.txt"
+    doc.write_text("The keeper counted 41 ships.\n")
+    # (the user's QSPEC_HOME: a fresh one would build the CPU kernels first; nothing is written)
+    assert_one_error(qspec(capsys, "summarize", doc, "--model", gguf), words)
+
+
+@pytest.mark.parametrize("cut", [100, 3000], ids=["tensor-data", "header"])
+def test_a_damaged_gguf_is_refused_before_the_converting_line(tmp_path, capsys, cut):
+    """The error alone: no "converting ... (once)" line before it (three lines, once)."""
+    from test_cli_input import assert_one_error, qspec
+
+    gguf = _damaged(tmp_path, lambda d: d[:-cut] if cut == 100 else d[:cut])
+    messages = []
+    with pytest.raises(QspecError, match="truncated"):
+        models.ensure_gguf_converted(gguf, log=messages.append)
+    assert messages == []
+    doc = tmp_path / "doc.txt"
+    doc.write_text("The keeper counted 41 ships.\n")
+    assert_one_error(qspec(capsys, "summarize", doc, "--model", gguf), "truncated")

@@ -25,16 +25,37 @@ from qspec_core.paths import check_home, writable_models_dir
 # ----------------------------------------------------------------------------- documents
 
 
-@pytest.mark.parametrize(
-    "data",
-    [b"\xef\xbb\xbf", b"\xef\xbb\xbf \n\t\r\n", b"\xef\xbb\xbf\xef\xbb\xbf\n", b"", b" \n"],
-    ids=["bom", "bom-whitespace", "two-boms", "zero-bytes", "whitespace"],
-)
+@pytest.mark.parametrize("data", [b"\xef\xbb\xbf", b""], ids=["bom", "zero-bytes"])
 def test_a_byte_order_mark_alone_is_an_empty_file(tmp_path, data):
     path = tmp_path / "doc.txt"
     path.write_bytes(data)
     with pytest.raises(QspecError, match="file is empty"):
         read_document(path)
+
+
+@pytest.mark.parametrize(
+    "data",
+    [b"\xef\xbb\xbf \n\t\r\n", b"\xef\xbb\xbf\xef\xbb\xbf\n", b" \n"],
+    ids=["bom-whitespace", "two-boms", "whitespace"],
+)
+def test_whitespace_alone_is_not_called_empty(tmp_path, data):
+    path = tmp_path / "doc.txt"
+    path.write_bytes(data)
+    with pytest.raises(QspecError, match=f"{path}: holds only whitespace, no text$"):
+        read_document(path)
+
+
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-be", "utf-32"])
+def test_utf16_and_utf32_are_named_with_how_to_convert(tmp_path, encoding):
+    path = tmp_path / "doc.txt"
+    text = "The keeper counted 41 ships.\n"
+    path.write_bytes(("\ufeff" + text if encoding == "utf-16-be" else text).encode(encoding))
+    width = "32" if encoding == "utf-32" else "16"
+    with pytest.raises(QspecError) as refused:
+        read_document(path)
+    message = str(refused.value)
+    assert f"UTF-{width} text" in message and "binary" not in message
+    assert f"iconv -f UTF-{width} -t UTF-8" in message
 
 
 def test_bom_and_crlf_are_dropped_from_real_text(tmp_path):

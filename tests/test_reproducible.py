@@ -62,9 +62,8 @@ def test_greedy_runs_are_identical_under_stress(w8a8_runtime, document, tmp_path
     assert not differ, f"{len(differ)} of {len(runs)} greedy runs differ: {differ}"
 
 
-def test_sampled_runs_repeat_with_a_seed_and_a_fixed_gamma(w8a8_runtime, document, tmp_path):
-    """Sampling with `--seed` and a fixed `--gamma`: the same tokens on every run, at any
-    thread count (`--gamma auto` chooses rounds by measured time: then only the law repeats)."""
+def test_sampled_runs_repeat_with_a_seed(w8a8_runtime, document, tmp_path):
+    """Sampling with `--seed`: the same tokens on every run, at any thread count."""
     from qspec_core.engine.sampling import SamplingParams
 
     sources = Sources(w8a8_runtime, document, NEW_TOKENS, tmp_path)
@@ -81,3 +80,31 @@ def test_sampled_runs_repeat_with_a_seed_and_a_fixed_gamma(w8a8_runtime, documen
     other_seed = answer(sources.from_snapshot(params=params, seed=12), "quantspec", 4, True)
     assert runs[0] == runs[1]
     assert other_seed != runs[0]  # (the seed is really used)
+
+
+def test_a_seed_gives_the_same_sampled_text_whatever_the_gamma(tiny_model_dir):
+    """Sampling draws each token's randomness from (seed, its position), never from the order
+    of the draws: the rounds' shape (gamma, the draft source, what `auto` picks) cannot change
+    the text, and quantspec samples target-ar's very tokens."""
+    from qspec_core.engine.sampling import SamplingParams
+    from qspec_core.engine.session import ChatSession
+    from qspec_core.registry.runtime import load_runtime
+
+    runtime = load_runtime(str(tiny_model_dir), dtype="fp32", log=lambda m: None, need_draft=True)
+    text = (DATA / "mpl-2.0.txt").read_text()[:1500]
+    params = SamplingParams(temperature=0.9, top_p=0.95)
+
+    def run(mode, gamma, lookup=True, seed=5, planner=None):
+        session = ChatSession(runtime, text, params=params, seed=seed, max_new_tokens=24)
+        return answer(session, mode, gamma, lookup, planner)
+
+    reference = run("target-ar", 1)
+    assert len(reference) == 24
+    runs = {f"gamma {g}": run("quantspec", g) for g in (1, 2, 4)}
+    runs["gamma 4, no lookup"] = run("quantspec", 4, lookup=False)
+    runs["auto"] = run("quantspec", "auto")
+    for seed in range(2):  # rounds of random sources and lengths
+        runs[f"forced planner {seed}"] = run("quantspec", "auto", planner=ForcedPlanner(8, seed))
+    differ = [name for name, out in runs.items() if out != reference]
+    assert not differ, f"these sampled runs differ from target-ar's: {differ}"
+    assert run("target-ar", 1, seed=6) != reference  # (the seed is really used)

@@ -81,12 +81,15 @@ def test_too_long_is_refused_with_lengths_and_truncation_fits(tiny):
     with pytest.raises(QspecError, match=r"document is \d+ tokens.*context is 512 tokens") as e:
         _answer(ChatSession(tiny, long_doc, max_new_tokens=8), "Summarize.")
     # (the advice: what helps a first question; /reset only once turns take room)
-    assert str(e.value).endswith("Use --truncate to keep the start of the document or lower "
-                                 "--max-new-tokens")  # fmt: skip
+    assert str(e.value).endswith("Use --truncate to keep the start of the document")
     chat = ChatSession(tiny, DOC, max_new_tokens=8)
     _answer(chat, "Summarize.")
-    with pytest.raises(QspecError, match=r"lower --max-new-tokens or /reset the conversation$"):
+    with pytest.raises(QspecError, match=r"Use a shorter question$"):
         _answer(chat, "Say more. " * 300)
+    fresh = len(ChatSession(tiny, DOC).prompt_ids("Say more."))
+    chat.max_new_tokens = 512 - fresh  # (what the first turn takes is what is missing)
+    with pytest.raises(QspecError, match=r"--max-new-tokens \d+ or less or /reset the conv"):
+        _answer(chat, "Say more.")
     session = ChatSession(tiny, long_doc, max_new_tokens=8, truncate=True)
     assert session.truncated_tokens > 0
     _answer(session, "Summarize the document above.")
@@ -162,3 +165,38 @@ def test_a_cache_grown_turn_by_turn_answers_as_one_made_at_the_whole_context(tin
                 m = n // grown._cache.group_size if name in K_GROUPED else n
                 assert torch.equal(ours[name][:, :, :, :m], theirs[name][:, :, :, :m]), name
     assert sizes[0] < sizes[-1] < tiny.context_limit == whole._cache.max_seq_len
+
+
+def test_the_advice_for_too_long_is_only_what_would_help(tiny):
+    """--truncate only where cutting the document would make it fit and the document can be
+    cut (not a snapshot's); a shorter question where the question is what overflows."""
+    huge = 10**12
+    with pytest.raises(QspecError) as e:
+        _answer(ChatSession(tiny, DOC, max_new_tokens=huge, mode="target-ar"), "Summarize.")
+    assert str(e.value).endswith("or less") and "--truncate" not in str(e.value)
+    prefilled = ChatSession(tiny, DOC, mode="target-ar")
+    cache, ids = prefilled.prefill_document()
+    snapshot = ChatSession(tiny, DOC, max_new_tokens=400, mode="target-ar")
+    snapshot.adopt_cache(cache, ids)  # (what `qspec chat doc.qspec` does)
+    with pytest.raises(QspecError) as e:
+        _answer(snapshot, "Summarize. " * 40)
+    message = str(e.value)
+    assert "--truncate" not in message and "a shorter question" in message
+    with pytest.raises(QspecError, match="Use a shorter question$"):
+        _answer(ChatSession(tiny, DOC, max_new_tokens=8, mode="target-ar"), "Why? " * 600)
+
+
+def test_a_document_far_too_long_is_refused_before_it_is_tokenized(tiny, monkeypatch):
+    """10 MB of one repeated character took 105 s and 2.1 GB to tokenize before the refusal:
+    its bytes bound its tokens from below (no token stands for more bytes than the longest
+    one in the vocabulary), so it is refused first."""
+    tok = tiny.tokenizer
+    huge = "a" * 4_000_000
+    assert tok.min_tokens(huge) <= len(tok.encode("a" * 100_000)) * 40  # (a true lower bound)
+
+    def encode(text):
+        raise AssertionError("the whole document was tokenized")
+
+    monkeypatch.setattr(tok, "encode", encode)
+    with pytest.raises(QspecError, match=r"the document is at least \d+ tokens.*context is 512"):
+        ChatSession(tiny, huge, max_new_tokens=8)

@@ -86,7 +86,7 @@ SOURCES = tuple(
     )
 )
 HEADERS = tuple(sorted(HERE.glob("*.h")))  # hashed with the sources, so an edit rebuilds
-DISABLE_ENV = "QSPEC_CPU_KERNELS"  # "0" turns the C++ kernels off (the PyTorch paths run)
+DISABLE_ENV = "QSPEC_CPU_KERNELS"  # "0" turns the C++ kernels off (the PyTorch paths run), "1" on
 ISA_ENV = "QSPEC_CPU_ISA"  # native (default) | avx2 | avxvnni | generic
 SANITIZE_ENV = "QSPEC_CPU_SANITIZE"  # address,undefined | thread: a checking build (make sanitize)
 OS_XFEATURES_ENV = "QSPEC_CPU_OS_XFEATURES"  # tests: the XCR0 mask to take as the OS's grant
@@ -117,6 +117,25 @@ _load_lock = threading.Lock()
 
 class BuildSettingError(ValueError):
     """A QSPEC_CPU_* setting the user can fix (the CLI prints it as one error line)."""
+
+
+# a build that failed for want of room (a full disk, a spent quota): not a missing compiler to
+# fall back from, but something the user must fix, reported as an OSError of the build folder
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+def _disk_full(error: BaseException, folder: Path) -> OSError | None:
+    """The OSError to raise if `error` (or what caused it, or the compiler's output it quotes)
+    says the disk is full; else None."""
+    seen = error
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in _DISK_FULL:
+            return OSError(seen.errno, os.strerror(seen.errno), str(folder))
+        for number in _DISK_FULL:
+            if os.strerror(number) in str(seen):
+                return OSError(number, os.strerror(number), str(folder))
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 class BuildLockTimeout(RuntimeError):
@@ -463,7 +482,9 @@ def _build(
         try:
             folder.mkdir(parents=True, exist_ok=True)
             held.enter_context(build_lock(folder, wait_s))
-        except OSError as e:  # QSPEC_HOME is a file, read-only, full, ...
+        except OSError as e:  # QSPEC_HOME is a file, read-only, ...
+            if (full := _disk_full(e, folder)) is not None:
+                raise full from None
             failed = f"cannot use the build folder {folder}: {e.strerror or e}"
         except BuildLockTimeout as e:
             failed = str(e)
@@ -480,6 +501,8 @@ def _build(
                 with build_progress(what, detail, stream=progress, quiet_s=quiet_s):
                     return compile(isa, name, folder), None
             except Exception as e:  # no compiler, no headers: the PyTorch paths still work
+                if (full := _disk_full(e, folder)) is not None:
+                    raise full from None  # (a full disk: the user's to fix, said in one line)
                 failed = f"{type(e).__name__}: {e}".splitlines()[0]
     _warn(f"CPU kernels unavailable ({failed}); using the PyTorch paths")
     return None, failed
@@ -503,8 +526,17 @@ def load(isa: str | None = None):
         return _variants[chosen][0]
 
 
+def kernels_enabled() -> bool:
+    """QSPEC_CPU_KERNELS: 0 turns the C++ kernels off, 1 (or unset) leaves them on;
+    BuildSettingError for anything else (a typo must not silently mean "on")."""
+    value = os.environ.get(DISABLE_ENV, "").strip()
+    if value not in ("", "0", "1"):
+        raise BuildSettingError(f"{DISABLE_ENV}={value!r}: expected 0 or 1 (0 turns them off)")
+    return value != "0"
+
+
 def available() -> bool:
-    if os.environ.get(DISABLE_ENV) == "0":
+    if not kernels_enabled():
         return False
     return load() is not None
 
@@ -512,7 +544,7 @@ def available() -> bool:
 def loaded():
     """The extension module where this process has loaded it already, else None: never
     builds (the caches ask it for their C++ side on every write; a runner loads the kernels)."""
-    if os.environ.get(DISABLE_ENV) == "0":
+    if not kernels_enabled():
         return None
     return _module
 

@@ -3,9 +3,10 @@
 A file named on the command line is taken whatever its name; a folder gives the text files
 under it (recursively, by suffix, see TEXT_SUFFIXES), skipping hidden files and folders
 (".git", ".cache", ...) and qspec's own outputs. Symlinks to files are followed; a folder
-reached twice (a symlink loop) is read once. A FIFO, socket or device with a text suffix is
-kept: reading it fails with a message (`documents.open_document`), where skipping it would
-hide it and opening it could wait for ever.
+reached twice (a symlink loop) is read once, and a file reached under two paths is one
+document. A dangling link, a link loop, a FIFO, socket or device with a text suffix is kept:
+reading it fails with a message (`documents.open_document`) recorded as the document's error,
+where skipping it would hide it and opening it could wait for ever.
 """
 
 from __future__ import annotations
@@ -35,7 +36,19 @@ def expand_inputs(paths: list[Path]) -> list[Path]:
             found.update(files)
         else:
             found.add(path)
-    return sorted(found, key=lambda p: str(p))
+    return sorted(_one_path_per_file(found), key=lambda p: str(p))
+
+
+def _one_path_per_file(paths: set[Path]) -> list[Path]:
+    """One path for each file (`bw/doc1.txt` and `bw/../bw/doc1.txt`, or a link and its
+    target, are one document): the file's own path where it was given, else the shortest."""
+    by_file: dict[str, list[Path]] = {}
+    for path in paths:
+        by_file.setdefault(os.path.realpath(path), []).append(path)
+    return [
+        min(same, key=lambda p: (os.path.abspath(p) != real, len(str(p)), str(p)))
+        for real, same in by_file.items()
+    ]
 
 
 def _text_files(folder: Path) -> list[Path]:
@@ -51,6 +64,5 @@ def _text_files(folder: Path) -> list[Path]:
             path = Path(root) / name
             if name.startswith(".") or path.suffix.lower() not in TEXT_SUFFIXES:
                 continue
-            if path.exists():  # (a dangling symlink is not a document)
-                files.append(path)
+            files.append(path)  # (a dangling link or a link loop: recorded as failed)
     return files

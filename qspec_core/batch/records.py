@@ -6,7 +6,8 @@ that is not UTF-8 cannot be JSON text: `path` shows it with \\xNN escapes and `p
 holds its exact bytes (`path_bytes` decodes either form).
 
 A crash or kill -9 can leave at most the last line torn (a record is one `write` of one line,
-then fsync): opening the file drops such a tail and says how many bytes went. Any other line
+then fsync): opening the file drops such a tail and says how many bytes went. A write that
+fails (a full disk) is cut back at once to the last whole record. Any other line
 that is not a record means the file is not a qspec batch output, and nothing is touched (a log
 of qspec 0.x, whose records had no tag, is refused with a way to convert it).
 Two batches on one output would interleave and redo each other's work: the file is locked
@@ -23,7 +24,7 @@ import stat
 from pathlib import Path
 
 from qspec_core.documents import display_name, printable
-from qspec_core.errors import QspecError
+from qspec_core.errors import QspecError, disk_space
 
 FORMAT, VERSION = "qspec_batch", 1
 RECORD_START = b'{"qspec_batch": 1, "path": '  # how every record's line begins
@@ -69,6 +70,11 @@ class RecordLog:
         if path.is_dir():
             raise QspecError(f"{display_name(path)}: is a folder; -o takes a .jsonl file")
         if not path.parent.is_dir():
+            blocker = next((p for p in path.parents if p.exists()), None)
+            if blocker is not None and not blocker.is_dir():
+                raise QspecError(
+                    f"{display_name(path)}: {display_name(blocker)} is a file, not a folder"
+                )
             raise QspecError(f"{display_name(path.parent)}: folder does not exist")
         if path.exists():
             try:
@@ -126,9 +132,15 @@ class RecordLog:
         line = json.dumps(_printable(record), ensure_ascii=False)
         data = (line + "\n").encode()
         view = memoryview(data)
-        while view:
-            view = view[os.write(self._fd, view) :]
-        os.fsync(self._fd)
+        end = os.fstat(self._fd).st_size  # of the whole records: where a failed write is cut
+        try:
+            with disk_space(self.path):
+                while view:
+                    view = view[os.write(self._fd, view) :]
+                os.fsync(self._fd)
+        except BaseException:
+            _cut_back(self._fd, end)  # (a full disk, Ctrl-C mid-write: no torn record stays)
+            raise
         self.records.append(record)
 
     def succeeded(self, sha256: str, settings_key: str) -> dict | None:
@@ -141,6 +153,17 @@ class RecordLog:
             ):
                 return record
         return None
+
+
+def _cut_back(fd: int, size: int) -> None:
+    """Truncate the log back to `size` bytes (its whole records); best effort, as a torn tail
+    is also dropped when the log is next opened."""
+    try:
+        if os.fstat(fd).st_size > size:
+            os.ftruncate(fd, size)
+            os.fsync(fd)
+    except OSError:
+        pass
 
 
 def _printable(value):
@@ -184,6 +207,13 @@ def _parse(path: Path, data: bytes) -> tuple[list[dict], int]:
         if isinstance(record, dict) and record.get(FORMAT) == VERSION and "path" in record:
             records.append(record)
             continue
+        later = isinstance(record, dict) and isinstance(record.get(FORMAT), int)
+        if later and record[FORMAT] > VERSION:
+            raise QspecError(
+                f"{name}: line {number} was written by a later qspec (batch format "
+                f"{record[FORMAT]}; this one reads {VERSION}); upgrade qspec or give another -o "
+                "(nothing was changed)"
+            )
         if not records and line.startswith(UNTAGGED_START) and isinstance(record, dict):
             _refuse_untagged(name)
         raise QspecError(

@@ -31,7 +31,7 @@ from qspec_core.convert.folder import (
     write_folder,
 )
 from qspec_core.convert.recipes import Recipe
-from qspec_core.errors import QspecError
+from qspec_core.errors import QspecError, disk_space
 from qspec_core.model.checkpoint import checkpoint_files
 from qspec_core.model.transformer import (
     Transformer,
@@ -566,10 +566,11 @@ def add_int8_weights(
     tmp_weights = folder / f".{DRAFT_WEIGHTS}.tmp"
     tmp_meta = folder / f".{DRAFT_META}.tmp"
     try:
-        save_file(tensors | extra, tmp_weights, metadata={"format": "qspec-draft"})
-        tmp_meta.write_text(json.dumps(meta, indent=2) + "\n")
-        os.replace(tmp_weights, folder / DRAFT_WEIGHTS)
-        os.replace(tmp_meta, folder / DRAFT_META)
+        with disk_space(folder):
+            save_file(tensors | extra, tmp_weights, metadata={"format": "qspec-draft"})
+            tmp_meta.write_text(json.dumps(meta, indent=2) + "\n")
+            os.replace(tmp_weights, folder / DRAFT_WEIGHTS)
+            os.replace(tmp_meta, folder / DRAFT_META)
     finally:
         tmp_weights.unlink(missing_ok=True)
         tmp_meta.unlink(missing_ok=True)

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from qspec_core.errors import QspecError
+from qspec_core.errors import QspecError, disk_space
 from qspec_core.model.checkpoint import TensorFile, checkpoint_files, load_model
 from qspec_core.model.transformer import Transformer, attach_draft, attach_int8, linear_layers
 from qspec_core.quant.int4 import Int4Linear
@@ -48,25 +48,27 @@ def staged_folder(source: Path, out: Path):
     them and the folder is renamed to `out` (replacing it). On any exception, Ctrl-C included,
     nothing is left."""
     try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+        with disk_space(out):
+            out.parent.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
     except OSError as e:
         raise QspecError(f"cannot write {out}: {e.strerror or e}") from None
     try:
-        yield tmp
-        for name in COPIED:
-            if (source / name).exists():
-                shutil.copy2(source / name, tmp / name)
-        weight_files = checkpoint_files(source)
-        index = source / "model.safetensors.index.json"
-        for f in weight_files + ([index] if index.exists() else []):
-            try:
-                os.link(f, tmp / f.name)  # same weights, no copy
-            except OSError:
-                shutil.copy2(f, tmp / f.name)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
+        with disk_space(out):
+            yield tmp
+            for name in COPIED:
+                if (source / name).exists():
+                    shutil.copy2(source / name, tmp / name)
+            weight_files = checkpoint_files(source)
+            index = source / "model.safetensors.index.json"
+            for f in weight_files + ([index] if index.exists() else []):
+                try:
+                    os.link(f, tmp / f.name)  # same weights, no copy
+                except OSError:
+                    shutil.copy2(f, tmp / f.name)
+            if out.exists():
+                shutil.rmtree(out)
+            os.replace(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

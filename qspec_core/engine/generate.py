@@ -12,7 +12,7 @@ import torch
 from qspec_core.cache.hierarchical import HierarchicalKVCache
 from qspec_core.cache.prefill import ChunkedPrefill
 from qspec_core.cache.protocol import KVCache
-from qspec_core.engine.sampling import SamplingParams, sample
+from qspec_core.engine.sampling import SamplingParams, generator_seed, sample_at
 from qspec_core.precision import FP, Precision
 from qspec_core.runner import Runner
 from qspec_core.runner.kernel_table import prefill_attention
@@ -121,9 +121,10 @@ def decode(
     timer = timer or StageTimer()
     logits = first_logits
     pos = start_pos
+    seed = generator_seed(generator)
     for i in range(max_new_tokens):
         with timer.stage("decode"):
-            token = int(sample(logits[None], params, generator)[0])
+            token = sample_at(logits, params, seed, pos)  # (keyed by position: `draw`)
         yield token
         if token in stop_ids or i == max_new_tokens - 1:
             return

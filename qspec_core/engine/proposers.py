@@ -29,7 +29,7 @@ import torch
 
 from qspec_core.engine.draft_vocab import DraftVocab
 from qspec_core.engine.lookup import DocumentLookup
-from qspec_core.engine.sampling import SamplingParams, probabilities
+from qspec_core.engine.sampling import SamplingParams, draw, generator_seed, probabilities
 from qspec_core.engine.tree import TREE_DEPTH, TREE_WIDTH, DraftTree
 from qspec_core.precision import Precision
 from qspec_core.timing import StageTimer
@@ -98,8 +98,9 @@ def move_rotation_time(cache, timer: StageTimer, stage: str, before: float) -> N
 
 class SelfDraft:
     """QuantSpec's draft: the same model on the draft path (4-bit weights over the INT4 KV
-    view by default), one forward pass per token, sampling g_i ~ q_i. Its KV goes into the
-    shared cache; the verify overwrites it and the rollback drops the rejected tail.
+    view by default), one forward pass per token, sampling g_i ~ q_i with the noise the target
+    draws g_i's position with (`sampling.draw`). Its KV goes into the shared cache; the verify
+    overwrites it and the rollback drops the rejected tail.
     `vocab`: the slice of the vocabulary it scores (`draft_vocab.py`); None: all of it; a
     function returning either: called at the second round that drafts (the first scores the
     whole head; a decode that drafts once never slices it). `step_seconds`: each draft
@@ -149,7 +150,8 @@ class SelfDraft:
                     if vocab is not None:
                         logits = vocab.full(logits)  # (q is 0 outside the slice)
                     q = probabilities(logits, self.params)
-                    token = int(torch.multinomial(q, 1, generator=self.generator))
+                    # the target's draw at that position, from the same noise (`draw`)
+                    token = draw(q, generator_seed(self.generator), pos + 1)
                     probs.append(q)
                 tokens.append(token)
                 self.step_seconds.append(time.perf_counter() - started)

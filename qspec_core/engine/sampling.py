@@ -1,7 +1,16 @@
-"""Logits -> token: temperature, top-k, top-p, with an explicit `torch.Generator`."""
+"""Logits -> token: temperature, top-k, top-p, with an explicit `torch.Generator`.
+
+The engine's draws are keyed by position (`draw`): the token at absolute position i is
+argmax(p / E) with E ~ Exp(1) per vocabulary entry drawn from (seed, i, purpose) alone, an
+exact sample of p (the exponential race, the Gumbel-max trick's form). The draft and the target
+read the same E at a position, so a draft that agrees with the target is accepted, and the
+text never depends on how the tokens were grouped into rounds (gamma, the draft source): a
+seed gives target-ar's very tokens.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass
 
@@ -63,3 +72,31 @@ def sample(
         return logits.argmax(dim=-1)
     probs = probabilities(logits, params)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def generator_seed(generator: torch.Generator | None) -> int:
+    """The seed of a run: its generator's (`--seed`), 0 without one."""
+    return 0 if generator is None else generator.initial_seed()
+
+
+def position_seed(seed: int, position: int, purpose: str = "token") -> int:
+    """The 64-bit seed of one position's randomness for one purpose: a hash of the three, so
+    neighbouring seeds and positions give unrelated streams."""
+    digest = hashlib.sha256(f"{seed}:{position}:{purpose}".encode()).digest()
+    return int.from_bytes(digest[:8], "little")
+
+
+def draw(probs: torch.Tensor, seed: int, position: int) -> int:
+    """probs [V] -> the token at `position`: argmax(probs / E), E [V] ~ Exp(1) drawn from
+    (seed, position) alone (P(token = v) = probs[v]; a zero-probability token never wins)."""
+    generator = torch.Generator(device=probs.device).manual_seed(position_seed(seed, position))
+    race = torch.empty(probs.shape[-1], device=probs.device, dtype=torch.float32)
+    race.exponential_(generator=generator)
+    return int((probs.float() / race).argmax())
+
+
+def sample_at(logits: torch.Tensor, params: SamplingParams, seed: int, position: int) -> int:
+    """logits [V] -> the token at `position`: the argmax when greedy, else `draw`."""
+    if params.greedy:
+        return int(logits.argmax())
+    return draw(probabilities(logits[None], params)[0], seed, position)

@@ -131,7 +131,10 @@ class ChatSession:
         self.generator.manual_seed(0 if seed is None else seed)
         self.mode = mode
         self.truncated_tokens = 0
+        self.can_truncate = document is not None  # (--truncate could cut the document)
         self.history: list[dict] = []
+        if document is not None and not truncate:
+            self._check_not_far_too_long(document)
         self.document = self._fit_document(document) if truncate else document
         self.totals = ReplyStats()  # every reply's stats, stopped ones included
         self.turns = 0  # finished answers (in the history)
@@ -154,23 +157,44 @@ class ChatSession:
     def prompt_ids(self, question: str) -> list[int]:
         return self.runtime.tokenizer.encode_chat(self.messages(question), True)
 
-    def check_fits(self, prompt_tokens: int) -> None:
+    def check_fits(self, prompt_tokens: int, question: str | None = None) -> None:
+        """QspecError if the prompt and `max_new_tokens` exceed the context, advising only
+        what would make them fit."""
         need = prompt_tokens + self.max_new_tokens
-        if need > self.limit:
-            doc = ""
-            if self.document is not None:
-                n_doc = len(self.runtime.tokenizer.encode(self.document))
-                doc = f"the document is {n_doc} tokens, "
-            # (what helps here: /reset only where earlier turns take room)
-            fixes = ["--truncate to keep the start of the document"] if doc else []
-            fixes.append("lower --max-new-tokens")
-            if self.history:
+        if need <= self.limit:
+            return
+        over, tok = need - self.limit, self.runtime.tokenizer
+        doc, fixes = "", []
+        if self.document is not None:
+            n_doc = len(tok.encode(self.document))
+            doc = f"the document is {n_doc} tokens, "
+            # (a snapshot's document, or one cut already, is what it is)
+            if self.can_truncate and not self.truncated_tokens and n_doc > over:
+                fixes.append("--truncate to keep the start of the document")
+        if prompt_tokens < self.limit:
+            fixes.append(f"--max-new-tokens {self.limit - prompt_tokens} or less")
+        if question is not None and len(tok.encode(question)) > over:
+            fixes.append("a shorter question")
+        if self.history and question is not None:  # (earlier turns take room: enough?)
+            alone = document_messages(self.document) + [{"role": "user", "content": question}]
+            if len(tok.encode_chat(alone, True)) + self.max_new_tokens <= self.limit:
                 fixes.append("/reset the conversation")
-            advice = ", ".join(fixes[:-1]) + (" or " if len(fixes) > 1 else "") + fixes[-1]
+        fixes = fixes or ["a shorter question"]  # (nothing else would make it fit)
+        advice = ", ".join(fixes[:-1]) + (" or " if len(fixes) > 1 else "") + fixes[-1]
+        raise QspecError(
+            f"too long for {self.runtime.name}: {doc}the prompt is {prompt_tokens} tokens and "
+            f"{self.max_new_tokens} new tokens are allowed, {need} in all, but the model's "
+            f"context is {self.limit} tokens. Use {advice}"
+        )
+
+    def _check_not_far_too_long(self, document: str) -> None:
+        """Refuse, before tokenizing it, a document whose bytes alone show it cannot fit."""
+        at_least = self.runtime.tokenizer.min_tokens(document)
+        if at_least >= self.limit:  # (the document alone: --max-new-tokens is check_fits')
             raise QspecError(
-                f"too long for {self.runtime.name}: {doc}the prompt is {prompt_tokens} tokens and "
-                f"{self.max_new_tokens} new tokens are allowed, {need} in all, but the model's "
-                f"context is {self.limit} tokens. Use {advice}"
+                f"too long for {self.runtime.name}: the document is at least {at_least} tokens "
+                f"(from its size alone), but the model's context is {self.limit} tokens. Use "
+                "--truncate to keep the start of the document"
             )
 
     def _fit_document(self, document: str | None) -> str | None:
@@ -269,7 +293,7 @@ class ChatSession:
         timer = StageTimer()
         with timer.stage("tokenize"):
             ids = self.prompt_ids(question)
-        self.check_fits(len(ids))
+        self.check_fits(len(ids), question)
         cache = self._ensure_cache(len(ids) + self.max_new_tokens)
         reuse = min(common_prefix(ids, self._cached_ids[: cache.seq_len]), len(ids) - 1)
         if isinstance(cache, HierarchicalKVCache) and reuse < max(cache.n_quant):
@@ -356,6 +380,7 @@ class ChatSession:
                 "tokenizer and chat template"
             )
         self._cache, self._cached_ids = cache, list(token_ids)
+        self.can_truncate = False  # (the snapshot's document is fixed)
         self._doc_point = (len(token_ids), cache.checkpoint())
 
     def reset(self) -> None:

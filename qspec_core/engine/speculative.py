@@ -46,13 +46,19 @@ from qspec_core.engine.proposers import (
     forward,
     move_rotation_time,
 )
-from qspec_core.engine.sampling import SamplingParams, probabilities, sample
+from qspec_core.engine.sampling import (
+    SamplingParams,
+    draw,
+    generator_seed,
+    probabilities,
+    sample_at,
+)
 from qspec_core.engine.tree import DraftTree
 from qspec_core.engine.verify import (
+    verify_drawn,
     verify_greedy,
-    verify_sampling,
+    verify_tree_drawn,
     verify_tree_greedy,
-    verify_tree_sampling,
 )
 from qspec_core.precision import DRAFT, TARGET, Precision
 from qspec_core.runner import Runner
@@ -250,8 +256,9 @@ def speculative_decode(
     def rotation() -> float:
         return getattr(cache, "rotate_seconds", 0.0)
 
+    seed = generator_seed(generator)
     with timer.stage("accept"):
-        pending = int(sample(first_logits[None], params, generator)[0])
+        pending = sample_at(first_logits, params, seed, start_pos)
     emitted_now = [pending]  # what the proposers have not observed yet
     emitted = 1
     committed = start_pos
@@ -268,11 +275,11 @@ def speculative_decode(
             source, g = planner.plan(offers) if planner else plan_fixed(offers, int(gamma))
             g = min(g, offers[source])  # (a planner may ask the 4-bit path past room)
             rotated, started = rotation(), time.perf_counter()
-            drafts, draft_probs, tree = [], None, None
+            drafts, tree = [], None
             if g:
                 proposal = by_name[source].propose(RoundContext(pending, committed), g)
                 if proposal.is_chain:
-                    drafts, draft_probs = proposal.tokens, proposal.probs
+                    drafts = proposal.tokens
                 elif verifier is not None or not _verifies_trees(cache):
                     raise ValueError(
                         f"proposer {source!r} drafted a token tree, which this cache cannot "
@@ -281,9 +288,6 @@ def speculative_decode(
                     )
                 else:
                     tree = proposal
-                if draft_probs is None and tree is None and not params.greedy:  # point masses
-                    draft_probs = torch.zeros(g, first_logits.shape[-1], device=runner.device)
-                    draft_probs[torch.arange(g), torch.tensor(drafts)] = 1.0
             draft_s = time.perf_counter() - started - (rotation() - rotated)
             rotated, started = rotation(), time.perf_counter()
             with timer.stage("verify"):
@@ -298,13 +302,11 @@ def speculative_decode(
             move_rotation_time(cache, timer, "verify", rotated)
             with timer.stage("accept"):
                 if tree is None:
-                    n, nxt = _accept(
-                        drafts, draft_probs, target_logits, params, generator, verifier
-                    )
+                    n, nxt = _accept(drafts, target_logits, params, seed, committed, verifier)
                     path, leaf = None, None
                 else:
                     children = tree.children()
-                    path, nxt = _accept_tree(tree, children, target_logits, params, generator)
+                    path, nxt = _accept_tree(tree, children, target_logits, params, seed, committed)
                     drafts = [tree.tokens[row - 1] for row in path[1:]]
                     n, leaf = len(drafts), not children[path[-1]]
             # (the accept stage ends the verify on a GPU: its first read of the logits waits)
@@ -351,25 +353,27 @@ def forward_tree(runner, cache, pending: int, tree: DraftTree, position: int, pa
 
 
 def _accept_tree(
-    tree: DraftTree, children: list[list[int]], target_logits, params, generator
+    tree: DraftTree, children: list[list[int]], target_logits, params, seed: int, position: int
 ) -> tuple[list[int], int]:
     """(the accepted path's verify rows, root first; the next token) of a tree round, its
-    rows' children `tree.children()`."""
+    rows' children `tree.children()`; the pending token sits at `position`."""
     tokens = [-1] + tree.tokens
     if params.greedy:
         return verify_tree_greedy(tokens, children, target_logits)
     probs = probabilities(target_logits, params)
-    return verify_tree_sampling(tokens, children, tree.probs, probs, generator)
+    depths = tree.depths()  # (row r's logits are for position + depths[r] + 1)
+    return verify_tree_drawn(
+        tokens, children, lambda row: draw(probs[row], seed, position + depths[row] + 1)
+    )
 
 
-def _accept(drafts, draft_probs, target_logits, params, generator, verifier) -> tuple[int, int]:
+def _accept(drafts, target_logits, params, seed: int, position: int, verifier) -> tuple[int, int]:
     """(n accepted, the recovered or bonus token) of drafts [g] against target_logits [g + 1,
-    V]; draft_probs [g, V] (q) is needed only when sampling."""
+    V], the pending token at `position`: row j's token sits at position + 1 + j."""
     if params.greedy and verifier is None:
         return verify_greedy(drafts, target_logits)
-    draft_t = torch.tensor(drafts, device=target_logits.device, dtype=torch.long)
     if verifier is not None:
+        draft_t = torch.tensor(drafts, device=target_logits.device, dtype=torch.long)
         return verifier(draft_t, target_logits)
-    if not drafts:  # a plain target step
-        return 0, int(sample(target_logits[-1:], params, generator)[0])
-    return verify_sampling(draft_t, draft_probs, probabilities(target_logits, params), generator)
+    probs = probabilities(target_logits, params)
+    return verify_drawn(drafts, lambda row: draw(probs[row], seed, position + 1 + row))

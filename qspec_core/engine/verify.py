@@ -7,9 +7,19 @@ Terms (as vLLM's rejection sampler uses them), for one round with gamma draft to
   - bonus token: when all gamma drafts pass, one more token sampled from p_{gamma+1}.
 Every round therefore emits n + 1 tokens. With exact rejection sampling the emitted tokens
 follow the target distribution p exactly (Leviathan et al. 2023; Chen et al. 2023).
+
+The engine samples with `verify_drawn` / `verify_tree_drawn` instead: the target's token at
+each position is its own draw, keyed by (seed, position) (`sampling.draw`), the drafter drew
+from the same noise, and a draft is accepted when it equals that draw. The tokens are then
+exactly the target's samples whatever the drafts, so a seed gives the same text for any gamma,
+draft source or planner choice (and target-ar's text); the price is a lower acceptance than
+rejection sampling's where q and p differ. `verify_sampling` and `verify_tree_sampling` stay
+as the rejection-sampling references.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -30,6 +40,20 @@ def verify_greedy(
     while n < len(drafts) and drafts[n] == top[n]:
         n += 1
     return n, top[n]
+
+
+def verify_drawn(drafts: list[int], target_token: Callable[[int], int]) -> tuple[int, int]:
+    """(n_accepted, next_token) of drafts [gamma] when `target_token(row)` is the target's own
+    token at verify row `row` (a draw keyed by its position): accept while each draft equals
+    it; the next token is the target's at the first mismatch, or the bonus row's. Each row's
+    draw is made only when reached."""
+    n = 0
+    while n < len(drafts):
+        want = target_token(n)
+        if drafts[n] != want:
+            return n, want
+        n += 1
+    return n, target_token(n)
 
 
 def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -81,6 +105,20 @@ def verify_tree_greedy(
     path = [0]
     while True:
         want = top[path[-1]]
+        row = next((r for r in children[path[-1]] if tokens[r] == want), None)
+        if row is None:
+            return path, want
+        path.append(row)
+
+
+def verify_tree_drawn(
+    tokens: list[int], children: list[list[int]], target_token: Callable[[int], int]
+) -> tuple[list[int], int]:
+    """`verify_tree_greedy` with the target's keyed draw at each row (`target_token(row)`) in
+    place of its argmax: the same tokens as a chain's, as target decoding's."""
+    path = [0]
+    while True:
+        want = target_token(path[-1])
         row = next((r for r in children[path[-1]] if tokens[r] == want), None)
         if row is None:
             return path, want

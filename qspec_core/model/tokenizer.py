@@ -7,6 +7,7 @@ checks against `transformers.AutoTokenizer.apply_chat_template`.
 
 from __future__ import annotations
 
+import functools
 import json
 from datetime import datetime
 from pathlib import Path
@@ -64,6 +65,20 @@ class Tokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """More UTF-8 bytes of text than any one token stands for: the longest token as the
+        vocabulary writes it (byte-level BPE writes each byte as a character of 1-2 bytes,
+        SentencePiece a space as 3-byte "▁", byte fallback a byte as "<0x41>"), times 4 where
+        a normalizer may shrink the text first (NFKC: 4-byte letters to 1-byte ones)."""
+        longest = max(len(token.encode()) for token in self._tok.get_vocab(with_added_tokens=True))
+        return longest * (4 if self._tok.normalizer is not None else 1)
+
+    def min_tokens(self, text: str) -> int:
+        """A lower bound on len(encode(text)), found without tokenizing (a length check of a
+        huge document must not cost what its tokenization does)."""
+        return -(-len(text.encode(errors="surrogatepass")) // self.max_token_bytes)
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool) -> str:
         if self._template is None:

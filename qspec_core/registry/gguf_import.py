@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from qspec_core.errors import UnsupportedModelError
 from qspec_core.registry.gguf_file import GGUFFile, TensorInfo
 
 
@@ -148,6 +149,34 @@ def convert_gguf(path: Path, folder: Path) -> None:
     if template is not None:
         (folder / "chat_template.jinja").write_text(template, encoding="utf-8")
     _write_json(folder / "tokenizer_config.json", tokenizer_config)
+
+
+# GGUF architecture -> the Hugging Face model_type it converts to, where the names differ
+_GGUF_MODEL_TYPES = {"gemma3": "gemma3_text"}
+
+
+def check_runnable(path: Path) -> None:
+    """Refuse, before any conversion, a GGUF that no converter would make runnable here: one
+    without an architecture or a tokenizer (damaged), or of an architecture qspec does not run
+    (transformers could convert it, but not into a model qspec runs). A big-endian file is
+    left to transformers."""
+    from qspec_core.families import supported_model_types, supported_names
+    from qspec_core.registry.gguf_file import BigEndianGGUF
+
+    try:
+        gguf = GGUFFile(path)
+    except BigEndianGGUF:
+        return
+    arch = gguf.meta.get("general.architecture")
+    if not isinstance(arch, str):
+        raise gguf.damaged("no architecture (general.architecture)")
+    if _GGUF_MODEL_TYPES.get(arch, arch) not in supported_model_types():
+        raise UnsupportedModelError(
+            f"GGUF {path}: architecture {arch!r}, which qspec does not run (it runs "
+            f"{supported_names()})"
+        )
+    if not isinstance(gguf.meta.get("tokenizer.ggml.model"), str):
+        raise gguf.damaged("no tokenizer (tokenizer.ggml.model)")
 
 
 def check_covered(gguf: GGUFFile) -> None:

