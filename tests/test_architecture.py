@@ -121,3 +121,20 @@ def test_the_cli_and_the_runtime_import_no_triton():
     )
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_a_cpu_session_imports_no_triton(tiny_model_dir):
+    """A QuantSpec answer on CPU (the hierarchical cache's quantize-and-pack, the 4-bit draft,
+    the INT8 target, the attention over the planes) chooses the twins or the C++ kernels
+    without importing Triton."""
+    run = _run_on_cpu(
+        "import sys\n"
+        "from qspec_core.engine.session import ChatSession\n"
+        "from qspec_core.registry.runtime import load_runtime\n"
+        f"runtime = load_runtime({str(tiny_model_dir)!r}, dtype='fp32', log=lambda m: None,"
+        " need_draft=True)\n"
+        "session = ChatSession(runtime, 'The quick brown fox. ' * 40, max_new_tokens=8)\n"
+        "assert ''.join(session.ask('Summarize.'))\n" + _TRITON_LOADED
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip().splitlines()[-1] == "[]"
