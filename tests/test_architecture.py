@@ -1,8 +1,11 @@
-"""The layout's rules, checked: no import cycles between modules, no oversized source files.
-(The layer contracts themselves are import-linter's, in pyproject.toml, run by `make lint`.)"""
+"""The layout's rules, checked: no import cycles between modules, no oversized source files,
+no Triton on a CPU run. (The layer contracts themselves are import-linter's, in
+pyproject.toml, run by `make lint`.)"""
 
 import ast
+import os
 import subprocess
+import sys
 from pathlib import Path
 
 import grimp
@@ -90,3 +93,48 @@ def test_readme_layout_names_every_source_file_and_only_real_ones():
     }
     assert ours - named == set(), "source files missing from the README's Layout"
     assert {n for n in named if not (REPO / n).exists()} == set(), "Layout names missing files"
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton loads only where a kernel runs: a CPU run never imports it (72 MB resident)
+
+_TRITON_LOADED = (
+    "print(sorted(m for m in sys.modules if m.split('.')[0] == 'triton'"
+    " or m.startswith('kernels.triton.jit')))\n"
+)
+
+
+def _run_on_cpu(code: str) -> subprocess.CompletedProcess:
+    """`code` in a fresh process as a CPU run sees it: no interpreter, no GPU."""
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    return subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True
+    )
+
+
+def test_the_cli_and_the_runtime_import_no_triton():
+    """What every command imports (`kernels.triton`'s host modules among them) loads no
+    Triton: the kernels live in `kernels.triton.jit`, imported only when one runs."""
+    run = _run_on_cpu(
+        "import sys\nimport qspec_cli.app\nimport qspec_core.registry.runtime\n" + _TRITON_LOADED
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_a_cpu_session_imports_no_triton(tiny_model_dir):
+    """A QuantSpec answer on CPU (the hierarchical cache's quantize-and-pack, the 4-bit draft,
+    the INT8 target, the attention over the planes) chooses the twins or the C++ kernels
+    without importing Triton."""
+    run = _run_on_cpu(
+        "import sys\n"
+        "from qspec_core.engine.session import ChatSession\n"
+        "from qspec_core.registry.runtime import load_runtime\n"
+        f"runtime = load_runtime({str(tiny_model_dir)!r}, dtype='fp32', log=lambda m: None,"
+        " need_draft=True)\n"
+        "session = ChatSession(runtime, 'The quick brown fox. ' * 40, max_new_tokens=8)\n"
+        "assert ''.join(session.ask('Summarize.'))\n" + _TRITON_LOADED
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip().splitlines()[-1] == "[]"

@@ -160,9 +160,10 @@ def test_wrapper_falls_back_on_cpu(monkeypatch, dtype):
 
 
 def test_wrapper_without_interpreter_in_fresh_process():
-    """Imported with TRITON_INTERPRET unset (the kernel is then a compiled JITFunction), the
-    wrapper must still work on CPU through the twin, never reaching Triton's driver check."""
+    """Imported with TRITON_INTERPRET unset, the wrapper must still work on CPU through the
+    twin, never reaching Triton's driver check, nor importing Triton (`kernels.triton.jit`)."""
     code = (
+        "import sys\n"
         "import torch\n"
         "from kernels.formats import pack_int4\n"
         "from kernels.triton.w4a16 import w4a16_matmul, w4a16_ref\n"
@@ -171,6 +172,7 @@ def test_wrapper_without_interpreter_in_fresh_process():
         "x = torch.randn(1, 128).bfloat16()\n"
         "p = pack_int4(q)\n"
         "assert torch.equal(w4a16_matmul(x, p, s, z, 64), w4a16_ref(x, p, s, z, 64))\n"
+        "assert 'triton' not in sys.modules\n"
         "print('ok')\n"
     )
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}

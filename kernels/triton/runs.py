@@ -1,21 +1,27 @@
 """What the Triton kernel modules share: whether a kernel can run for a tensor here, and
-the launch around a matmul kernel (W4A16, W8A16): its rows in, its output back."""
+the launch around a matmul kernel (W4A16, W8A16): its rows in, its output back. Triton-free,
+like the host modules that use it (`kernels/triton/__init__.py`)."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from types import ModuleType
 
 import torch
 
 
-def kernel_runs_on(kernel, x: torch.Tensor) -> bool:
-    """On CUDA always; on CPU only in the interpreter: TRITON_INTERPRET=1 now, and it was on
-    when `kernel`'s module was imported (triton.jit picks compiled vs interpreted then)."""
+def kernel_runs_on(jit: Callable[[], ModuleType], x: torch.Tensor) -> bool:
+    """Whether the kernels of the jit module that `jit()` imports run for x. On CUDA always;
+    on CPU only in the interpreter: TRITON_INTERPRET=1 now, and it was on when the jit module
+    was imported (triton.jit picks compiled vs interpreted then, its INTERPRETED). Calls `jit`
+    (which imports Triton) only in that second case: on a CPU without the interpreter, nothing
+    of Triton loads."""
     if x.is_cuda:
         return True
-    interpreted = type(kernel).__name__ == "InterpretedFunction"
-    return interpreted and os.environ.get("TRITON_INTERPRET") == "1"
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return False
+    return jit().INTERPRETED
 
 
 def launch_matmul(

@@ -126,11 +126,15 @@ class RotaryEmbedding(torch.nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
-        inv_freq, self.attention_scaling = inv_frequencies(config)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
-        if config.rope_type == "longrope":
-            long = config.rope_scaling["original_max_position_embeddings"] + 1
-            self.register_buffer("long_inv_freq", inv_frequencies(config, long)[0], False)
+        # On the CPU even inside a meta skeleton (`build_model`, which then builds them again on
+        # its device): torch computes some meta ops in Python, importing torch._dynamo and
+        # Triton with it (150 MB resident on a CPU run).
+        with torch.device("cpu"):
+            inv_freq, self.attention_scaling = inv_frequencies(config)
+            self.register_buffer("inv_freq", inv_freq, persistent=False)
+            if config.rope_type == "longrope":
+                long = config.rope_scaling["original_max_position_embeddings"] + 1
+                self.register_buffer("long_inv_freq", inv_frequencies(config, long)[0], False)
 
     def forward(
         self, input_pos: torch.Tensor, dtype: torch.dtype, capacity: int | None = None

@@ -105,6 +105,16 @@ def _norm(config: ModelConfig, dim: int) -> RMSNorm:
     return RMSNorm(dim, config.rms_norm_eps, config.layer.norm)
 
 
+def _embedding(vocab: int, dim: int) -> nn.Embedding:
+    """nn.Embedding(vocab, dim), drawn N(0, 1) as torch draws it, except on the meta device
+    (`build_model`'s skeleton), where it draws nothing: torch's normal_ on a meta tensor
+    imports torch._dynamo, and Triton with it (150 MB resident on a CPU run)."""
+    weight = torch.empty(vocab, dim)  # (on the meta device under `with torch.device("meta")`)
+    if not weight.is_meta:
+        nn.init.normal_(weight)
+    return nn.Embedding(vocab, dim, _weight=weight)
+
+
 ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh")}
 
 
@@ -213,7 +223,7 @@ class Transformer(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = _embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             DecoderLayer(config, i) for i in range(config.num_hidden_layers)
         )
