@@ -35,7 +35,6 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import torch
 
@@ -53,7 +52,7 @@ from kernels.planes import (
     quantize_values,
 )
 from kernels.triton.kv_pack import quantize_keys_triton, quantize_values_triton
-from qspec_core.cache.protocol import write_kv
+from qspec_core.cache.protocol import CacheCheckpoint, write_kv
 from qspec_core.config import ModelConfig
 from qspec_core.precision import Precision
 
@@ -70,28 +69,9 @@ class CommitInvariantError(RuntimeError):
     """Quantizing would take in KV that the target path has not confirmed."""
 
 
-@dataclass(frozen=True)
-class CacheCheckpoint:
-    """`HierarchicalKVCache.checkpoint()`: lengths and the full-precision region
-    fp_k/fp_v [L, B, n_kv, fp_len, D] at that point."""
-
-    n_quant: int
-    fp_len: int
-    fp_k: torch.Tensor
-    fp_v: torch.Tensor
-
-
 # the buffers that grow with the context (dim 3); the full-precision region does not
-PLANE_BUFFERS = (
-    "k_upper",
-    "k_lower",
-    "v_upper",
-    "v_lower",
-    "k_scale",
-    "k_zero",
-    "v_scale",
-    "v_zero",
-)
+PLANE_BUFFERS = ("k_upper", "k_lower", "v_upper", "v_lower")  # positions along dim 3
+PLANE_BUFFERS += ("k_scale", "k_zero", "v_scale", "v_zero")  # (K's: groups along dim 3)
 K_GROUPED = ("k_scale", "k_zero")  # one entry per G positions
 
 

@@ -20,11 +20,23 @@ cache's buffers have one writer whichever loop runs.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 from qspec_core.precision import Precision
+
+
+@dataclass(frozen=True)
+class CacheCheckpoint:
+    """`HierarchicalKVCache.checkpoint()`: lengths and the full-precision region
+    fp_k/fp_v [L, B, n_kv, fp_len, D] at that point."""
+
+    n_quant: int
+    fp_len: int
+    fp_k: torch.Tensor
+    fp_v: torch.Tensor
 
 
 class KVCache(Protocol):

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 import torch
 
 from qspec_core.cache.full import FullPrecisionCache
-from qspec_core.cache.hierarchical import CacheCheckpoint, HierarchicalKVCache
+from qspec_core.cache.hierarchical import HierarchicalKVCache
+from qspec_core.cache.protocol import CacheCheckpoint
 from qspec_core.engine.generate import prefill, prefill_hierarchical
 from qspec_core.engine.plan import DecodePlan
 from qspec_core.engine.sampling import SamplingParams
