@@ -43,7 +43,7 @@ llama.cpp computes: Llama's q/k rows reordered for ggml's RoPE, Llama 3.x's RoPE
 a `rope_freqs.weight` tensor, 1-D tensors F32. They differ from llama-quantize's files in
 one way: every matrix has the named type, the output (or tied embedding) too, where
 llama-quantize would make it Q6_K in a Q4_0 file (gguf has no Q6_K quantizer). qspec's own
-GGUF importer refuses the rope_freqs tensor: give qspec the HF folder.
+GGUF importer reads the rope_freqs tensor back as the llama3 rope_parameters.
 """
 
 from __future__ import annotations

@@ -179,10 +179,17 @@ def _vocabulary(special=_SPECIAL):
 
 
 def write_gguf(
-    path, arch="llama", pre="smollm", tied=True, add_bos=False, name="Tiny", special=_SPECIAL
+    path,
+    arch="llama",
+    pre="smollm",
+    tied=True,
+    add_bos=False,
+    name="Tiny",
+    special=_SPECIAL,
+    rope_freqs=None,
 ):
     """A 2-layer model (hidden 64, 4 heads, 2 KV heads) in the types llama.cpp writes:
-    Q8_0, Q4_1, Q5_0, F16 and F32 tensors."""
+    Q8_0, Q4_1, Q5_0, F16 and F32 tensors; `rope_freqs`: Llama 3's RoPE divisors [8]."""
     rng = np.random.default_rng(0)
     tokens, types, merges = _vocabulary(special)
     hidden, ffn, heads, kv_heads, n_layers = 64, 96, 4, 2, 2
@@ -226,6 +233,8 @@ def write_gguf(
     if not tied:
         add("output.weight", (len(tokens), hidden), GGMLQuantizationType.Q8_0)
     add("output_norm.weight", (hidden,), GGMLQuantizationType.F32)
+    if rope_freqs is not None:  # (where llama.cpp's converter puts it)
+        writer.add_tensor("rope_freqs.weight", np.asarray(rope_freqs, dtype=np.float32))
     for i in range(n_layers):
         add(f"blk.{i}.attn_norm.weight", (hidden,), GGMLQuantizationType.F32)
         add(f"blk.{i}.attn_q.weight", (heads * head_dim, hidden), GGMLQuantizationType.Q8_0)
@@ -276,6 +285,55 @@ def test_unpermuting_llama_q_k_restores_the_rotary_halves():
     stored = per_head.transpose(1, 2).reshape(hf.shape)
     assert stored[:4, 0].tolist() == [0, 4, 1, 5]
     assert gguf_import._unpermute_rope_rows(stored, heads).equal(hf)
+
+
+# Llama 3.x: llama.cpp's converter writes the scaled RoPE as divisors, `rope_freqs.weight`
+
+
+def llama3_divisors(params, theta=10000.0, head_dim=16):
+    """The divisors of the unscaled frequencies that qspec's rope.py gives HF's llama3 params."""
+    from qspec_core.model.rope import _llama3
+
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+    return (inv_freq / _llama3(inv_freq, params)).numpy()
+
+
+LLAMA_3_1 = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+LLAMA_3_2 = {"factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+
+
+@pytest.mark.parametrize("params", [LLAMA_3_1, LLAMA_3_2], ids=["3.1", "3.2"])
+@pytest.mark.parametrize("old_len", [8192, 4096])
+def test_llama3_rope_freqs_become_its_rope_parameters(tmp_path, params, old_len):
+    params = {"rope_type": "llama3", **params, "original_max_position_embeddings": old_len}
+    divisors = llama3_divisors(params)
+    assert (divisors == 1).any() and divisors.max() > 1  # (some kept, some scaled)
+    scaled = qspec_convert(write_gguf(tmp_path / "l3.gguf", rope_freqs=divisors), tmp_path / "q")
+    config = json.loads((scaled / "config.json").read_text())
+    assert config["rope_parameters"] == {"rope_theta": 10000.0, **params}
+    ours = ModelConfig.from_file(scaled / "config.json")
+    from qspec_core.model.rope import inv_frequencies
+
+    plain = 1.0 / 10000.0 ** (torch.arange(0, 16, 2).float() / 16)
+    torch.testing.assert_close(inv_frequencies(ours)[0], plain / torch.from_numpy(divisors))
+    plain_folder = qspec_convert(write_gguf(tmp_path / "plain.gguf"), tmp_path / "p")
+    assert_same_weights(scaled, plain_folder)  # the divisors are no weight
+
+
+def test_rope_freqs_all_ones_is_no_scaling(tmp_path):
+    folder = qspec_convert(write_gguf(tmp_path / "a.gguf", rope_freqs=[1.0] * 8), tmp_path / "q")
+    config = json.loads((folder / "config.json").read_text())
+    assert config["rope_parameters"] == {"rope_theta": 10000.0, "rope_type": "default"}
+
+
+@pytest.mark.parametrize(
+    "divisors",
+    [[1.0, 1.0, 1.0, 1.0, 2.0, 2.0, 1.5, 3.0], [1.0] * 7 + [0.5], [1.0] * 6 + [2.5, 9.0]],
+    ids=["not-monotone", "below-one", "two-bands"],
+)
+def test_rope_freqs_that_are_not_llama3_are_not_covered(tmp_path, divisors):
+    with pytest.raises(gguf_import.NotCovered, match="rope_freqs"):
+        gguf_import.convert_gguf(write_gguf(tmp_path / "x.gguf", rope_freqs=divisors), tmp_path)
 
 
 # Files the reader does not cover go to transformers; without it, one line says what to do.

@@ -1,7 +1,9 @@
 """A GGUF file as a bf16 Hugging Face folder, without transformers.
 
 Covers the registry's models: Llama-arch (SmolLM2) and Qwen2-arch (Qwen2.5, qkv biases) files
-with a byte-level BPE vocabulary (`tokenizer.ggml.model` "gpt2"). The folder is the one
+with a byte-level BPE vocabulary (`tokenizer.ggml.model` "gpt2"), and Llama 3.x's scaled RoPE,
+which llama.cpp stores as divisors (`rope_freqs.weight`) and this reads back as the HF
+"llama3" rope_parameters they come from (transformers drops the tensor). The folder is the one
 transformers 5 writes for the same file (`from_pretrained(gguf_file=...)`, `save_pretrained`),
 which is what qspec used before: the same bf16 tensors bit for bit (dequantized to float32 by
 `gguf.quants.dequantize`, then rounded by torch), the same config.json less
@@ -16,6 +18,7 @@ before; a damaged file is a `QspecError` ("cannot read GGUF ...").
 from __future__ import annotations
 
 import json
+import math
 import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -94,6 +97,10 @@ _LAYER_TENSORS = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+# Llama 3.x's scaled RoPE: llama.cpp's converter writes the per-frequency divisors as a tensor
+# [head_dim / 2] and no rope.scaling keys; hf_config finds the HF "llama3" parameters they
+# come from (_llama3_parameters)
+_ROPE_FREQS = "rope_freqs.weight"
 _QKV_BIASES = {
     "attn_q.bias": "self_attn.q_proj.bias",
     "attn_k.bias": "self_attn.k_proj.bias",
@@ -226,6 +233,8 @@ def _expected_tensors(arch: str, n_layers: int, gguf: GGUFFile) -> dict[str, str
     """GGUF name -> HF name of every tensor a file of this architecture holds."""
     untied = any(info.name == "output.weight" for info in gguf.tensors)  # absent: tied
     mapping = {g: hf for g, hf in _GLOBAL_TENSORS.items() if untied or g != "output.weight"}
+    if arch == "llama" and any(info.name == _ROPE_FREQS for info in gguf.tensors):
+        mapping[_ROPE_FREQS] = ""  # (read into config.json, not a weight)
     per_layer = _LAYER_TENSORS | (_QKV_BIASES if arch == "qwen2" else {})
     for i in range(n_layers):
         for gguf_name, hf_name in per_layer.items():
@@ -241,9 +250,12 @@ def hf_config(gguf: GGUFFile) -> dict:
     for key, hf_key in _CONFIG_KEYS.items():
         config[hf_key] = meta[f"{arch}.{key}"]
     config["rope_parameters"] = {"rope_theta": config.pop("rope_theta"), "rope_type": "default"}
+    freqs = next((info for info in gguf.tensors if info.name == _ROPE_FREQS), None)
     if arch == "llama":  # transformers reads rope.dimension_count as head_dim for llama only
         derived = config["hidden_size"] // config["num_attention_heads"]
         config["head_dim"] = meta.get(f"{arch}.rope.dimension_count", derived)
+        if freqs is not None:
+            config["rope_parameters"] |= _llama3_parameters(gguf, freqs, config)
     else:
         config["layer_types"] = ["full_attention"] * config["num_hidden_layers"]
     config["vocab_size"] = meta.get(f"{arch}.vocab_size", len(meta["tokenizer.ggml.tokens"]))
@@ -268,7 +280,8 @@ def hf_tensors(gguf: GGUFFile, config: dict) -> dict[str, torch.Tensor]:
     arch = config["model_type"]
     names = _expected_tensors(arch, config["num_hidden_layers"], gguf)
     shapes = _hf_shapes(config)
-    for info in gguf.tensors:
+    infos = [info for info in gguf.tensors if info.name != _ROPE_FREQS]
+    for info in infos:
         expected = shapes(names[info.name])
         if info.shape != expected:
             raise gguf.damaged(f"tensor {info.name} has shape {info.shape}, expected {expected}")
@@ -287,10 +300,70 @@ def hf_tensors(gguf: GGUFFile, config: dict) -> dict[str, torch.Tensor]:
 
     try:
         with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
-            weights = list(pool.map(bf16, gguf.tensors))
+            weights = list(pool.map(bf16, infos))
     except NotImplementedError as e:  # a ggml type gguf has no dequantizer for
         raise gguf.damaged(f"gguf cannot dequantize it ({e})") from None
-    return {names[info.name]: weight for info, weight in zip(gguf.tensors, weights, strict=True)}
+    return {names[info.name]: weight for info, weight in zip(infos, weights, strict=True)}
+
+
+# Llama 3.1-3.3's rope_scaling; the band's edges fix only old_len / high and old_len / low, so
+# these two ratios are what a file can be checked against, and these the numbers it is given
+_LLAMA3_BANDS = (1.0, 4.0)  # low_freq_factor, high_freq_factor
+_LLAMA3_OLD_LEN = 8192  # original_max_position_embeddings
+
+
+def _llama3_parameters(gguf: GGUFFile, info: TensorInfo, config: dict) -> dict:
+    """HF's "llama3" rope_parameters whose divisors are the file's `rope_freqs.weight`, found
+    from the divisors themselves (a blended one gives old_len; none: Llama 3's 8192) and
+    checked by recomputing all of them as llama.cpp's converter does; other divisors are
+    NotCovered. All ones: no scaling ({})."""
+    from gguf.quants import dequantize
+
+    half = config["head_dim"] // 2
+    if info.shape != (half,):
+        raise gguf.damaged(f"tensor {info.name} has shape {info.shape}, expected {(half,)}")
+    divisors = dequantize(gguf.raw(info), info.ggml_type).astype("float64")
+    if not all(math.isfinite(d) and d >= 1.0 for d in divisors):
+        raise NotCovered(f"{_ROPE_FREQS} with divisors below 1 or not finite")
+    factor = float(divisors.max())
+    if factor == 1.0:
+        return {}
+    low, high = _LLAMA3_BANDS
+    theta, dim = config["rope_parameters"]["rope_theta"], config["head_dim"]
+    wavelen = [2 * math.pi * theta ** (2 * i / dim) for i in range(half)]
+    old_len = _LLAMA3_OLD_LEN
+    for d, w in zip(divisors, wavelen, strict=True):
+        if 1.0 < d < factor:  # 1 / d = (1 - s) / factor + s, s = (old_len / w - low) / (high - low)
+            smooth = (1 / d - 1 / factor) / (1 - 1 / factor)
+            old_len = round(w * (smooth * (high - low) + low))
+            break
+    params = {
+        "rope_type": "llama3",
+        "factor": factor,
+        "low_freq_factor": low,
+        "high_freq_factor": high,
+        "original_max_position_embeddings": old_len,
+    }
+    if not _divisors_match(params, wavelen, divisors):
+        raise NotCovered(f"{_ROPE_FREQS} that is not Llama 3's RoPE scaling")
+    return params
+
+
+def _divisors_match(params: dict, wavelen: list[float], divisors) -> bool:
+    """Whether the llama3 `params` give `divisors` (to float32's precision, as stored)."""
+    factor, old_len = params["factor"], params["original_max_position_embeddings"]
+    low, high = params["low_freq_factor"], params["high_freq_factor"]
+    for d, w in zip(divisors, wavelen, strict=True):
+        if w < old_len / high:
+            want = 1.0
+        elif w > old_len / low:
+            want = factor
+        else:
+            smooth = (old_len / w - low) / (high - low)
+            want = 1 / ((1 - smooth) / factor + smooth)
+        if abs(d - want) > 1e-5 * want:
+            return False
+    return True
 
 
 def _unpermute_rope_rows(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
