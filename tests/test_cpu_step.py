@@ -14,6 +14,7 @@ from hf_tiny import ours_from_hf, tiny_hf
 from kernels.cpu import build as cpu_ext
 from qspec_core.cache.full import FullPrecisionCache
 from qspec_core.cache.hierarchical import HierarchicalKVCache
+from qspec_core.model.checkpoint import build_model
 from qspec_core.model.transformer import attach_draft, attach_int8, linear_layers
 from qspec_core.precision import DRAFT, DRAFT_KV4, DRAFT_W4, FP, TARGET, W8, W8_TARGET
 from qspec_core.quant.int4 import Int4Linear
@@ -291,6 +292,37 @@ def test_bf16_valued_weights_are_read_as_bf16_copies_with_the_same_bits():
     runner.rebuild()
     assert runner.stack("full").compact_count() == max(copies - 1, 0)  # (down_proj: not bf16)
     assert torch.equal(_rounds(runner, _hier(model), TARGET, ids, STEPS[:6]), want)
+
+
+def test_bf16_held_weights_give_the_fp32_weights_bits():
+    """`build_model(bf16_held=True)` keeps a bf16 checkpoint's linears (and embedding) bf16
+    under fp32 activations where the step kernels read bf16 rows exactly: the stack, the
+    layer loop (its prefill GEMM upcasting one weight at a time) and the model's own forward
+    give the bits of the same numbers held in fp32, for half the weight bytes."""
+    ext = cpu_ext.load()
+    if not ext.BF16_WEIGHT_ROWS:
+        pytest.skip("a portable build: bf16 rows are not fp32's bits, no weight is held bf16")
+    kw = dict(hidden_size=128, intermediate_size=192, num_attention_heads=2)
+    base = _bf16_valued(ours_from_hf(tiny_hf("llama", seed=21, num_key_value_heads=1, **kw)))
+    state = {k: t.bfloat16() for k, t in base.state_dict().items()}
+    held = build_model(base.config, state, torch.float32, bf16_held=True)
+    for name, layer in linear_layers(held).items():
+        assert layer.weight.dtype == torch.bfloat16, name
+    assert held.norm.weight.dtype == torch.float32 and held.dtype == torch.float32
+    fp32_bytes = sum(t.nbytes for t in base.state_dict().values())
+    assert sum(t.nbytes for t in held.state_dict().values()) < 0.55 * fp32_bytes
+    plain = CpuRunner(base, ext)
+    plain.ops.layouts.bf16_rows = False  # (the fp32 weights only)
+    runner, loop = _runners(held)
+    assert runner.stack("full") is not None
+    ids = torch.randint(0, 101, (1, 150), generator=torch.Generator().manual_seed(22))
+    for make, path in ((_full, FP), (_hier, TARGET), (_hier, DRAFT_KV4)):
+        want = _rounds(plain, make(base), path, ids, STEPS)
+        assert torch.equal(_rounds(runner, make(held), path, ids, STEPS), want)
+        assert torch.equal(_rounds(loop, make(held), path, ids, STEPS), want)
+    with torch.no_grad():  # the model's own forward (the torch runner's ops): F.linear's bits
+        want = base(ids, torch.arange(150), _full(base), FP)
+        assert torch.equal(held(ids, torch.arange(150), _full(held), FP), want)
 
 
 def test_weights_made_in_inference_mode_get_no_bf16_copies():

@@ -76,3 +76,50 @@ def test_the_embedding_stays_in_the_checkpoint_dtype_where_only_its_rows_are_rea
     assert full.embed_tokens.weight.dtype == torch.float32 == full.lm_head.weight.dtype
     ids = torch.tensor([[0, 5, 17, config.vocab_size - 1]])
     assert lean.embed(ids).dtype == torch.float32 and torch.equal(lean.embed(ids), full.embed(ids))
+
+
+@pytest.fixture
+def bf16_model_dir(tiny_model_dir, tmp_path):
+    """tiny_model_dir with its checkpoint stored in bf16 (as SmolLM2's and Qwen2.5's are)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "bf16"
+    shutil.copytree(tiny_model_dir, folder)
+    for path in folder.glob("model*.safetensors"):
+        state = {k: t.bfloat16() for k, t in load_file(path).items()}
+        save_file(state, path, metadata={"format": "pt"})
+    return folder
+
+
+@needs_kernels
+@pytest.mark.parametrize("mode", ["quantspec", "target-ar", "ar"])
+def test_full_weights_are_held_in_the_checkpoints_bf16_with_the_same_text(
+    bf16_model_dir, mode, monkeypatch
+):
+    """`--target-weights full` on a bf16 checkpoint holds its linears in bf16 (not fp32 plus a
+    bf16 copy) where the kernels read bf16 rows exactly, and writes the fp32-held run's text."""
+    from qspec_core.registry import runtime as runtime_module
+
+    if not cpu_ext.load().BF16_WEIGHT_ROWS:
+        pytest.skip("a portable build holds fp32 weights")
+    text = "The quick brown fox jumps over the lazy dog. " * 30
+    outputs = []
+    for held in (True, False):
+        monkeypatch.setattr(runtime_module, "holds_bf16", lambda device, held=held: held)
+        runtime = _load(bf16_model_dir, True, "full")
+        dtypes = {la.weight.dtype for la in linear_layers(runtime.model).values()}
+        assert dtypes == {torch.bfloat16 if held else torch.float32}
+        assert runtime.model.dtype == torch.float32
+        session = ChatSession(runtime, text, mode=mode, max_new_tokens=24)
+        outputs.append("".join(session.ask("Summarize.")))
+    assert outputs[0] == outputs[1] and outputs[0]
+
+
+def test_the_runner_holds_bf16_only_where_its_kernels_read_it_exactly(monkeypatch):
+    from qspec_core.runner import kernel_table
+
+    assert not kernel_table.holds_bf16("meta")
+    monkeypatch.setenv("QSPEC_CPU_KERNELS", "0")
+    assert not kernel_table.holds_bf16("cpu")

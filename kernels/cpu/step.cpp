@@ -43,15 +43,18 @@ struct Projection {
   // fp32): the same bits for half the bytes read, while `weight` is the tensor copied: the
   // same storage (`compact_source`) at the same version (`compact_version`). After a change
   // the fp32 weight is read until the runner builds the stack again (`CpuRunner.rebuild`).
+  // A bf16 weight held as such (`kernel_table.holds_bf16`): `compact` is the weight itself,
+  // always read (there is no fp32 weight to fall back to).
   at::Tensor compact;
   uint32_t compact_version = 0;
   const void* compact_source = nullptr;
   int64_t group_size = 0, N = 0, K = 0;
-  bool a8 = false;
+  bool a8 = false, held_bf16 = false;
 
   // Whether a forward may read `compact` now. (A change through `.data` that keeps the
   // storage, e.g. `w.data.mul_()`, bumps no version: such edits need a rebuild.)
   bool compact_current() const {
+    if (held_bf16) return true;
     // (`compact` is never set for an inference tensor, which has no version counter)
     return compact.defined() && weight.data_ptr() == compact_source &&
            weight._version() == compact_version;
@@ -114,17 +117,25 @@ class DecoderStack {
   DecoderStack(int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, double eps)
       : H_(n_heads), n_kv_(n_kv_heads), D_(head_dim), eps_(eps) {}
 
-  // The next projection of the layer being built, in the order q, k, v, o, gate, up, down.
+  // The next projection of the layer being built, in the order q, k, v, o, gate, up, down:
+  // an fp32 weight, or a bf16 one held as such (vector builds: the same bits as its upcast).
   // compact: `weight` as bf16, holding the same numbers (the caller checked), read instead of
   // it while `weight` is unchanged; vector builds only (Projection::run: the portable loop's
   // bits may depend on the weight type)
   void add_linear(at::Tensor weight, c10::optional<at::Tensor> bias,
                   c10::optional<at::Tensor> compact) {
-    TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous(),
-                "fp32 contiguous weights only");
     Projection p;
     p.weight = weight, p.bias = fp32_or_undefined(bias);
     p.N = weight.size(0), p.K = weight.size(1);
+    if (weight.scalar_type() == at::kBFloat16) {  // held as bf16: no fp32 weight, no copy
+      TORCH_CHECK(simd::kVectorF8 && weight.is_contiguous(),
+                  "a bf16 weight needs a vector build and a contiguous tensor");
+      p.compact = weight, p.held_bf16 = true;
+      pending_.push_back(p);
+      return;
+    }
+    TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous(),
+                "fp32 or bf16 contiguous weights only");
     // (an inference tensor has no version counter: no copy)
     if (simd::kVectorF8 && compact.has_value() && compact->defined() && !weight.is_inference()) {
       TORCH_CHECK(compact->scalar_type() == at::kBFloat16 && compact->is_contiguous() &&

@@ -12,7 +12,7 @@ from qspec_core.config import ConfigError, ModelConfig
 from qspec_core.errors import QspecError
 from qspec_core.families import family_for
 from qspec_core.model.rope import RotaryEmbedding
-from qspec_core.model.transformer import Transformer, local_rope_config
+from qspec_core.model.transformer import Transformer, linear_layers, local_rope_config
 
 # Buffers some checkpoints carry that the model recomputes.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -180,13 +180,18 @@ def build_model(
     dtype: torch.dtype = torch.bfloat16,
     device: torch.device | str = "cpu",
     skipped=(),
+    bf16_held: bool = False,
 ) -> Transformer:
     """Instantiate without random init and assign the checkpoint tensors, cast to `dtype`.
     `skipped`: linears whose weights (and biases) the caller left out of `state`, on purpose
     (`load_model`): they stay on the meta device, and the model has no "full" weight set.
     With lm_head among them, the embedding table is only ever read by rows (`embed`): it
     stays in the checkpoint's dtype where that is narrower (bf16: half an fp32 table; 0.5 GB
-    at Llama 3's vocabulary and 2,048 wide), its rows cast as they are read, exactly."""
+    at Llama 3's vocabulary and 2,048 wide), its rows cast as they are read, exactly.
+    `bf16_held`: the linears' bf16 weights (and the embedding table) stay bf16 under an fp32
+    `dtype`, and every product upcasts them exactly (`Linear.forward`, the runner's kernels,
+    which read bf16 rows directly): half the bytes held, the same numbers computed. The
+    runner says where its kernels do so (`kernel_table.holds_bf16`)."""
     check_layer_count(config, [*state, *(f"{m}.weight" for m in skipped)])
     with torch.device("meta"):
         model = Transformer(config)
@@ -211,8 +216,10 @@ def build_model(
                 f"config.json implies {list(want)}"
             )
     narrow = {EMBEDDING} if "lm_head" in skipped else set()
+    if bf16_held and dtype == torch.float32:
+        narrow = {EMBEDDING} | {f"{m}.weight" for m in linear_layers(model)}
     state = {
-        k: t.to(device) if k in narrow and t.dtype.itemsize <= dtype.itemsize else
+        k: t.to(device) if k in narrow and _narrower(t.dtype, dtype, bf16_held) else
         t.to(device=device, dtype=dtype)
         for k, t in state.items()
     }  # fmt: skip
@@ -225,6 +232,11 @@ def build_model(
     if skipped:
         model.weight_sets.discard("full")
     return model.eval().requires_grad_(False)
+
+
+def _narrower(stored: torch.dtype, dtype: torch.dtype, bf16_only: bool) -> bool:
+    """Whether a tensor stored as `stored` is kept so under the model's `dtype`."""
+    return stored == torch.bfloat16 if bf16_only else stored.itemsize <= dtype.itemsize
 
 
 def split_fused(state: dict, fused, model: Transformer) -> dict[str, torch.Tensor]:
@@ -254,10 +266,13 @@ def split_fused(state: dict, fused, model: Transformer) -> dict[str, torch.Tenso
     return state
 
 
-def load_model(folder: Path, dtype=torch.bfloat16, device="cpu", skip=()) -> Transformer:
+def load_model(
+    folder: Path, dtype=torch.bfloat16, device="cpu", skip=(), bf16_held: bool = False
+) -> Transformer:
     """Read `config.json` and the weights of a local HF folder (a converted folder's 4-bit and
     INT8 twins are attached by `convert.folder.load_converted`). `skip`: linears (HF names)
-    whose weights a run does not need and are not read (`build_model`'s `skipped`)."""
+    whose weights a run does not need and are not read (`build_model`'s `skipped`);
+    `bf16_held`: `build_model`'s."""
     config_path = folder / "config.json"
     if not config_path.exists():
         raise QspecError(f"{folder} has no config.json: not a Hugging Face model folder")
@@ -267,6 +282,8 @@ def load_model(folder: Path, dtype=torch.bfloat16, device="cpu", skip=()) -> Tra
         raise QspecError(f"corrupt {config_path}: {e}") from None
     tied = config.tie_word_embeddings  # (lm_head's weight is the embedding's: it is read)
     names = {f"{m}.{k}" for m in skip for k in LINEAR if not (m == "lm_head" and tied)}
-    as_stored = {EMBEDDING} if "lm_head" in skip else set()
+    as_stored = {EMBEDDING} if "lm_head" in skip or bf16_held else set()
+    if bf16_held:  # (read as stored; build_model keeps the bf16 ones, casts the rest)
+        as_stored |= {n for n in CheckpointReader(folder).shapes if n.endswith(".weight")}
     state = load_state_dict(folder, dtype, names, as_stored)
-    return build_model(config, state, dtype=dtype, device=device, skipped=skip)
+    return build_model(config, state, dtype, device, skip, bf16_held)

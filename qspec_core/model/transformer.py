@@ -78,7 +78,14 @@ class Linear(nn.Linear):
             if self.int8_activations(path.weights):
                 return twin(quantize_activations(x).to(x.dtype))
             return twin(x)
-        return F.linear(x, self.weight, self.bias)
+        return F.linear(x, held_weight(self, x.dtype), self.bias)
+
+
+def held_weight(layer: nn.Linear, dtype: torch.dtype) -> torch.Tensor:
+    """`layer.weight` in `dtype`: itself, or a bf16-held weight (`build_model`) upcast, exactly
+    (a transient copy: one layer's weight at a time)."""
+    weight = layer._parameters["weight"]  # (dict reads: nn.Module.__getattr__ is slow)
+    return weight if weight.dtype == dtype else weight.to(dtype)
 
 
 class RMSNorm(nn.Module):

@@ -23,6 +23,7 @@ from qspec_core.registry.prepare import (
 )
 from qspec_core.registry.sources import resolve_model
 from qspec_core.runner import Runner, build_runner
+from qspec_core.runner.kernel_table import holds_bf16
 from qspec_core.timing import StepCosts
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -144,7 +145,8 @@ def load_runtime(
         name = spec or folder.name
     tokenizer = Tokenizer(folder)
     skip = () if full_weights or wanted not in INT8_WEIGHTS else int8_modules(folder)
-    model = load_model(folder, dtype=DTYPES[dtype], device=device, skip=skip)
+    held = DTYPES[dtype] == torch.float32 and holds_bf16(device)  # (bf16 weights: 2 bytes)
+    model = load_model(folder, DTYPES[dtype], device, skip, bf16_held=held)
     load_draft(folder, model)  # a converted folder carries its 4-bit draft and INT8 weights
     if target_weights in INT8_WEIGHTS and not has_int8(model):
         raise QspecError(

@@ -10,7 +10,8 @@ a tensor or twin
 *replaced* after the build is not seen until the runner that owns the stack builds it again
 (`CpuRunner.rebuild`; the runtime does so on `.to()`). None when the weights need what the C++
 loop does not run: a 4-bit twin in a form other than plain W4A8 (AWQ scales, act-order), an
-INT8 twin the CPU int8 kernel cannot take, weights not fp32; the runner then calls the model's
+INT8 twin the CPU int8 kernel cannot take, weights not fp32 (or bf16-held,
+`kernel_table.holds_bf16`); the runner then calls the model's
 own layer loop with its ops.
 """
 
@@ -33,6 +34,7 @@ def build_stack(model, weights: str, ext, layouts=None):
     stack = ext.DecoderStack(
         cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps
     )
+    bf16_rows = bool(getattr(ext, "BF16_WEIGHT_ROWS", False))
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         for linear in (
@@ -44,7 +46,7 @@ def build_stack(model, weights: str, ext, layouts=None):
             mlp.up_proj,
             mlp.down_proj,
         ):
-            if not _add_linear(stack, linear, weights, layouts):
+            if not _add_linear(stack, linear, weights, layouts, bf16_rows):
                 return None
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
         if not all(_fp32(n.weight) and n.eps == cfg.rms_norm_eps for n in norms):
@@ -53,10 +55,12 @@ def build_stack(model, weights: str, ext, layouts=None):
     return stack
 
 
-def _add_linear(stack, linear, weights: str, layouts=None) -> bool:
+def _add_linear(stack, linear, weights: str, layouts=None, bf16_rows=False) -> bool:
     """Adds one `model.Linear` with the step kernel `kernel_table` chooses for it (the one
     `CpuOps.linear` runs); False when the C++ loop cannot run it: no stack kernel for the
-    format, or tensors the C++ does not take."""
+    format, or tensors the C++ does not take. `bf16_rows`: the extension reads bf16 weights
+    for their upcast's bits (`BF16_WEIGHT_ROWS`), so it takes a bf16-held weight
+    (`kernel_table.holds_bf16`)."""
     twin = linear.twin(weights)
     fmt = weight_format(linear, weights, twin)
     add = step_kernel(fmt).stack
@@ -74,7 +78,8 @@ def _add_linear(stack, linear, weights: str, layouts=None) -> bool:
         return True
     if add == "add_linear":
         weight, bias = linear.weight, linear.bias
-        if not _fp32(weight) or (bias is not None and not _fp32(bias)):
+        held = bf16_rows and _cpu(weight, torch.bfloat16)  # (a bf16-held weight: read as is)
+        if not (held or _fp32(weight)) or (bias is not None and not _fp32(bias)):
             return False
         # (the stack reads the copy while the weight's version is the one copied: step.cpp)
         stack.add_linear(weight, bias, layouts.bf16(linear) if layouts is not None else None)
@@ -83,4 +88,8 @@ def _add_linear(stack, linear, weights: str, layouts=None) -> bool:
 
 
 def _fp32(t: torch.Tensor) -> bool:
-    return t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
+    return _cpu(t, torch.float32)
+
+
+def _cpu(t: torch.Tensor, dtype: torch.dtype) -> bool:
+    return t.dtype == dtype and t.device.type == "cpu" and t.is_contiguous()

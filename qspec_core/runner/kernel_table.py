@@ -17,7 +17,8 @@ Where each stage's kernel is chosen:
 
 Weight formats (`weight_format`: what a `model.Linear` runs on one weight set):
 
-    float   no twin: the layer's own weight (fp32, or the model's float dtype)
+    float   no twin: the layer's own weight (fp32, or the model's float dtype; a bf16 weight
+            held under fp32 where `holds_bf16`, which every kernel upcasts exactly)
     int8    an INT8 twin, activations as they come (W8A32 on the row kernels)
     w8a8    an INT8 twin, activations rounded to int8 per 64 inputs (`Linear.int8_activations`)
     w4a8    a plain 4-bit twin (no AWQ scales, no act-order, whole 64-groups:
@@ -46,9 +47,11 @@ from dataclasses import dataclass
 import torch
 
 from kernels import MAX_STEP_ROWS
+from kernels.cpu import build as cpu_ext
 from kernels.cpu import linear as rows_kernels
 from kernels.formats import quantize_activations
 from kernels.triton.w8a16 import w8a16_ref
+from qspec_core.model.transformer import held_weight
 from qspec_core.quant.int4 import Int4Linear
 from qspec_core.quant.int8 import Int8Linear
 from qspec_core.runner.prefill_choice import PREFILL_ROWS, prefill_path
@@ -69,6 +72,18 @@ class Kernel:
     name: str
     run: Run
     stack: str | None = None  # the DecoderStack method that adds the layer to a step; None: none
+
+
+def holds_bf16(device: torch.device | str) -> bool:
+    """Whether the CPU runner holds a bf16 checkpoint's full weights as bf16 under fp32
+    activations (`build_model`'s `bf16_held`): where its step kernels read bf16 weights for
+    their fp32 upcast's bits (the extension's `BF16_WEIGHT_ROWS`: the vector builds), so a
+    step reads 2 bytes a weight, and a prefill's GEMM upcasts one weight at a time (the same
+    numbers as fp32 weights). Elsewhere (no C++ kernels, a portable build, another device)
+    every step would upcast the whole model: fp32 weights."""
+    if torch.device(device).type != "cpu" or not cpu_ext.available():
+        return False
+    return bool(getattr(cpu_ext.load(), "BF16_WEIGHT_ROWS", False))
 
 
 def weight_format(layer, weights: str, twin=False) -> str:
@@ -100,8 +115,7 @@ def _float_rows(layer, twin, x, layouts):
 
 
 def _torch_linear(layer, twin, x, layouts):
-    params = layer._parameters
-    return torch.nn.functional.linear(x, params["weight"], params["bias"])
+    return torch.nn.functional.linear(x, held_weight(layer, x.dtype), layer._parameters["bias"])
 
 
 def _int8_args(twin):
