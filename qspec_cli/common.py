@@ -109,7 +109,11 @@ TruncOpt = Annotated[
     typer.Option("--truncate", help="Cut the end of a document longer than the model's context."),
 ]
 DtypeOpt = Annotated[
-    str, typer.Option(help="Weights/activations dtype: bf16 (CPU default), fp16, fp32.")
+    str,
+    typer.Option(
+        help="Weights/activations dtype: fp32 (the CPU default; a bf16 checkpoint's linears "
+        "stay bf16 where the kernels read them exactly), bf16 (the GPU default), fp16."
+    ),
 ]
 ThreadsOpt = Annotated[int | None, typer.Option(min=1, help="CPU threads (default: all cores).")]
 TargetWeightsOpt = Annotated[
