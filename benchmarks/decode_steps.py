@@ -2,8 +2,14 @@
 
 Prefills the context once (a full-precision forward of the default model, or `--model`),
 loads the same KV into a hierarchical cache, then times single forwards, interleaved and
-rolled back after each: `ar` (full weights, fp32 KV, one token), `draft` (4-bit weights, INT4
-view, one token) and `verify` (full weights, INT8 view, gamma + 1 tokens). `--compare` adds
+rolled back after each: `ar` (the target weights, fp32 KV, one token), `target-ar` (the
+target weights over the INT8 view, one token: the step QuantSpec's draft must undercut),
+`draft` (4-bit weights, INT4 view, one token) and `verify` (the target weights, INT8 view,
+gamma + 1 tokens); `--target-weights` as qspec's (auto: w8a8 on a CPU), and with
+`--full` also `ar full` on the checkpoint's own weights (bf16-held where the kernels read
+bf16: `kernel_table.holds_bf16`). Each step's bytes read (weights of its path + its view's
+KV) over its time, as a share of the read bandwidth measured in the same run
+(`qspec_core/bench/bandwidth.py`), and the draft/target step-cost ratio. `--compare` adds
 the same steps with one of qspec's C++ CPU paths switched off, in the same run:
 `linear` (the few-row fp32 linear -> F.linear), `w4a8` (the W4A8 draft linear -> PyTorch's
 int4 kernel with bf16 activations) and `stack` (all layers in one C++ call -> the Python layer
@@ -24,6 +30,7 @@ import time
 import torch
 
 from kernels.cpu import linear as cpu_linear
+from qspec_core.bench.bandwidth import path_weight_bytes, read_bandwidth
 from qspec_core.cache.full import FullPrecisionCache
 from qspec_core.cache.hierarchical import HierarchicalKVCache
 from qspec_core.engine.generate import prefill
@@ -67,10 +74,15 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=11)
     ap.add_argument("--compare", default="", help="comma-separated: " + ",".join(SWITCHES))
     ap.add_argument("--tokens-per-round", type=float, default=None, help="for the estimate")
+    ap.add_argument("--target-weights", default="auto", help="auto, full, int8, w8a8")
+    ap.add_argument("--full", action="store_true",
+                    help="also `ar` on the full weights (else they are not read)")  # fmt: skip
     ap.add_argument("--json")
     a = ap.parse_args()
-    rt = prepare_and_load(a.model, dtype="fp32", need_draft=True, log=lambda *_: None)
+    rt = prepare_and_load(a.model, dtype="fp32", need_draft=True, log=lambda *_: None,
+                          target_weights=a.target_weights, full_weights=a.full)  # fmt: skip
     model, runner, ctx = rt.model, rt.runner, a.context
+    weights = rt.target_weights
     ids = list(range(1000, 1000 + ctx))  # token ids only set the KV; any ids will do
     fp = FullPrecisionCache(model.config, ctx + a.gamma + 2, dtype=torch.float32)
     prefill(runner, fp, ids, 0, FP)
@@ -86,18 +98,34 @@ def main() -> None:
 
         return run
 
-    steps = {
-        "ar": step(one, pos1, fp, FP),
-        "draft": step(one, pos1, hc, DRAFT),
-        "verify": step(many, pos_many, hc, TARGET),
+    paths = {
+        "ar": FP.with_weights(weights),
+        "target-ar": TARGET.with_weights(weights),
+        "draft": DRAFT,
+        "verify": TARGET.with_weights(weights),
     }
+    if a.full:
+        paths["ar full"] = FP
+    steps = {
+        name: step(many if name == "verify" else one, pos_many if name == "verify" else pos1,
+                   fp if path.kv == "fp" else hc, path)
+        for name, path in paths.items()
+    }  # fmt: skip
     for name in filter(None, a.compare.split(",")):
         if name not in SWITCHES:
             raise SystemExit(f"--compare takes {', '.join(SWITCHES)}, not {name!r}")
-        for base in ("ar", "draft", "verify"):
+        for base in list(paths):
             steps[f"{base} without {name}"] = _without(SWITCHES[name], steps[base], runner)
     for fn in steps.values():  # warm up: lazy layouts, allocator
         fn()
+    bandwidth = read_bandwidth()
+    layouts = getattr(runner, "layouts", None)
+    fp_per_token = 2 * fp.k[:, :, :, 0].numel() * fp.k.element_size()
+    read = {  # bytes a step reads: its path's weights, its view of the context's KV
+        name: path_weight_bytes(model, path.weights, layouts)
+        + ctx * (fp_per_token if path.kv == "fp" else hc.bytes_per_token(path.kv))
+        for name, path in paths.items()
+    }
     times = {name: [] for name in steps}
     for _ in range(a.repeats):
         for name, fn in steps.items():
@@ -105,18 +133,27 @@ def main() -> None:
             fn()
             times[name].append(time.perf_counter() - t0)
     ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
-    print(f"context {ctx}, gamma {a.gamma}, {torch.get_num_threads()} threads, "
-          f"medians of {a.repeats} interleaved repeats (ms per forward)")  # fmt: skip
+    print(f"context {ctx}, gamma {a.gamma}, {torch.get_num_threads()} threads, target weights "
+          f"{weights}, medians of {a.repeats} interleaved repeats; read bandwidth "
+          f"{bandwidth / 1e9:.1f} GB/s")  # fmt: skip
+    print(f"  {'step':28s} {'ms':>8s} {'MB read':>9s} {'of bandwidth':>13s}")
+    share = {}
     for name, v in ms.items():
-        print(f"  {name:28s} {v:8.1f}")
-    result = {"context": ctx, "gamma": a.gamma, "repeats": a.repeats, "ms": ms}
+        base = name.split(" without ")[0]
+        share[name] = read[base] / (v / 1e3) / bandwidth
+        print(f"  {name:28s} {v:8.1f} {read[base] / 1e6:9.1f} {share[name]:12.0%}")
+    result = {"context": ctx, "gamma": a.gamma, "repeats": a.repeats, "ms": ms,
+              "target_weights": weights, "read_bandwidth": bandwidth,
+              "mb_read": {n: b / 1e6 for n, b in read.items()}, "of_bandwidth": share}  # fmt: skip
     result["ar_over_draft"] = ms["ar"] / ms["draft"]
+    result["draft_over_target_ar"] = ms["draft"] / ms["target-ar"]
     if a.tokens_per_round:
         round_ms = a.gamma * ms["draft"] + ms["verify"]
         result["estimated_speedup"] = a.tokens_per_round * ms["ar"] / round_ms
         print(f"  estimate at {a.tokens_per_round} tokens per round: "
               f"{result['estimated_speedup']:.2f}x ar")  # fmt: skip
-    print(f"  ar / draft: {result['ar_over_draft']:.2f}x")
+    print(f"  ar / draft: {result['ar_over_draft']:.2f}x; draft / target-ar step: "
+          f"{result['draft_over_target_ar']:.2f}")  # fmt: skip
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"torch": torch.__version__, "threads": torch.get_num_threads(),

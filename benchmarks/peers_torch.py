@@ -148,7 +148,12 @@ class QspecPeer:
 def load_qspec_peers(
     model: str | None, modes: tuple[str, ...], gen: int, notes, target_weights: str = "auto"
 ) -> list:
-    from qspec_core.bench.runner import MODES, BenchConfig, needs_converted_model
+    from qspec_core.bench.runner import (
+        MODES,
+        BenchConfig,
+        needs_converted_model,
+        needs_full_weights,
+    )
     from qspec_core.registry.runtime import prepare_and_load, wanted_target_weights
 
     unknown = [m for m in modes if m not in MODES]
@@ -163,6 +168,7 @@ def load_qspec_peers(
         log=lambda m: None,
         need_draft=need,
         target_weights="auto" if need and target_weights == "auto" else "full",
+        full_weights=needs_full_weights(config),
     )
     if target_weights == "auto":
         config.target_weights = runtime.target_weights

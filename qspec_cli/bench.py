@@ -68,6 +68,7 @@ def bench(
     from qspec_core.bench.runner import (
         BenchConfig,
         needs_converted_model,
+        needs_full_weights,
         parse_contexts,
         parse_modes,
         run_bench,
@@ -112,6 +113,7 @@ def bench(
     runtime = common.load(
         model, dtype, threads, need_draft=need,
         target_weights="auto" if need and target_weights == "auto" else "full",
+        full_weights=needs_full_weights(config),
     )  # fmt: skip
     if target_weights == "auto":
         config.target_weights = runtime.target_weights

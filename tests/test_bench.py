@@ -306,3 +306,19 @@ def test_prefill_products_script_compares_each_product_type_with_fp32(default_mo
     assert rows["fp32"]["kl_mean"] == 0 and rows["fp32"]["positions"] == 512  # (1,024 tokens)
     assert 0 < rows[other]["kl_mean"] < 1e-2 and rows[other]["top1_agree"] > 0.9
     assert rows["fp32 history"]["positions"] == 1024 and rows["fp32 history"]["kl_mean"] > 0
+
+
+@pytest.mark.parametrize(
+    "modes, target_weights, full",
+    [
+        (("ar", "target-ar", "quantspec"), "w8a8", False),  # (an 8B: INT8 and 4-bit only)
+        (("ar", "target-ar", "quantspec"), "full", True),
+        (("target-ar", "draft-kv4"), "w8a8", True),  # (its draft: the full weights)
+        (("quantspec", "target-ar-full"), "w8a8", True),  # (forced to the full weights)
+    ],
+)
+def test_bench_reads_the_full_weights_only_for_modes_that_run_them(modes, target_weights, full):
+    from qspec_core.bench.runner import needs_full_weights
+
+    config = BenchConfig(contexts=[256], gen=8, modes=modes, target_weights=target_weights)
+    assert needs_full_weights(config) is full

@@ -178,6 +178,16 @@ def needs_converted_model(config: BenchConfig) -> bool:
     )
 
 
+def needs_full_weights(config: BenchConfig) -> bool:
+    """Whether a mode runs the checkpoint's own weights (a target on "full", or a draft on
+    them, as draft-kv4's): else the runtime need not read them (`load_runtime`'s
+    `full_weights`), and an 8B model's bench holds its INT8 and 4-bit weights only."""
+    drafts = [MODES[m].draft for m in config.modes if MODES[m].draft is not None]
+    return any(config.weights(m) == "full" for m in config.modes) or any(
+        d.weights == "full" for d in drafts
+    )
+
+
 def check_config(config: BenchConfig, runtime: Runtime) -> None:
     """Refuse what cannot run, before any work: sizes beyond the model, no draft, no room."""
     limit = runtime.context_limit
