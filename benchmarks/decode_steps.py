@@ -85,7 +85,7 @@ def main() -> None:
     weights = rt.target_weights
     ids = list(range(1000, 1000 + ctx))  # token ids only set the KV; any ids will do
     fp = FullPrecisionCache(model.config, ctx + a.gamma + 2, dtype=torch.float32)
-    prefill(runner, fp, ids, 0, FP)
+    prefill(runner, fp, ids, 0, FP.with_weights(weights))
     hc = HierarchicalKVCache(model.config, ctx + a.gamma + 2, dtype=torch.float32)
     hc.load_full_precision(fp.k[:, :, :, :ctx], fp.v[:, :, :, :ctx])
     one, pos1 = torch.tensor([[42]]), torch.tensor([ctx])
