@@ -115,19 +115,20 @@ def _progress_bar(total: int, disable: bool):
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
-        Progress,
         TextColumn,
         TimeElapsedColumn,
         TimeRemainingColumn,
     )
+
+    from qspec_cli.render import progress
 
     columns = (
         TextColumn("summaries"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
         TextColumn("eta"), TimeRemainingColumn(), TextColumn("{task.fields[rate]}"),
     )  # fmt: skip
     disable = disable or total == 0
-    with Progress(*columns, console=common.err, transient=True, disable=disable) as bar:
-        task = bar.add_task("", total=total, rate="")
+    with progress(*columns, console=common.err, disable=disable) as bar:
+        task = bar.add_task("summaries", total=total, rate="")
         start, tokens = time.perf_counter(), 0
 
         def on_record(record: dict) -> None:

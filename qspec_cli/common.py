@@ -278,9 +278,11 @@ def step_progress(description: str, disable: bool = False):
     callback to call after each step (e.g. `convert`'s `on_layer`)."""
     from rich import progress as rp
 
+    from qspec_cli.render import progress
+
     columns = (rp.TextColumn("{task.description}"), rp.BarColumn(), rp.MofNCompleteColumn(),
                rp.TimeElapsedColumn(), rp.TextColumn("eta"), rp.TimeRemainingColumn())  # fmt: skip
-    with rp.Progress(*columns, console=err, transient=True, disable=disable) as bar:
+    with progress(*columns, console=err, disable=disable) as bar:
 
         def start(total: int):
             task = bar.add_task(description, total=total)

@@ -23,6 +23,7 @@ from qspec_core.engine.proposers import DraftSource
 from qspec_core.engine.session import ReplyStats
 
 PROGRESS_MIN_TOKENS = 1024  # shorter prefills finish before a bar is worth drawing
+LOG_EVERY_S = 30.0  # where stderr is a file or a pipe: at most one progress line this often
 
 
 def plural(n: int, word: str) -> str:
@@ -111,6 +112,50 @@ def source_line(sources: dict) -> str:
     return " · ".join(parts)
 
 
+def progress(*columns, console: Console, disable: bool = False, **kwargs) -> Progress:
+    """A transient bar on a terminal; elsewhere (a log file, a pipe: rich draws nothing there) a
+    `LoggedProgress`, so an 11-minute conversion run under `nohup` still says where it is."""
+    if disable or console.is_terminal:
+        return Progress(*columns, console=console, transient=True, disable=disable, **kwargs)
+    return LoggedProgress(*columns, console=console, **kwargs)
+
+
+def clock(seconds: float) -> str:
+    seconds = int(seconds)
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+class LoggedProgress(Progress):
+    """Plain lines instead of a bar: one every `LOG_EVERY_S` while a task runs, and a last one
+    when a task that said anything (or ran that long) finishes; a shorter task stays silent."""
+
+    def __init__(self, *columns, console: Console, **kwargs):
+        super().__init__(*columns, console=console, transient=True, disable=True, **kwargs)
+        self._said: dict = {}  # task id -> when its last line was printed
+
+    def advance(self, task_id, advance: float = 1) -> None:
+        super().advance(task_id, advance)
+        self._log(task_id)
+
+    def update(self, task_id, **kwargs) -> None:
+        super().update(task_id, **kwargs)
+        self._log(task_id)
+
+    def _log(self, task_id) -> None:
+        task, now = self._tasks[task_id], self.get_time()
+        since = self._said.get(task_id, task.start_time)
+        quiet_for = now - (now if since is None else since)
+        if quiet_for < LOG_EVERY_S and not (task.finished and task_id in self._said):
+            return
+        self._said[task_id] = now
+        line = f"{task.description}: {task.completed:,.0f}/{task.total:,.0f}"
+        line += f" · {clock(task.finished_time or task.elapsed or 0)} elapsed"
+        if not task.finished and task.time_remaining is not None:
+            line += f" · eta {clock(task.time_remaining)}"
+        line += "".join(f" · {v}" for v in task.fields.values() if str(v).strip("- "))
+        self.console.print(Text(line), soft_wrap=True)
+
+
 class PrefillProgress:
     """`on_prefill` callback for `ChatSession.ask`: a bar for long prefills, on stderr."""
 
@@ -119,25 +164,24 @@ class PrefillProgress:
         self.progress: Progress | None = None
 
     def __call__(self, total: int) -> Callable[[int], None] | None:
-        if total < PROGRESS_MIN_TOKENS or not self.console.is_terminal:
+        if total < PROGRESS_MIN_TOKENS:
             return None
-        self.progress = Progress(
+        self.progress = progress(
             TextColumn("prefill"),
             BarColumn(),
             MofNCompleteColumn(),
-            TextColumn("{task.fields[rate]} tok/s"),
+            TextColumn("{task.fields[rate]}"),
             TimeRemainingColumn(),
             console=self.console,
-            transient=True,
         )
-        task = self.progress.add_task("prefill", total=total, rate="-")
+        task = self.progress.add_task("prefill", total=total, rate="- tok/s")
         self.progress.start()
 
         def advance(n: int) -> None:
             self.progress.advance(task, n)
             t = self.progress.tasks[0]
             speed = t.finished_speed or t.speed
-            self.progress.update(task, rate=f"{speed:,.0f}" if speed else "-")
+            self.progress.update(task, rate=f"{speed:,.0f} tok/s" if speed else "- tok/s")
             if t.finished:
                 self.stop()
 
