@@ -4,18 +4,20 @@ Prefills the context once (a full-precision forward of the default model, or `--
 loads the same KV into a hierarchical cache, then times single forwards, interleaved and
 rolled back after each: `ar` (the target weights, fp32 KV, one token), `target-ar` (the
 target weights over the INT8 view, one token: the step QuantSpec's draft must undercut),
-`draft` (4-bit weights, INT4 view, one token) and `verify` (the target weights, INT8 view,
-gamma + 1 tokens); `--target-weights` as qspec's (auto: w8a8 on a CPU), and with
-`--full` also `ar full` on the checkpoint's own weights (bf16-held where the kernels read
-bf16: `kernel_table.holds_bf16`). Each step's bytes read (weights of its path + its view's
-KV) over its time, as a share of the read bandwidth measured in the same run
+`draft` (4-bit weights, INT4 view, one token, scoring the vocabulary slice decoding gives it,
+`engine/draft_vocab.py`; beside it the same step scoring the whole head) and `verify` (the
+target weights, INT8 view, gamma + 1 tokens); the context is the bench's prompt
+(`bench/corpus.py`); `--target-weights` as qspec's (auto: w8a8 on a CPU), and with `--full`
+also `ar full` on the checkpoint's own weights (bf16-held where the kernels read bf16:
+`kernel_table.holds_bf16`). Each step's bytes read (weights of its path + its view's KV)
+over its time, as a share of the read bandwidth measured in the same run
 (`qspec_core/bench/bandwidth.py`), and the draft/target step-cost ratio. `--compare` adds
-the same steps with one of qspec's C++ CPU paths switched off, in the same run:
-`linear` (the few-row fp32 linear -> F.linear), `w4a8` (the W4A8 draft linear -> PyTorch's
-int4 kernel with bf16 activations) and `stack` (all layers in one C++ call -> the Python layer
-loop; `linear` and `w4a8` switch the stack off too, since it calls those kernels itself).
-Medians of `--repeats`; the estimate is
-tokens_per_round * ar / (gamma * draft + verify), with tokens_per_round from `qspec bench`.
+the same steps with one of qspec's C++ CPU paths switched off, in the same run: `linear` (the
+few-row fp32 linear -> F.linear), `w4a8` (the W4A8 draft linear -> PyTorch's int4 kernel
+with bf16 activations) and `stack` (all layers in one C++ call -> the Python layer loop;
+`linear` and `w4a8` switch the stack off too, since it calls those kernels itself). Medians
+of `--repeats`; the estimate is tokens_per_round * ar / (gamma * draft + verify), with
+tokens_per_round from `qspec bench`.
 
     python benchmarks/decode_steps.py --context 8192 --compare linear,w4a8 --json out.json
 """
@@ -31,8 +33,10 @@ import torch
 
 from kernels.cpu import linear as cpu_linear
 from qspec_core.bench.bandwidth import path_weight_bytes, read_bandwidth
+from qspec_core.bench.corpus import bench_prompt
 from qspec_core.cache.full import FullPrecisionCache
 from qspec_core.cache.hierarchical import HierarchicalKVCache
+from qspec_core.engine.draft_vocab import DraftVocab
 from qspec_core.engine.generate import prefill
 from qspec_core.precision import DRAFT, FP, TARGET
 from qspec_core.registry.runtime import prepare_and_load
@@ -40,6 +44,7 @@ from qspec_core.registry.runtime import prepare_and_load
 # --compare name -> the gates that, answering False (None), switch the C++ path off; "stack"
 # stands for the runner's `stack` (then the model's layer loop runs, with the runner's ops)
 STACK = "stack"
+WHOLE_HEAD = "draft, whole head"  # the draft step without its vocabulary slice
 SWITCHES = {
     "linear": [(cpu_linear, "usable"), STACK],
     "w4a8": [(cpu_linear, "int4_usable"), STACK],
@@ -81,9 +86,12 @@ def main() -> None:
     a = ap.parse_args()
     rt = prepare_and_load(a.model, dtype="fp32", need_draft=True, log=lambda *_: None,
                           target_weights=a.target_weights, full_weights=a.full)  # fmt: skip
-    model, runner, ctx = rt.model, rt.runner, a.context
+    model, runner = rt.model, rt.runner
     weights = rt.target_weights
-    ids = list(range(1000, 1000 + ctx))  # token ids only set the KV; any ids will do
+    # the bench's prompt: its ids set the KV and the draft's vocabulary slice, as a document's
+    ids = bench_prompt(rt.tokenizer, a.context)
+    ctx = len(ids)
+    vocab = DraftVocab.build(model, ids, DRAFT)  # (None: a head that is not sliced)
     fp = FullPrecisionCache(model.config, ctx + a.gamma + 2, dtype=torch.float32)
     prefill(runner, fp, ids, 0, FP.with_weights(weights))
     hc = HierarchicalKVCache(model.config, ctx + a.gamma + 2, dtype=torch.float32)
@@ -91,9 +99,9 @@ def main() -> None:
     one, pos1 = torch.tensor([[42]]), torch.tensor([ctx])
     many, pos_many = torch.tensor([[42] * (a.gamma + 1)]), torch.arange(ctx, ctx + a.gamma + 1)
 
-    def step(tokens, pos, cache, path):
+    def step(tokens, pos, cache, path, head=None):
         def run():
-            runner(tokens, pos, cache, path)
+            runner(tokens, pos, cache, path, **({"head": head} if head is not None else {}))
             cache.truncate(ctx)
 
         return run
@@ -104,11 +112,14 @@ def main() -> None:
         "draft": DRAFT,
         "verify": TARGET.with_weights(weights),
     }
+    if vocab is not None:
+        paths[WHOLE_HEAD] = DRAFT
     if a.full:
         paths["ar full"] = FP
+    heads = {"draft": vocab.head if vocab is not None else None}
     steps = {
         name: step(many if name == "verify" else one, pos_many if name == "verify" else pos1,
-                   fp if path.kv == "fp" else hc, path)
+                   fp if path.kv == "fp" else hc, path, heads.get(name))
         for name, path in paths.items()
     }  # fmt: skip
     for name in filter(None, a.compare.split(",")):
@@ -121,8 +132,9 @@ def main() -> None:
     bandwidth = read_bandwidth()
     layouts = getattr(runner, "layouts", None)
     fp_per_token = 2 * fp.k[:, :, :, 0].numel() * fp.k.element_size()
-    read = {  # bytes a step reads: its path's weights, its view of the context's KV
-        name: path_weight_bytes(model, path.weights, layouts)
+    rows = {"draft": len(vocab.ids)} if vocab is not None else {}
+    read = {  # bytes a step reads: its path's weights (the draft: its head's slice), its KV
+        name: path_weight_bytes(model, path.weights, layouts, rows.get(name))
         + ctx * (fp_per_token if path.kv == "fp" else hc.bytes_per_token(path.kv))
         for name, path in paths.items()
     }
@@ -133,9 +145,11 @@ def main() -> None:
             fn()
             times[name].append(time.perf_counter() - t0)
     ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+    head = model.lm_head.out_features
     print(f"context {ctx}, gamma {a.gamma}, {torch.get_num_threads()} threads, target weights "
           f"{weights}, medians of {a.repeats} interleaved repeats; read bandwidth "
-          f"{bandwidth / 1e9:.1f} GB/s")  # fmt: skip
+          f"{bandwidth / 1e9:.1f} GB/s; the draft scores {rows.get('draft', head):,} of "
+          f"{head:,} vocabulary rows")  # fmt: skip
     print(f"  {'step':28s} {'ms':>8s} {'MB read':>9s} {'of bandwidth':>13s}")
     share = {}
     for name, v in ms.items():
@@ -144,7 +158,8 @@ def main() -> None:
         print(f"  {name:28s} {v:8.1f} {read[base] / 1e6:9.1f} {share[name]:12.0%}")
     result = {"context": ctx, "gamma": a.gamma, "repeats": a.repeats, "ms": ms,
               "target_weights": weights, "read_bandwidth": bandwidth,
-              "mb_read": {n: b / 1e6 for n, b in read.items()}, "of_bandwidth": share}  # fmt: skip
+              "mb_read": {n: b / 1e6 for n, b in read.items()}, "of_bandwidth": share,
+              "draft_head_rows": rows.get("draft", head), "vocab_size": head}  # fmt: skip
     result["ar_over_draft"] = ms["ar"] / ms["draft"]
     result["draft_over_target_ar"] = ms["draft"] / ms["target-ar"]
     if a.tokens_per_round:

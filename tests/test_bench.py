@@ -270,10 +270,12 @@ def test_decode_steps_script_times_every_step(default_model_dir, tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     result = json.loads(out.read_text())
-    assert set(result["ms"]) == {
-        "ar", "draft", "verify", "ar without w4a8", "draft without w4a8", "verify without w4a8"
-    }  # fmt: skip
+    steps = {"ar", "target-ar", "draft", "draft, whole head", "verify"}
+    assert set(result["ms"]) == steps | {f"{s} without w4a8" for s in steps}
     assert all(v > 0 for v in result["ms"].values()) and result["estimated_speedup"] > 0
+    # the draft step scores its vocabulary slice, as decoding does, and reads that much less
+    assert result["draft_head_rows"] < result["vocab_size"]
+    assert result["mb_read"]["draft"] < result["mb_read"]["draft, whole head"]
 
 
 @pytest.mark.real_model

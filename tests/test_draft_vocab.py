@@ -6,9 +6,10 @@ import pytest
 import torch
 from hf_tiny import tiny_hf
 
+from qspec_core.bench.bandwidth import path_weight_bytes
 from qspec_core.cache.hierarchical import HierarchicalKVCache
 from qspec_core.config import ModelConfig
-from qspec_core.engine.draft_vocab import DraftVocab, draft_ids, vocab_head
+from qspec_core.engine.draft_vocab import DraftVocab, draft_ids, head_rows, vocab_head
 from qspec_core.engine.generate import decode, prefill_hierarchical
 from qspec_core.engine.plan import DecodePlan
 from qspec_core.engine.sampling import SamplingParams
@@ -27,9 +28,10 @@ def _g(seed):
     return torch.Generator().manual_seed(seed)
 
 
-def _model():
+def _model(head4: bool = False):
     """A tiny Llama as `qspec convert` leaves the default model: 4-bit twins on every linear
-    but the head, which drafts on its INT8 twin (W8A8: in_features a multiple of 64)."""
+    but the head, which drafts on its INT8 twin (W8A8: in_features a multiple of 64); with
+    `head4` the head has its 4-bit twin too (the `all` recipe's, a Llama 3 1B's)."""
     shape = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4)
     hf = tiny_hf("llama", vocab_size=VOCAB, max_position_embeddings=512, **shape)
     config = ModelConfig.from_hf_config(hf.config.to_dict())
@@ -37,7 +39,11 @@ def _model():
     model = build_model(config, state, dtype=torch.float32)
     layers = linear_layers(model)
     attach_int8(model, {n: Int8Linear.from_linear(m) for n, m in layers.items()})
-    drafts = {n: Int4Linear.from_linear(m, 32) for n, m in layers.items() if n != "lm_head"}
+    drafts = {
+        n: Int4Linear.from_linear(m, 64 if n == "lm_head" else 32)  # (W4A8 takes 64-groups)
+        for n, m in layers.items()
+        if head4 or n != "lm_head"
+    }
     attach_draft(model, drafts)
     return model
 
@@ -49,11 +55,16 @@ def test_draft_ids_are_the_common_ids_and_the_prompts_sorted_once():
 
 
 @pytest.mark.parametrize("runner_kind", ["native", "torch"])
-@pytest.mark.parametrize("path", [DRAFT, DRAFT_KV4], ids=["int8-head", "full-head"])
-def test_the_sliced_head_computes_the_full_heads_logits_of_its_rows(runner_kind, path):
-    """The same logits: bit for bit on the draft path (W8A8 rows: an exact integer dot per
-    row), to fp32 rounding with full weights (the fp32 kernel's blocks of output rows)."""
-    model = _model()
+@pytest.mark.parametrize(
+    "path, head4",
+    [(DRAFT, False), (DRAFT, True), (DRAFT_KV4, False)],
+    ids=["int8-head", "int4-head", "full-head"],
+)
+def test_the_sliced_head_computes_the_full_heads_logits_of_its_rows(runner_kind, path, head4):
+    """The same logits: bit for bit on the INT8 head (W8A8 rows: an exact integer dot per
+    row), to fp32 rounding on a 4-bit head (its fp32 sum over groups) and with full weights
+    (the fp32 kernel's blocks of output rows)."""
+    model = _model(head4)
     runner = build_runner(model) if runner_kind == "native" else TorchRunner(model)
     ids = draft_ids(torch.randint(0, VOCAB, (40,), generator=_g(1)).tolist(), VOCAB, 64)
     head = vocab_head(model, ids, path)
@@ -68,15 +79,35 @@ def test_the_sliced_head_computes_the_full_heads_logits_of_its_rows(runner_kind,
         prefill_hierarchical(runner, cache, prompt)
         outs.append(runner(tokens, pos, cache, path, head=sub)[0, -1])
     torch.testing.assert_close(outs[1], outs[0][ids], rtol=1e-6, atol=1e-6)
-    if path is DRAFT:  # (W8A8: an exact integer dot per row, then one scale: bit for bit)
+    if path is DRAFT and not head4:  # (W8A8: an exact integer dot per row, then one scale)
         assert torch.equal(outs[1], outs[0][ids])
 
 
-def test_a_4bit_head_is_not_sliced():
-    model = _model()
-    attach_draft(model, {"lm_head": Int4Linear.from_linear(model.lm_head, 32)})
+def test_a_biased_head_is_not_sliced_a_4bit_one_is():
+    model = _model(head4=True)
+    head = vocab_head(model, torch.arange(10), DRAFT)
+    assert isinstance(head.twin("int4"), Int4Linear) and head.out_features == 10
+    assert head_rows(model, [1, 2], DRAFT, common=10) == 10
+    model.lm_head.bias = torch.nn.Parameter(torch.zeros(VOCAB), requires_grad=False)
+    model.lm_head.draft.bias = torch.zeros(VOCAB)
     assert vocab_head(model, torch.arange(10), DRAFT) is None
     assert DraftVocab.build(model, [1, 2], DRAFT, common=10) is None
+    assert head_rows(model, [1, 2], DRAFT, common=10) == VOCAB  # (it reads the whole head)
+
+
+def test_a_draft_step_reads_its_slices_rows_of_the_head():
+    """What bench and decode_steps.py count for a draft step: the slice's rows of the INT8 head
+    (its bytes, scales included), not the whole head."""
+    model = _model()
+    prompt = [250, 7, 250, 120, 400]
+    vocab = DraftVocab.build(model, prompt, DRAFT, common=100)
+    rows = head_rows(model, prompt, DRAFT, common=100)
+    assert rows == len(vocab.ids) == 102  # (0..99, 120, 250; 400 is past the vocabulary)
+    assert head_rows(model, prompt, DRAFT, common=None) == VOCAB
+    whole = path_weight_bytes(model, "int4")
+    head = sum(b.nbytes for b in model.lm_head.int8.buffers())  # (the int8 rows, the scales)
+    sliced = sum(b.nbytes for b in vocab.head.int8.buffers())
+    assert path_weight_bytes(model, "int4", head_rows=rows) == whole - head + sliced
 
 
 def _spec(model, prompt, n_new, params, vocab, gamma=4, seed=0):
@@ -89,11 +120,12 @@ def _spec(model, prompt, n_new, params, vocab, gamma=4, seed=0):
     return list(out), stats
 
 
+@pytest.mark.parametrize("head4", [False, True], ids=["int8-head", "int4-head"])
 @pytest.mark.parametrize("common", [0, 64, 200])
-def test_greedy_through_a_slice_is_target_ar(common):
+def test_greedy_through_a_slice_is_target_ar(common, head4):
     """Identical tokens whatever the slice: with common 0 the draft sees only the prompt's
     ids, so most of the target's tokens cannot be proposed and rounds reject."""
-    model = _model()
+    model = _model(head4)
     prompt = torch.randint(0, VOCAB, (40,), generator=_g(3)).tolist()
     runner = build_runner(model)
     cache = HierarchicalKVCache(model.config, 40 + 60 + 8, dtype=torch.float32)

@@ -12,8 +12,9 @@ Bytes per step (`path_weight_bytes` + context x KV bytes per history token): eve
 weights in the path's weight set (full: the model's dtype, or bf16 where the runner reads bf16
 copies of bf16-valued fp32 weights, `runner/layouts.py`; int8 and w8a8: the INT8 twins
 with their scales; int4: the 4-bit twins with scales and zero points, the full weight where a
-layer has none), lm_head included, norms and the embedding row left out (under 0.1%). A
-verify of gamma + 1 tokens reads them once, as a single step does.
+layer has none), lm_head included (a draft step: only its sliced vocabulary's rows), norms
+and the embedding row left out (under 0.1%). A verify of gamma + 1 tokens reads them once, as
+a single step does.
 """
 
 from __future__ import annotations
@@ -46,20 +47,24 @@ def _nbytes(module: torch.nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def path_weight_bytes(model: Transformer, weights: str, layouts=None) -> int:
+def path_weight_bytes(
+    model: Transformer, weights: str, layouts=None, head_rows: int | None = None
+) -> int:
     """Weight bytes a step on `weights` reads: each linear's twin for that set (see above);
     `layouts`: the runner's `WeightLayouts`, whose bf16 copies its steps read instead of the
-    layers' own fp32 weights (None: no copies)."""
+    layers' own fp32 weights (None: no copies); `head_rows`: the rows of lm_head the step
+    reads (a draft's sliced vocabulary, `engine/draft_vocab.head_rows`; None: all)."""
     total = 0
     for layer in linear_layers(model).values():
         twin = layer.twin(weights)
         if twin is not None:
-            total += _nbytes(twin)
-            continue
-        copy = layouts.bf16(layer) if layouts is not None else None
-        total += (
-            _nbytes(layer) if copy is None else _nbytes(layer) - layer.weight.nbytes + copy.nbytes
-        )
+            nbytes = _nbytes(twin)
+        else:
+            copy = layouts.bf16(layer) if layouts is not None else None
+            nbytes = _nbytes(layer) - (0 if copy is None else layer.weight.nbytes - copy.nbytes)
+        if layer is model.lm_head and head_rows is not None:
+            nbytes = nbytes * head_rows // layer.out_features  # (rows and their scales)
+        total += nbytes
     return total
 
 

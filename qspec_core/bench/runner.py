@@ -23,6 +23,7 @@ from qspec_core.bench.bandwidth import path_weight_bytes, read_bandwidth, step_t
 from qspec_core.bench.compute import gemm_peaks, prefill_compute, prefill_flops
 from qspec_core.bench.corpus import bench_prompt
 from qspec_core.cache.hierarchical import HierarchicalKVCache
+from qspec_core.engine.draft_vocab import head_rows
 from qspec_core.engine.generate import linear_clock, prefill, prefill_hierarchical
 from qspec_core.engine.plan import DecodePlan
 from qspec_core.engine.sampling import SamplingParams
@@ -243,6 +244,7 @@ class Run:
     peak_memory_bytes: int | None  # CUDA peak for this run; None on CPU (see machine)
     target_weights: str  # the weights of the target path: its output follows that model
     tokens: list[int] = field(default_factory=list, repr=False)  # the decoded ids (not in JSON)
+    draft_head_rows: int | None = None  # rows of lm_head a draft step reads (its vocabulary)
     # inside prefill_s: "attention" (every chunk's causal attention), "quantize" (the groups'
     # quantization into the planes, chunk by chunk); the rest is the linears, norms and RoPE
     prefill_stages_s: dict[str, float] = field(default_factory=dict)
@@ -353,7 +355,15 @@ def _run_once(runtime, mode_name, prompt, gen, config, seed) -> Run:
         target_weights=config.weights(mode_name),
         tokens=out,
         prefill_stages_s={k: v for k, v in inside.items() if k in PREFILL_STAGES},
+        draft_head_rows=_draft_head_rows(runtime.model, prompt, config.plan(mode_name)),
     )
+
+
+def _draft_head_rows(model, prompt: list[int], plan: DecodePlan) -> int | None:
+    """Rows of lm_head the plan's draft steps read (its sliced vocabulary), None: no draft."""
+    if plan.draft is None:
+        return None
+    return head_rows(model, prompt, plan.draft, plan.draft_common)
 
 
 def step_lines(runs: list[Run], model, config: BenchConfig, bandwidth: float, layouts=None) -> dict:
@@ -363,6 +373,7 @@ def step_lines(runs: list[Run], model, config: BenchConfig, bandwidth: float, la
     `layouts`: the runner's `WeightLayouts` (its bf16 copies are what its steps read)."""
     mode = MODES[runs[0].mode]
     kinds = {}  # kind -> (weights, KV view key, [(seconds, steps, history tokens, kv B/token)])
+    rows = {"draft": runs[0].draft_head_rows}  # (lm_head rows a step reads; verify: all)
     for r in runs:
         history = r.prompt_tokens + r.new_tokens / 2
         weights = config.weights(r.mode)
@@ -383,7 +394,7 @@ def step_lines(runs: list[Run], model, config: BenchConfig, bandwidth: float, la
             )
     out = {}
     for kind, (weights, _, samples) in kinds.items():
-        w = path_weight_bytes(model, weights, layouts)
+        w = path_weight_bytes(model, weights, layouts, rows.get(kind))
         lines = [step_traffic(s, n, w, h * kv, bandwidth) for s, n, h, kv in samples]
         lines.sort(key=lambda line: line["ms"])
         out[kind] = lines[len(lines) // 2] | {"weights": weights}

@@ -190,6 +190,23 @@ class Int4Linear(nn.Module):
             w = w * self.input_scale[None, :] * self.output_scale[:, None]
         return w
 
+    def rows(self, ids: torch.Tensor) -> Int4Linear:
+        """The layer of output rows `ids` only (a draft's slice of the vocabulary): each row's
+        codes, scales and zero points, so y[..., i] = self(x)[..., ids[i]]."""
+        layer = Int4Linear(
+            self.in_features,
+            len(ids),
+            self.group_size,
+            self.bias is not None,
+            self.perm is not None,
+            self.input_scale is not None,
+        )
+        per_row = ("packed", "scale", "zero", "bias", "output_scale")
+        for name, value in self._buffers.items():
+            if value is not None:
+                getattr(layer, name).copy_(value[ids] if name in per_row else value)
+        return layer
+
     def with_scales(self, input_scale=None, output_scale=None) -> Int4Linear:
         """A copy carrying explicit input/output channel scales (AWQ)."""
         layer = Int4Linear(
