@@ -1,6 +1,8 @@
 """A run on INT8 target weights holds what it reads: the linears' full weights are never read
 (`load_runtime(full_weights=False)`), and it decodes what the runtime with them decodes."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -76,6 +78,34 @@ def test_the_embedding_stays_in_the_checkpoint_dtype_where_only_its_rows_are_rea
     assert full.embed_tokens.weight.dtype == torch.float32 == full.lm_head.weight.dtype
     ids = torch.tensor([[0, 5, 17, config.vocab_size - 1]])
     assert lean.embed(ids).dtype == torch.float32 and torch.equal(lean.embed(ids), full.embed(ids))
+
+
+def _mapped_files() -> set[str]:
+    with open("/proc/self/maps") as f:
+        return {line.split(maxsplit=5)[-1].strip() for line in f if "/" in line}
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs Linux's /proc")
+def test_a_rows_only_embedding_is_memory_mapped_not_read(bf16_model_dir):
+    """On INT8 weights the table is mapped from the checkpoint (only the pages of the rows
+    looked up become resident: Llama 3.1 8B's is 1 GB) and holds the stored bits; with the
+    full weights (lm_head reads all of it) it is read."""
+    from qspec_core.model.checkpoint import EMBEDDING, CheckpointReader
+
+    checkpoint = str((bf16_model_dir / "model.safetensors").resolve())
+    stored = CheckpointReader(bf16_model_dir).get(EMBEDDING, None)
+    lean = _load(bf16_model_dir, False)
+    table = lean.model.embed_tokens.weight
+    assert checkpoint in _mapped_files()
+    assert table.dtype == torch.bfloat16 and torch.equal(table, stored)
+    del lean, table
+    import gc
+
+    gc.collect()
+    assert checkpoint not in _mapped_files()  # (the map goes with the model)
+    full = _load(bf16_model_dir, True)
+    assert checkpoint not in _mapped_files()
+    assert torch.equal(full.model.embed_tokens.weight, stored.float())
 
 
 @pytest.fixture

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import mmap
+import warnings
 from pathlib import Path
 
 import torch
@@ -40,14 +42,17 @@ def checkpoint_files(folder: Path) -> list[Path]:
 
 
 def load_state_dict(
-    folder: Path, dtype: torch.dtype | None = None, skip=(), as_stored=()
+    folder: Path, dtype: torch.dtype | None = None, skip=(), as_stored=(), mapped=()
 ) -> dict[str, torch.Tensor]:
     """HF tensor names with the `model.` prefix stripped (the key filter of style.md), each
     cast to `dtype` as it is read (None: as stored); tensors named in `skip` are not read,
-    those in `as_stored` are read in the checkpoint's dtype."""
+    those in `as_stored` are read in the checkpoint's dtype, those in `mapped` memory-mapped
+    as stored (`TensorFile.mapped`)."""
     reader = CheckpointReader(folder)
     return {
-        n: reader.get(n, None if n in as_stored else dtype) for n in reader.shapes if n not in skip
+        n: reader.mapped(n) if n in mapped else reader.get(n, None if n in as_stored else dtype)
+        for n in reader.shapes
+        if n not in skip
     }
 
 
@@ -88,6 +93,23 @@ class TensorFile:
             end - start, *shape[1:]
         )
 
+    def mapped(self, name: str) -> torch.Tensor:
+        """The tensor `name` as stored, through a private memory map: only the pages a reader
+        touches become resident (an embedding table read by rows: the rows of the tokens
+        seen). Read-only in use; copy on write, so the file never changes."""
+        first, end, dtype, shape = self.entries[name]
+        if end == first:
+            return self.get_tensor(name)
+        try:
+            with open(self.path, "rb") as f:
+                view = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        except (OSError, ValueError) as e:
+            raise QspecError(f"corrupt checkpoint {self.path}: {e}") from None
+        with warnings.catch_warnings():  # (a copy-on-write map is writable: no warning due)
+            warnings.simplefilter("ignore", UserWarning)
+            flat = torch.frombuffer(view, dtype=dtype, count=math.prod(shape), offset=first)
+        return flat.reshape(shape)
+
     def _tensor(self, offset: int, size: int, dtype: torch.dtype) -> torch.Tensor:
         buf = bytearray(size)
         try:
@@ -124,6 +146,11 @@ class CheckpointReader:
         shard, stored = self._where[name]
         t = shard.get_tensor(stored)
         return t if dtype is None else t.to(dtype)
+
+    def mapped(self, name: str) -> torch.Tensor:
+        """The tensor `name` as stored, memory-mapped (`TensorFile.mapped`)."""
+        shard, stored = self._where[name]
+        return shard.mapped(stored)
 
     def rows(self, name: str, start: int, end: int, dtype=torch.float32) -> torch.Tensor:
         """Rows [start, end) of the tensor `name` (its first dimension), cast to `dtype`."""
@@ -285,5 +312,8 @@ def load_model(
     as_stored = {EMBEDDING} if "lm_head" in skip or bf16_held else set()
     if bf16_held:  # (read as stored; build_model keeps the bf16 ones, casts the rest)
         as_stored |= {n for n in CheckpointReader(folder).shapes if n.endswith(".weight")}
-    state = load_state_dict(folder, dtype, names, as_stored)
+    # read by rows only, where lm_head's weight is not: mapped, the rows of the tokens seen
+    # resident (Llama 3.1 8B's table is 1 GB in bf16), not the whole table
+    mapped = {EMBEDDING} if "lm_head" in skip else set()
+    state = load_state_dict(folder, dtype, names, as_stored, mapped)
     return build_model(config, state, dtype, device, skip, bf16_held)
