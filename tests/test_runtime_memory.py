@@ -80,6 +80,29 @@ def test_the_embedding_stays_in_the_checkpoint_dtype_where_only_its_rows_are_rea
     assert lean.embed(ids).dtype == torch.float32 and torch.equal(lean.embed(ids), full.embed(ids))
 
 
+@needs_kernels
+@pytest.mark.parametrize("mode", ["target-ar", "quantspec"])
+def test_a_full_weight_run_holds_only_the_twins_it_reads(tiny_model_dir, mode):
+    """`--target-weights full`: target-ar holds no twin; quantspec the 4-bit draft and the
+    INT8 twins of the layers that draft on them (no 4-bit twin); the same text as with all."""
+    text = "The quick brown fox jumps over the lazy dog. " * 30
+    need_draft = mode == "quantspec"
+    outputs = []
+    for full in (True, False):
+        runtime = load_runtime(str(tiny_model_dir), dtype="fp32", log=lambda m: None,
+                               need_draft=need_draft, target_weights="full",
+                               full_weights=full)  # fmt: skip
+        layers = linear_layers(runtime.model)
+        if not full:
+            for name, layer in layers.items():
+                assert (layer.draft is not None) == need_draft or layer.draft is None, name
+                reads_int8 = need_draft and layer.draft is None
+                assert (layer.int8 is not None) == reads_int8, name
+        session = ChatSession(runtime, text, mode=mode, max_new_tokens=24)
+        outputs.append("".join(session.ask("Summarize.")))
+    assert outputs[0] == outputs[1] and outputs[0]
+
+
 def _mapped_files() -> set[str]:
     with open("/proc/self/maps") as f:
         return {line.split(maxsplit=5)[-1].strip() for line in f if "/" in line}

@@ -73,8 +73,13 @@ def staged_folder(source: Path, out: Path):
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def load_draft(folder: Path, model: Transformer) -> dict | None:
-    """Attach the 4-bit draft of a converted folder to `model`; returns its metadata."""
+def load_draft(
+    folder: Path, model: Transformer, with_draft: bool = True, with_int8: bool = True
+) -> dict | None:
+    """Attach the 4-bit draft and INT8 twins of a converted folder to `model`; returns its
+    metadata. `with_draft` False: no 4-bit twins; `with_int8` False: INT8 twins only of the
+    layers the draft runs on them (those without a 4-bit twin), none without the draft: a run
+    on the full weights does not hold twins it never reads."""
     meta_path = folder / DRAFT_META
     if not meta_path.exists():
         return None
@@ -98,9 +103,12 @@ def load_draft(folder: Path, model: Transformer) -> dict | None:
         return Int8Linear(target.in_features, target.out_features, bias="bias" in state)
 
     int8_modules = (meta.get("target_int8") or {}).get("modules", [])
+    draft_modules = meta["modules"] if with_draft else []
+    if not with_int8:  # (what the draft reads on INT8: its layers without a 4-bit twin)
+        int8_modules = [m for m in int8_modules if with_draft and m not in set(draft_modules)]
     try:  # (plain reads: `TensorFile`; the twins are the run's weights, held once)
         f = TensorFile(folder / DRAFT_WEIGHTS)
-        drafts = _load_twins(f, meta["modules"], layers, "draft", int4, model.device)
+        drafts = _load_twins(f, draft_modules, layers, "draft", int4, model.device)
         int8s = _load_twins(f, int8_modules, layers, "int8", int8, model.device)
     except QspecError as e:
         raise QspecError(f"corrupt draft weights in {folder}: {e}") from None

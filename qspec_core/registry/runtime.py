@@ -147,7 +147,10 @@ def load_runtime(
     skip = () if full_weights or wanted not in INT8_WEIGHTS else int8_modules(folder)
     held = DTYPES[dtype] == torch.float32 and holds_bf16(device)  # (bf16 weights: 2 bytes)
     model = load_model(folder, DTYPES[dtype], device, skip, bf16_held=held)
-    load_draft(folder, model)  # a converted folder carries its 4-bit draft and INT8 weights
+    # a converted folder carries its 4-bit draft and INT8 weights; a run on the full weights
+    # alone (not bench's, which runs every weight set) holds the draft's share of them only
+    lean = not full_weights and wanted == "full"
+    load_draft(folder, model, with_draft=need_draft or not lean, with_int8=not lean)
     if target_weights in INT8_WEIGHTS and not has_int8(model):
         raise QspecError(
             f"{name} has no INT8 verifier weights: convert it with qspec convert (which "
