@@ -36,17 +36,35 @@ class Source:
     model name, "AMD EPYC" on both machines, so the generation comes from the PERF.md entry
     named in `measured_in` (lscpu's CPU family and model there). `qspec_build`: the
     QSPEC_CPU_ISA qspec's kernels were built for (the JSON records llama.cpp's build only).
-    `commit`: `git log --diff-filter=A --format=%h -- <path>`, the commit that added the run."""
+    `commit`: `git log --diff-filter=A --format=%h -- <path>`, the commit that added the run.
+    `model`: the model's name where the JSON's is a local folder's (a converted fixture)."""
 
     path: str
     cpu: str
     qspec_build: str
     commit: str
     measured_in: str
+    model: str | None = None
 
 
 # The newest runs per CPU class that put llama.cpp beside qspec.
 SOURCES = (
+    Source(
+        "docs/xeon-2026-12-06-peers-1b-native.json",
+        cpu="Intel Xeon (AVX-512 VNNI/BF16), 2 cores; llama.cpp without AMX",
+        qspec_build="native",
+        commit="a09e0eb",
+        measured_in="PERF.md, 2026-12-06: the 1B and 8B shapes",
+        model="Llama-3.2-1B shape (random weights)",
+    ),
+    Source(
+        "docs/xeon-2026-12-06-peers-1b-avx2.json",
+        cpu="Intel Xeon, 2 cores; both built for AVX2 only",
+        qspec_build="avx2",
+        commit="a09e0eb",
+        measured_in="PERF.md, 2026-12-06: the 1B and 8B shapes",
+        model="Llama-3.2-1B shape (random weights)",
+    ),
     Source(
         "docs/peers-avx2-zen5-int-products.json",
         cpu="AMD EPYC Zen 5, 2 cores; both built for AVX2 only",
@@ -155,7 +173,8 @@ def figures(sources: tuple[Source, ...] = SOURCES) -> list[Figure]:
             key = (cpu_class(run["machine"]), source.cpu, run["settings"]["model"])
             by_series.setdefault(key, []).append((source, row))
     out = []
-    for (klass, _, model), pairs in by_series.items():
+    for (klass, _, name), pairs in by_series.items():
+        model = pairs[0][0].model or name
         contexts = sorted({row["context"] for _, row in pairs if row["family"] == "llama.cpp"})
         mode = pick_mode(pairs, contexts)
         for context in contexts:
