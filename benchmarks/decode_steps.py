@@ -101,7 +101,7 @@ def main() -> None:
 
     def step(tokens, pos, cache, path, head=None):
         def run():
-            runner(tokens, pos, cache, path, **({"head": head} if head is not None else {}))
+            runner(tokens, pos, cache, path, head=head)
             cache.truncate(ctx)
 
         return run

@@ -47,7 +47,7 @@ def head_rows(model, prompt: list[int], path: Precision, common: int | None = CO
     V = model.lm_head.out_features
     if common is None or not can_slice(model.lm_head, path):
         return V
-    return min(len(draft_ids(prompt, V, common)), V)
+    return len(draft_ids(prompt, V, common))  # (at most V: ids past the vocabulary dropped)
 
 
 def vocab_head(model, ids: torch.Tensor, path: Precision) -> Linear | None:
