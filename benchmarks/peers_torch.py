@@ -91,6 +91,10 @@ class HFPeer:
 
 
 def load_hf_peers(folder: Path, families, dtypes, lookup_tokens, cache, notes) -> list[HFPeer]:
+    """The transformers peers `families` asks for, one model per dtype; none (and no model
+    read: an 8B fp32 copy alone is 32 GB) when it asks for neither "hf" nor "hf-lookup"."""
+    if not {"hf", "hf-lookup"} & set(families):
+        return []
     try:
         import torch
         import transformers

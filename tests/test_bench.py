@@ -255,6 +255,35 @@ def test_peers_script_puts_qspec_modes_beside_transformers(default_model_dir, mo
     assert rows["qspec-quantspec"]["samples"][0]["extra"]["spec"]["rounds"] > 0
 
 
+def test_peers_load_no_transformers_model_they_do_not_run(monkeypatch, tmp_path):
+    """A llama.cpp-only peers run reads no transformers model: it read one per --hf-dtypes
+    all the same (bf16 and fp32), and an 8B-shaped run was OOM-killed at 24 GB by the fp32
+    copy (32 GB) before llama.cpp started."""
+    import sys
+    from pathlib import Path
+
+    import transformers
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    monkeypatch.delitem(sys.modules, "peers_torch", raising=False)
+    import peers_torch
+
+    read = []
+    monkeypatch.setattr(
+        transformers.AutoModelForCausalLM,
+        "from_pretrained",
+        lambda *a, **k: read.append(a) or torch.nn.Module(),
+    )
+    notes = []
+    assert (
+        peers_torch.load_hf_peers(tmp_path, ("llama.cpp",), ("bf16", "fp32"), 10, "static", notes)
+        == []
+    )
+    assert read == [] and notes == []
+    peers_torch.load_hf_peers(tmp_path, ("hf", "llama.cpp"), ("bf16",), 10, "static", notes)
+    assert len(read) == 1
+
+
 @pytest.mark.real_model
 def test_decode_steps_script_times_every_step(default_model_dir, tmp_path):
     """benchmarks/decode_steps.py at a tiny size, with a same-run comparison: every step and
