@@ -31,7 +31,7 @@ import torch
 from kernels.cpu import attention as cpu_attention
 from kernels.planes import HierLayerView, QueryRows
 from kernels.reference import causal_attention as causal_attention_ref
-from kernels.reference import hier_attention_ref
+from kernels.reference import cuts, hier_attention_ref
 from kernels.triton import hier_attention as triton_attention
 
 BACKENDS = ("cpu", "triton", "reference")
@@ -85,16 +85,18 @@ def causal_attention(
     mask: torch.Tensor | None = None,
     softcap: float | None = None,
     products: str | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """`kernels.reference.causal_attention` (queries at `input_pos` over keys 0..S-1), with a
     prefill's chunk on a CPU through the tiled C++ kernel (`cpu_attention.prefill_attention`:
     no [T, S] scores in memory, 2-3x SDPA's speed there, docs/PERF.md), its products
     `products` (`cpu_attention.prefill_products`; None: QSPEC_PREFILL_PRODUCTS, else fp32).
     Decode and verify steps (at most `kernels.MAX_STEP_ROWS` rows), other devices and
-    soft-capped scores (`softcap`, Gemma 2: the tiled kernel has no cap) take the reference."""
+    soft-capped scores (`softcap`, Gemma 2: the tiled kernel has no cap) take the reference,
+    as do a local layer's keys past its sliding `window` (the tiled kernel has no window)."""
     T = q.shape[2]
-    if softcap is not None:
-        return causal_attention_ref(q, k, v, input_pos, mask, softcap)
+    if softcap is not None or cuts(window, k.shape[2]):
+        return causal_attention_ref(q, k, v, input_pos, mask, softcap, window)
     if cpu_attention.prefill_usable(q, k, v):
         start = int(input_pos[0])
         if start + T <= k.shape[2] and torch.equal(

@@ -321,12 +321,18 @@ class QueryRows:
     depths (input_pos[t] = input_pos[parents[t]] + 1; -1 marks a root, at input_pos[0]).
     Query t sees the region keys before w (from fp_lo[t] on) and, of the queries' own, only
     its ancestors' and its own: what the chain token at its position sees, in the same order.
+
+    `window` (None: no limit) is a local layer's sliding window, transformers'
+    `sliding_window`: of the keys above, query t sees only those at positions > input_pos[t] -
+    window (its last `window` positions, its own included). A history key's position is its
+    index j, a region key's fp_pos0 + j, a tree row's its depth's.
     """
 
     n_quant_q: torch.Tensor
     fp_lo: torch.Tensor
     input_pos: torch.Tensor
     parents: torch.Tensor | None = None
+    window: int | None = None
 
     def index(self, T: int) -> torch.Tensor:
         """The three vectors as one int64 CPU tensor [3, T] (rows: n_quant_q, input_pos,

@@ -22,17 +22,34 @@ from kernels.planes import (
 )
 
 
-def causal_mask(input_pos: torch.Tensor, n_keys: int) -> torch.Tensor | None:
-    """Additive mask [T, S] letting query i see keys j <= input_pos[i]; None when all see all.
+def causal_mask(
+    input_pos: torch.Tensor, n_keys: int, window: int | None = None
+) -> torch.Tensor | None:
+    """Additive mask [T, S] letting query i see keys j <= input_pos[i] (and, with a sliding
+    `window`, j > input_pos[i] - window); None when all see all.
 
     Additive (0 / -inf) in fp32 rather than bool: SDPA converts a bool mask to this form on
     every call, and the model calls attention once per layer with the same mask.
     """
-    if input_pos.shape[0] == 1 and int(input_pos[0]) == n_keys - 1:
+    if input_pos.shape[0] == 1 and int(input_pos[0]) == n_keys - 1 and not cuts(window, n_keys):
         return None  # one query at the newest position sees every key
-    key_pos = torch.arange(n_keys, device=input_pos.device)
-    visible = key_pos[None, :] <= input_pos[:, None]
+    visible = causal_visible(input_pos, n_keys, window)
     return torch.zeros(visible.shape, device=input_pos.device).masked_fill_(~visible, -torch.inf)
+
+
+def causal_visible(input_pos: torch.Tensor, n_keys: int, window: int | None = None):
+    """bool [T, S]: query i sees key j (j <= input_pos[i], and j > input_pos[i] - window)."""
+    key_pos = torch.arange(n_keys, device=input_pos.device)[None, :]
+    visible = key_pos <= input_pos[:, None]
+    if window is not None:
+        visible &= key_pos > input_pos[:, None] - window
+    return visible
+
+
+def cuts(window: int | None, n_keys: int) -> bool:
+    """Whether a sliding `window` hides any of n_keys keys (positions 0..n_keys-1) from a
+    query among them: below that length a local layer attends as a global one."""
+    return window is not None and n_keys > window
 
 
 def causal_attention(
@@ -42,21 +59,25 @@ def causal_attention(
     input_pos: torch.Tensor,
     mask: torch.Tensor | None = None,
     softcap: float | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Attention of queries at positions `input_pos` over keys at positions 0..S-1.
 
     q [B, H, T, D], k/v [B, n_kv, S, D] with H a multiple of n_kv (GQA), input_pos [T].
-    Query i sees keys j <= input_pos[i] (`mask` from `causal_mask`, computed if not given).
+    Query i sees keys j <= input_pos[i] (`mask` from `causal_mask`, computed if not given),
+    and with a sliding `window` (a local layer's) only j > input_pos[i] - window.
     `softcap`: Gemma 2's attn_logit_softcapping (`soft_cap`). Returns [B, H, T, D].
     """
     if softcap is not None:
-        return _softcapped_attention(q, k, v, input_pos, softcap)
+        return _softcapped_attention(q, k, v, input_pos, softcap, window)
     gqa = q.shape[1] != k.shape[1]
-    if q.shape[2] == k.shape[2] and int(input_pos[0]) == 0:
+    windowed = cuts(window, k.shape[2])
+    if q.shape[2] == k.shape[2] and int(input_pos[0]) == 0 and not windowed:
         # the whole sequence at once: plain causal, which lets the kernel skip masked blocks
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-    if mask is None and not (q.shape[2] == 1 and int(input_pos[0]) == k.shape[2] - 1):
-        mask = causal_mask(input_pos, k.shape[2])
+    newest = q.shape[2] == 1 and int(input_pos[0]) == k.shape[2] - 1
+    if mask is None and (windowed or not newest):
+        mask = causal_mask(input_pos, k.shape[2], window)
     if mask is not None:
         mask = mask.to(q.dtype)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
@@ -68,14 +89,14 @@ def soft_cap(scores: torch.Tensor, cap: float | None) -> torch.Tensor:
     return scores if cap is None else torch.tanh(scores / cap) * cap
 
 
-def _softcapped_attention(q, k, v, input_pos, cap: float) -> torch.Tensor:
+def _softcapped_attention(q, k, v, input_pos, cap: float, window=None) -> torch.Tensor:
     """`causal_attention` with soft-capped scores, written out (SDPA has no soft cap), as
     transformers' eager Gemma 2 attention: scaled scores, cap, mask, fp32 softmax."""
     B, H, T, D = q.shape
     n_kv, S = k.shape[1], k.shape[2]
     qg = q.float().view(B, n_kv, H // n_kv, T, D)  # query heads grouped by their KV head
     scores = soft_cap(torch.einsum("bhrtd,bhsd->bhrts", qg, k.float()) * D**-0.5, cap)
-    visible = torch.arange(S, device=q.device)[None, :] <= input_pos[:, None]  # [T, S]
+    visible = causal_visible(input_pos.to(q.device), S, window)  # [T, S]
     return _attend(scores, visible, v.float(), q)
 
 
@@ -106,20 +127,26 @@ def dequantize_history(
 
 
 def _visibility(
-    index: torch.Tensor, n_hist: int, n_fp: int, fp_pos0: int, device, parents=None
+    index: torch.Tensor, n_hist: int, n_fp: int, fp_pos0: int, device, parents=None, window=None
 ) -> torch.Tensor:
     """Which keys each query sees: bool [T, n_hist + F] (history first, then the fp region);
-    `parents`: a token tree's (`QueryRows`)."""
+    `parents`: a token tree's, `window`: a local layer's (`QueryRows`)."""
     n_quant_q, input_pos, fp_lo = (row.to(device) for row in index)
-    hist = torch.arange(n_hist, device=device)[None, :] < n_quant_q[:, None]  # [T, n_hist]
+    key_pos = torch.arange(n_hist, device=device)[None, :]  # a history key's position: j
+    hist = key_pos < n_quant_q[:, None]  # [T, n_hist]
     j = torch.arange(n_fp, device=device)[None, :]
+    fp_pos = (fp_pos0 + j).expand(input_pos.shape[0], n_fp).clone()  # [T, F] key positions
     if parents is None:
-        fp = (j >= fp_lo[:, None]) & (fp_pos0 + j <= input_pos[:, None])  # [T, F]
+        fp = (j >= fp_lo[:, None]) & (fp_pos <= input_pos[:, None])  # [T, F]
     else:
         T, w = input_pos.shape[0], int(input_pos[0]) - fp_pos0
         own = tree_ancestors(parents).to(device)  # [T, T]: query t sees query s's K/V
         fp = (j >= fp_lo[:, None]) & (j < w)
         fp[:, w : w + T] |= own
+        fp_pos[:, w : w + T] = input_pos[None, :]  # (a tree row's K/V: at its depth's)
+    if window is not None:  # a local layer: the last `window` positions only
+        hist &= key_pos > input_pos[:, None] - window
+        fp &= fp_pos > input_pos[:, None] - window
     return torch.cat((hist, fp), dim=1)
 
 
@@ -197,7 +224,7 @@ def hier_attention_ref(
     keys = torch.cat((keys, view.fp_k.float()), dim=2)  # [B, n_kv, n_hist + F, D]
     values = torch.cat((values, view.fp_v.float()), dim=2)
     visible = _visibility(
-        index, n_hist, view.fp_k.shape[2], int(view.fp_pos0), q.device, rows.parents
+        index, n_hist, view.fp_k.shape[2], int(view.fp_pos0), q.device, rows.parents, rows.window
     )
 
     qg = q.float().view(B, n_kv, H // n_kv, T, D)  # query heads grouped by their KV head

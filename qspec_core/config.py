@@ -39,10 +39,13 @@ class ModelConfig:
     rope_scaling: dict = field(default_factory=lambda: {"rope_type": "default"})
     layer: LayerSpec = field(default_factory=LayerSpec)  # the family's, with its biases
     tie_word_embeddings: bool = False
-    sliding_window: int | None = None  # None: full attention at every length
+    # the local layers' window (query at p sees positions > p - window); which layers are
+    # local: `layer_types` ("sliding_attention"), or every layer when it is empty. None: none
+    sliding_window: int | None = None
     # read where the family's layer says so (LayerSpec.query_pre_attn_scalar, .local_rope)
     query_pre_attn_scalar: float | None = None
     layer_types: tuple[str, ...] = ()  # "sliding_attention" | "full_attention", per layer
+    # (also Gemma 3's choice of RoPE per layer: `LayerSpec.local_rope`)
     rope_local_base_freq: float | None = None
     # Gemma 2's soft caps (LayerSpec.softcapping): of the scaled attention scores, of the logits
     attn_logit_softcapping: float | None = None
@@ -71,14 +74,24 @@ class ModelConfig:
 
     @property
     def context_limit(self) -> int:
-        """Longest sequence this model can attend over correctly.
-
-        With a sliding window, attention over at most `sliding_window` tokens is the same as
-        full attention, so we run such models up to the window and refuse longer inputs.
-        """
-        if self.sliding_window is not None:
-            return min(self.max_position_embeddings, self.sliding_window)
+        """Longest sequence this model runs: its max_position_embeddings (the caches apply
+        each local layer's sliding window, `window`; LongRoPE picks its factors by the cache's
+        capacity, `model/rope.py`)."""
         return self.max_position_embeddings
+
+    def window(self, layer: int) -> int | None:
+        """Layer `layer`'s sliding window: its query at position p sees the keys at positions
+        > p - window (transformers' `sliding_window`); None: a global layer, all keys."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types and self.layer_types[layer] != "sliding_attention":
+            return None
+        return self.sliding_window
+
+    @property
+    def windows(self) -> tuple[int | None, ...]:
+        """Every layer's `window`, in order."""
+        return tuple(self.window(i) for i in range(self.num_hidden_layers))
 
     @classmethod
     def from_hf_config(cls, hf: dict) -> ModelConfig:
@@ -136,7 +149,7 @@ class ModelConfig:
         rotated = _rotary_dim(1.0 if partial is None else partial, head_dim)
         if rope["rope_type"] == "longrope":
             _longrope_factors(rope, rotated)
-        sliding_window = _sliding_window(family, hf)
+        sliding_window, layer_types = _sliding_window(family, hf)
         return cls(
             model_type=model_type,
             vocab_size=_int(hf, "vocab_size"),
@@ -162,7 +175,7 @@ class ModelConfig:
                 if layer.query_pre_attn_scalar
                 else None
             ),
-            layer_types=_layer_types(hf) if layer.local_rope else (),
+            layer_types=layer_types,
             rope_local_base_freq=local_theta,
             **caps,
         )
@@ -414,11 +427,13 @@ def _local_rope(hf: dict) -> tuple[dict, float]:
     return _rope_parameters(hf), _positive_number(hf, "rope_local_base_freq", 10000.0)
 
 
-def _layer_types(hf: dict) -> tuple[str, ...]:
+def _layer_types(hf: dict, pattern: int) -> tuple[str, ...]:
+    """config.json's layer_types, or (transformers 4) every `sliding_window_pattern`-th
+    layer global, the rest local."""
     n_layers = _int(hf, "num_hidden_layers")
     types = hf.get("layer_types")
-    if types is None:  # transformers 4: every sliding_window_pattern-th layer is global
-        pattern = _int(hf, "sliding_window_pattern", 6)
+    if types is None:
+        pattern = _int(hf, "sliding_window_pattern", pattern, minimum=1)
         types = [
             "full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
             for i in range(n_layers)
@@ -429,14 +444,25 @@ def _layer_types(hf: dict) -> tuple[str, ...]:
     return tuple(types)
 
 
-def _sliding_window(family: Family, hf: dict) -> int | None:
-    if family.sliding_window == "none":
-        return None
-    if family.sliding_window == "qwen":
-        # Qwen applies the window only to layers >= max_window_layers, and only when enabled.
-        if not _bool(hf, "use_sliding_window"):
-            return None
+def _sliding_window(family: Family, hf: dict) -> tuple[int | None, tuple[str, ...]]:
+    """(the local layers' window, layer_types) as the family reads them (`Family.
+    sliding_window`); layer_types () when every layer is local or none is."""
+    kind = family.sliding_window
+    if kind == "none":
+        return None, ()
+    window = _int(hf, "sliding_window", None, minimum=0) or None  # 0 and null: no window
+    if kind == "layer_types":  # (Gemma 3's local RoPE reads them even without a window)
+        return window, _layer_types(hf, family.window_pattern)
+    if kind == "qwen":
+        # Qwen applies the window only when enabled, and then to layers >= max_window_layers
+        # (transformers' default, or the layer_types its config.json lists)
+        if not _bool(hf, "use_sliding_window") or window is None:
+            return None, ()
         n_layers = _int(hf, "num_hidden_layers")
-        if _int(hf, "max_window_layers", n_layers, minimum=0) >= n_layers:
-            return None
-    return _int(hf, "sliding_window", None, minimum=0) or None  # 0 and null: no window
+        first = _int(hf, "max_window_layers", 28, minimum=0)
+        types = hf.get("layer_types") or [
+            "sliding_attention" if i >= first else "full_attention" for i in range(n_layers)
+        ]
+        types = _layer_types({**hf, "layer_types": list(types)}, 1)
+        return (window, types) if "sliding_attention" in types else (None, ())
+    return window, ()

@@ -86,8 +86,9 @@ def int_query_scores64(q, view: HierLayerView, n: int, kv: str):
 def hier_attention64(q, view: HierLayerView, rows: QueryRows, kv: str, int_queries=False):
     """The attention `kernels.attention.hier_attention` computes, in float64: the same planes
     dequantized exactly, the same full-precision region and the same per-query visibility
-    (history j < n_quant_q[t]; fp key j with fp_lo[t] <= j and fp_pos0 + j <= input_pos[t]);
-    with int_queries, the history scored by `int_query_scores64`."""
+    (history j < n_quant_q[t]; fp key j with fp_lo[t] <= j and fp_pos0 + j <= input_pos[t];
+    under a sliding window only keys at positions > input_pos[t] - window); with
+    int_queries, the history scored by `int_query_scores64`."""
     n_quant_q, fp_lo, pos = (torch.as_tensor(x).cpu() for x in (rows.n_quant_q, rows.fp_lo,
                                                                  rows.input_pos))  # fmt: skip
     n = int(n_quant_q.max())
@@ -100,6 +101,9 @@ def hier_attention64(q, view: HierLayerView, rows: QueryRows, kv: str, int_queri
         ),
         dim=1,
     )
+    if rows.window is not None:  # (key positions: j in the history, fp_pos0 + j in the region)
+        key_pos = torch.cat((torch.arange(n), view.fp_pos0 + j))
+        visible &= key_pos[None, :] > pos[:, None] - rows.window
     keys = torch.cat((keys, view.fp_k.double()), 2)
     values = torch.cat((values, view.fp_v.double()), 2)
     hist = int_query_scores64(q, view, n, kv) if int_queries and n else None

@@ -44,23 +44,30 @@ def test_refuses_what_it_cannot_run(hf, match):
         ModelConfig.from_hf_config({**BASE, **hf})
 
 
-def test_sliding_window_caps_the_context():
+def test_sliding_windows_follow_each_family_and_leave_the_context_whole():
+    """Which layers are local, as transformers reads the same config.json; the context is
+    max_position_embeddings whatever the window (the caches apply it per layer)."""
     mistral = ModelConfig.from_hf_config({**BASE, "model_type": "mistral", "sliding_window": 1024})
-    assert mistral.context_limit == 1024  # within the window SWA equals full attention
-    qwen_off = ModelConfig.from_hf_config(
-        {**BASE, "model_type": "qwen2", "sliding_window": 1024, "use_sliding_window": False}
-    )
-    assert qwen_off.context_limit == 4096 and qwen_off.layer.qkv_bias
-    qwen_on = ModelConfig.from_hf_config(
-        {
-            **BASE,
-            "model_type": "qwen2",
-            "sliding_window": 1024,
-            "use_sliding_window": True,
-            "max_window_layers": 1,
-        }
-    )
-    assert qwen_on.context_limit == 1024
+    assert mistral.windows == (1024, 1024) and mistral.context_limit == 4096
+    qwen = {**BASE, "model_type": "qwen2", "sliding_window": 1024}
+    qwen_off = ModelConfig.from_hf_config({**qwen, "use_sliding_window": False})
+    assert qwen_off.windows == (None, None) and qwen_off.layer.qkv_bias
+    on = {**qwen, "use_sliding_window": True}
+    qwen_on = ModelConfig.from_hf_config({**on, "max_window_layers": 1})
+    assert qwen_on.windows == (None, 1024) and qwen_on.context_limit == 4096
+    qwen_default = ModelConfig.from_hf_config(on)
+    assert qwen_default.windows == (None, None)  # (max_window_layers 28: no layer of 2 slides)
+    four = {**BASE, "num_hidden_layers": 4, "sliding_window": 8}
+    gemma2 = ModelConfig.from_hf_config({**four, "model_type": "gemma2", "head_dim": 16})
+    assert gemma2.windows == (8, None, 8, None)  # (transformers' alternation: even layers)
+    gemma3 = ModelConfig.from_hf_config({**four, "model_type": "gemma3_text", "head_dim": 16})
+    assert gemma3.windows == (8,) * 4  # (a pattern of 6: the 6th layer is the first global)
+    listed = {**four, "layer_types": ["full_attention", "sliding_attention"] * 2}
+    assert ModelConfig.from_hf_config({**listed, "model_type": "gemma3_text"}).windows == (
+        None, 8, None, 8,
+    )  # fmt: skip
+    llama = ModelConfig.from_hf_config({**four, "model_type": "llama"})
+    assert llama.windows == (None,) * 4  # (Llama has no window, whatever the key says)
 
 
 LLAMA = {**BASE, "model_type": "llama"}

@@ -9,6 +9,8 @@ PyTorch's fp32 error over these cases (and 3 seeds) with every QSPEC_CPU_ISA var
 AVX-512 CPU, about 2x at the median.
 """
 
+import dataclasses
+
 import pytest
 import torch
 from error_model import assert_within_error_model, hier_attention64
@@ -129,6 +131,53 @@ def test_a_query_gives_the_same_bits_alone_or_in_a_verify(kv, D, R, int_queries)
             alone = cpu_attention.hier_attention_cpu(
                 q[:, :, t : t + 1], view, one, kv, chunk, int_queries, cap
             )
+            assert torch.equal(alone, together[:, :, t : t + 1])
+
+
+# a local layer's sliding window, cutting: mid-block in the history, at the history's end, in
+# the full-precision region (a verify's oldest row sees history there, its newest none), and
+# nowhere (longer than the context)
+WINDOWS = [300, 100, 37, 5000]
+
+
+def _windowed(case: dict, window: int):
+    q, view, rows, chunk = _case(**case)
+    return q, view, dataclasses.replace(rows, window=window), chunk
+
+
+@pytest.mark.parametrize("int_queries", [False, True], ids=["fp32-q", "int-q"])
+@pytest.mark.parametrize("kv", KV_VIEWS)
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("case", [CASES[1], CASES[2], CASES[4]], ids=lambda c: f"D{c['D']}")
+def test_a_sliding_window_matches_the_twin(case, window, kv, int_queries):
+    """Each query sees its last `window` positions only (transformers' sliding_window), in
+    the history (a block cut mid-way), the region or both; the vector paths (D 64, 128) and
+    the portable one (D 80). A window longer than the context changes no bit."""
+    q, view, rows, chunk = _windowed(case, window)
+    want = hier_attention_ref(q, view, rows, kv, int_queries=int_queries)
+    got = cpu_attention.hier_attention_cpu(q, view, rows, kv, chunk, int_queries)
+    assert_within_error_model(got, want, hier_attention64(q, view, rows, kv, int_queries), FACTOR)
+    unbounded = dataclasses.replace(rows, window=None)
+    everything = cpu_attention.hier_attention_cpu(q, view, unbounded, kv, chunk, int_queries)
+    if window > int(rows.input_pos.max()):
+        assert torch.equal(got, everything)
+    else:
+        assert (got - everything).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("window", WINDOWS[:3])
+def test_a_windowed_query_gives_the_same_bits_alone_or_in_a_verify(window):
+    q, view, rows, chunk = _windowed(dict(D=64, G=64, n_kv=3, R=3, T=5, nq=640, F=100, late=2),
+                                     window)  # fmt: skip
+    for iq in (False, True):
+        together = cpu_attention.hier_attention_cpu(q, view, rows, "int8", chunk, iq)
+        for t in range(5):
+            one = QueryRows(
+                rows.n_quant_q[t : t + 1], rows.fp_lo[t : t + 1], rows.input_pos[t : t + 1],
+                window=window,
+            )  # fmt: skip
+            alone = cpu_attention.hier_attention_cpu(q[:, :, t : t + 1], view, one, "int8",
+                                                     chunk, iq)  # fmt: skip
             assert torch.equal(alone, together[:, :, t : t + 1])
 
 

@@ -2,9 +2,12 @@
 made here: logits within tolerance, and greedy tokens identical through qspec's generation
 paths (`ar` on the full-precision cache; `target-ar` and `quantspec` on the hierarchical
 cache, with a 4-bit RTN draft), on the runner `build_runner` gives (the C++ kernels where the
-machine has them). Families whose layer the C++ kernels do not compute (`LayerSpec.native_ok()`
-false) must get the torch runner (their plain PyTorch forward), never the native one. Adding a
-family: its file in `qspec_core/families/` and a line in FAMILIES below."""
+machine has them). Every family gets the CPU runner; those whose layer the one-call C++ stack
+does not compute (`LayerSpec.native_ok()` false) must run the model's layer loop on its ops,
+never the stack. Adding a family: its file in `qspec_core/families/` and a line in FAMILIES
+below."""
+
+from dataclasses import replace
 
 import pytest
 import torch
@@ -121,11 +124,12 @@ def test_logits_match_transformers(case):
         cache = FullPrecisionCache(ours.config, 48, batch_size=2, dtype=torch.float32)
         got = ours(tokens, torch.arange(40), cache)
     assert (got - expected).abs().max() <= 1e-4 * expected.abs().max()
-    # the native C++ runner (and its one-call stack) where the layer allows it, else plain PyTorch
+    # the CPU runner for every family (its kernels for the linears, norms and RoPE), and its
+    # one-call stack where the layer allows it, else the model's loop on those ops
     runner = build_runner(ours)
     if cpu_ext.available():
-        assert isinstance(runner, CpuRunner) == native
-        assert not native or runner.stack("full") is not None
+        assert isinstance(runner, CpuRunner)
+        assert (runner.stack("full") is not None) == native
     else:
         assert isinstance(runner, TorchRunner)
 
@@ -162,6 +166,67 @@ def test_greedy_tokens_match_transformers_in_every_mode(case):
     assert runs["quantspec"] == runs["target-ar"]
     assert stats.rounds > 0
     assert runs["target-ar"] == expected  # (the INT8 KV keeps these tiny models' argmax)
+
+
+# Each way a family slides, with a window of 16 (the tiny shape's 2 layers; Gemma's layer_types
+# default, Qwen's max_window_layers), run at several windows' length: every key a local layer
+# hides shows in the logits
+WINDOW = 16
+WINDOWED = {
+    "mistral": {"sliding_window": WINDOW},  # every layer
+    "phi3": {"pad_token_id": 0, "sliding_window": WINDOW},
+    "qwen2": {"use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 1},
+    "gemma3_text": {**CASES["gemma3_text"], "sliding_window": WINDOW},  # local, global
+    "gemma2": {**CASES["gemma2"], "sliding_window": WINDOW},  # transformers' alternation
+}
+LONG = 200  # tokens of the prompt: 12 windows
+
+
+def _windowed_hf(model_type: str):
+    return tiny_hf(model_type, max_position_embeddings=512, **WINDOWED[model_type])
+
+
+@pytest.mark.parametrize("model_type", WINDOWED)
+def test_sliding_windows_match_transformers_far_past_the_window(model_type):
+    """Logits of a 200-token forward (one prefill on the full-precision cache, then the
+    hierarchical cache's chunked prefill), and greedy tokens in ar, target-ar and quantspec,
+    as transformers gives them with the same window: its local layers see their last 16
+    positions, its global ones all. Before windows, qspec refused inputs past the window."""
+    hf = _windowed_hf(model_type)
+    model = ours_from_hf(hf)
+    assert model.config.context_limit == 512 and WINDOW in model.config.windows
+    prompt = _prompt(LONG)
+    with torch.no_grad():
+        expected = hf(torch.tensor([prompt])).logits
+        cache = FullPrecisionCache(model.config, LONG, dtype=torch.float32)
+        got = model(torch.tensor([prompt]), torch.arange(LONG), cache)
+    assert (got - expected).abs().max() <= 1e-4 * expected.abs().max()
+    unwindowed = ours_from_hf(hf)
+    unwindowed.config = replace(model.config, sliding_window=None)  # (the test has teeth)
+    with torch.no_grad():
+        cache = FullPrecisionCache(unwindowed.config, LONG, dtype=torch.float32)
+        whole = unwindowed(torch.tensor([prompt]), torch.arange(LONG), cache)
+    assert (whole - got).abs().max() > 1e-2
+
+    n_new = 12
+    tokens = _hf_greedy(hf, prompt, n_new)
+    params, gen, size = SamplingParams(), torch.Generator().manual_seed(0), LONG + n_new + 8
+    runner = build_runner(model)
+    cache = FullPrecisionCache(model.config, size, dtype=torch.float32)
+    logits = prefill(runner, cache, prompt, 0)
+    assert list(decode(runner, cache, logits, LONG, n_new, params, gen)) == tokens  # ar
+    drafts = {n: Int4Linear.from_linear(m, 32) for n, m in linear_layers(model).items()}
+    attach_draft(model, drafts)
+    runner, runs = build_runner(model), {}
+    for mode in ("target-ar", "quantspec"):
+        cache = HierarchicalKVCache(model.config, size, dtype=torch.float32)
+        logits = prefill_hierarchical(runner, cache, prompt, chunk_size=64)  # (several chunks)
+        if mode == "target-ar":
+            out = decode(runner, cache, logits, LONG, n_new, params, gen, path=TARGET)
+        else:
+            out = speculative_decode(runner, cache, logits, LONG, n_new, params, gen, gamma=4)
+        runs[mode] = list(out)
+    assert runs["quantspec"] == runs["target-ar"] == tokens
 
 
 def test_longrope_picks_its_factors_by_the_cache_capacity():
@@ -271,7 +336,7 @@ def test_gemma3_reads_transformers4_configs_and_refuses_softcapping():
         "linear",
         1e4,
     )
-    assert config.context_limit == 512 and not config.layer.native_ok()
+    assert config.context_limit == 2048 and not config.layer.native_ok()  # (the window: 512)
     for key in ("attn_logit_softcapping", "final_logit_softcapping"):  # (Gemma 2's)
         with pytest.raises(UnsupportedModelError, match=key):
             ModelConfig.from_hf_config({**hf, key: 30.0})

@@ -232,6 +232,19 @@ def test_kernel_soft_cap_matches_twin(name):
     assert (hier_attention_ref(q.float(), view, rows, "int8") - want).abs().max() > 1e-2
 
 
+@pytest.mark.parametrize("window", [50, 20, 7])
+@pytest.mark.parametrize("name", ["gqa3-t1-d64-g32", "late-queries", "mha-t5-d128-g64-b2"])
+def test_kernel_sliding_window_matches_twin(name, window):
+    """A local layer's window (positions > input_pos - window), cutting the history mid-tile
+    or only the full-precision region."""
+    q, view, rows = build(CASES[name])
+    rows = replace(rows, window=window)
+    out = hier_attention_triton(q, view, rows, "int8", chunk_size=CASES[name].chunk)
+    assert_matches_twin(out, q, view, rows, "int8")
+    whole = hier_attention_ref(q.float(), view, replace(rows, window=None), "int8")
+    assert (whole - out.float()).abs().max() > 1e-2
+
+
 def test_kernel_fully_masked_rows_are_zero():
     """A query before the fp region with no history sees nothing: zeros, not NaN, in both."""
     q, view, rows = build(Case(R=2, T=2, n_quant=0, F=20))

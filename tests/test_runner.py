@@ -65,16 +65,21 @@ def test_the_model_package_imports_no_runner():
 
 
 @native
-def test_the_runner_is_chosen_at_build_by_device_and_layer(monkeypatch):
+def test_the_runner_is_chosen_at_build_by_device_and_the_stack_by_layer(monkeypatch):
     model = _model()
     assert isinstance(build_runner(model), CpuRunner)
     monkeypatch.setenv(cpu_ext.DISABLE_ENV, "0")  # (read when the runner is built)
     assert isinstance(build_runner(model), TorchRunner)
     qwen3 = ours_from_hf(tiny_hf("qwen3", head_dim=16))
     monkeypatch.delenv(cpu_ext.DISABLE_ENV)
-    assert isinstance(build_runner(qwen3), TorchRunner)  # (a layer the C++ does not compute)
-    with pytest.raises(ValueError, match="Llama-style layer only"):
-        CpuRunner(qwen3, cpu_ext.load())
+    runner = build_runner(qwen3)  # (a layer the one-call stack does not compute: its loop)
+    assert isinstance(runner, CpuRunner) and runner.stack("full") is None
+    tokens = torch.tensor([[7, 8, 9]])
+    caches = [FullPrecisionCache(qwen3.config, 8, dtype=torch.float32) for _ in range(2)]
+    with torch.no_grad():
+        want = qwen3(tokens, torch.arange(3), caches[0])
+        got = runner(tokens, torch.arange(3), caches[1])
+    torch.testing.assert_close(got, want)
 
 
 @native

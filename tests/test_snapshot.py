@@ -95,6 +95,48 @@ def test_chat_from_snapshot_equals_chat_from_document(tiny, tmp_path, mode):
     assert from_snapshot.totals.prefilled_tokens < direct.totals.prefilled_tokens
 
 
+@pytest.fixture(scope="module")
+def windowed(tiny_model_dir, tmp_path_factory):
+    """The tiny model as a Mistral with a 16-token sliding window on every layer: DOC (about
+    100 tokens) is several windows long."""
+    import transformers
+
+    from qspec_core.convert.convert import convert
+    from qspec_core.model.checkpoint import load_model
+
+    hf = tmp_path_factory.mktemp("windowed-hf")
+    llama = json.loads((tiny_model_dir / "config.json").read_text())
+    fields = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "vocab_size", "max_position_embeddings")  # fmt: skip
+    config = transformers.MistralConfig(
+        **{k: llama[k] for k in fields}, sliding_window=16, tie_word_embeddings=True,
+        eos_token_id=2, bos_token_id=1,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    transformers.MistralForCausalLM(config).save_pretrained(hf)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(tiny_model_dir / name, hf / name)
+    out = tmp_path_factory.mktemp("windowed") / "mistral"
+    convert(hf, out, load_model(hf, dtype=torch.float32), "rtn", 32)
+    return load_runtime(str(out), dtype="fp32", log=lambda m: None)
+
+
+@pytest.mark.parametrize("mode", ["quantspec", "target-ar"])
+def test_a_windowed_model_chats_from_its_snapshot_as_from_its_document(windowed, tmp_path, mode):
+    """A sliding-window model's snapshot holds its planes and region as any other's: the chat
+    from it answers as the chat that prefilled the document, past the window."""
+    assert windowed.model.config.windows == (16, 16)
+    path = tmp_path / "doc.qspec"
+    _make(windowed, path)
+    loaded = snap.load_snapshot(path, windowed.folder, windowed.model, windowed.context_limit)
+    assert len(loaded.token_ids) > 4 * 16
+    from_snapshot = ChatSession(windowed, loaded.document, mode=mode, max_new_tokens=16)
+    from_snapshot.adopt_cache(loaded.cache, loaded.token_ids)
+    direct = ChatSession(windowed, DOC, mode=mode, max_new_tokens=16)
+    for question in ("How many ships?", "And in April?"):
+        assert _answer(from_snapshot, question) == _answer(direct, question)
+
+
 def test_a_snapshot_keeps_the_capacity_its_rope_was_chosen_by(tiny, tmp_path):
     """LongRoPE (Phi-3.5) picks its factors by the cache's rope_capacity: a chat loading the
     snapshot into a cache of another size (its tokens, grown as a chat goes) must rotate its

@@ -38,11 +38,14 @@ native = pytest.mark.skipif(not cpu_ext.available(), reason="no C++ compiler her
 TREE = DraftTree([11, 12, 13, 21, 31, 32, 14], [-1, 0, 1, -1, -1, 4, 1])
 
 
-def _model(head_dim=64, seed=0, vocab=101):
-    """head_dim 64: the vector attention; 16: the portable one."""
+def _model(head_dim=64, seed=0, vocab=101, window=None):
+    """head_dim 64: the vector attention; 16: the portable one. window: a Mistral's sliding
+    window on every layer, else a Llama."""
     kw = dict(hidden_size=2 * head_dim, intermediate_size=192, num_attention_heads=2)
     kw.update(vocab_size=vocab, num_key_value_heads=1)
-    model = ours_from_hf(tiny_hf("llama", seed=seed, **kw))
+    if window:
+        kw.update(sliding_window=window, max_position_embeddings=512)
+    model = ours_from_hf(tiny_hf("mistral" if window else "llama", seed=seed, **kw))
     drafts = {n: Int4Linear.from_linear(m, 32) for n, m in linear_layers(model).items()}
     attach_draft(model, drafts)
     return model
@@ -113,6 +116,37 @@ def test_tree_rows_have_the_bits_of_the_chain_that_reaches_them(kind, path, head
             fed = torch.tensor([[tokens[r] for r in chain]])
             want = runner(fed, torch.arange(start, start + len(chain)), cache, path)[0, -1]
             assert torch.equal(got[row], want), (row, chain)
+
+
+@native
+@pytest.mark.parametrize("kind", ["stack", "torch"])
+@pytest.mark.parametrize("start, window", [(200, 90), (126, 20)])
+def test_windowed_tree_rows_see_what_their_chains_see(kind, start, window):
+    """A sliding window over a tree's rows: each row's oldest visible position follows its
+    depth, as its chain's does (the window cutting the history at 200, the region at 126):
+    bit for bit on the C++ stack, to rounding on the reference."""
+    model = _model(64, window=window)
+    runner = _runner(kind, model)
+    ids = torch.randint(0, 101, (1, start + 1), generator=_g(3))
+    cache = HierarchicalKVCache(model.config, 300, dtype=torch.float32)
+    cache.fused = None if kind == "stack" else False  # (torch: the reference attention)
+    with torch.no_grad():
+        prefill_hierarchical(runner, cache, ids[0, :start].tolist())
+        point = cache.checkpoint()
+        pending = int(ids[0, start])
+        got = forward_tree(runner, cache, pending, TREE, start, TARGET)
+        tokens, parents = [pending] + TREE.tokens, TREE.rows()
+        for row in range(len(tokens)):
+            chain = [row]
+            while parents[chain[0]] >= 0:
+                chain.insert(0, parents[chain[0]])
+            cache.restore(point)
+            fed = torch.tensor([[tokens[r] for r in chain]])
+            want = runner(fed, torch.arange(start, start + len(chain)), cache, TARGET)[0, -1]
+            if kind == "stack":
+                assert torch.equal(got[row], want), (row, chain)
+            else:
+                torch.testing.assert_close(got[row], want, atol=2e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("path", [TARGET, DRAFT])

@@ -54,7 +54,8 @@ def hier_attention_cpu(
     # region not fp32 with unit last stride), the region's F positions all valid
     names = cpu_kv.HIER_BUFFERS
     layer = {n: t.unsqueeze(0) for n, t in zip(names, view_tensors(view), strict=True)}
-    cache = cpu_kv.hier_kv(layer, int(view.group_size), int(chunk_size or DEFAULT_CHUNK))
+    chunk = int(chunk_size or DEFAULT_CHUNK)
+    cache = cpu_kv.hier_kv(layer, int(view.group_size), chunk, (rows.window,))
     step = cpu_kv.hier_step(
         lo=0,
         n_fp=int(view.fp_k.shape[2]),

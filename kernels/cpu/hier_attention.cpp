@@ -53,7 +53,14 @@ struct Args {
   int64_t B, n_kv, R, T, D, S, G, n_fp, fp_pos0, chunk, n_chunks, max_nq;
   bool target, int_queries;
   float softcap;  // HierStep::softcap (0: none)
+  int64_t window;  // a local layer's sliding window (HierKV's; 0: none)
 };
+
+// The first position query t may see: pos - window + 1 under a sliding window, else 0. A
+// function of the row's position alone (the bits' batch invariance holds).
+inline int64_t oldest(const Args& a, int64_t t) {
+  return a.window ? a.pos[t] - a.window + 1 : 0;
+}
 
 // Online-softmax state of the R*T query rows of one KV head over one task's keys.
 struct Rows {
@@ -124,13 +131,22 @@ void quantized_task(const Args& a, int64_t bh, int64_t c, Rows& rows) {
   IntQueries iq;
   std::vector<int32_t> dots(INTQ ? RT * BLOCK : 0);
   std::vector<char> sees(RT);
+  std::vector<int64_t> hide(RT, 0);  // per row, the block's keys below its window
   const float* q = a.q + bh * RT * D;
   int64_t group = -1;
-  for (int64_t b0 = start; b0 < stop; b0 += block) {
+  int64_t first = start;  // under a window, no row sees the blocks before its oldest position
+  if (a.window) {
+    int64_t lo = a.max_nq;
+    for (int64_t t = 0; t < a.T; ++t) lo = std::min(lo, oldest(a, t));
+    if (lo > start) first = start + (lo - start) / block * block;  // (the same block grid)
+  }
+  for (int64_t b0 = first; b0 < stop; b0 += block) {
     const int64_t n = std::min(block, stop - b0);
     bool any = false;
-    for (int64_t r = 0; r < RT; ++r) {  // history is all-or-nothing per G-aligned block
-      sees[r] = b0 < a.nq[r % a.T];
+    for (int64_t r = 0; r < RT; ++r) {  // history is all-or-nothing per G-aligned block,
+      const int64_t t = r % a.T;       // but for the keys a window hides
+      hide[r] = std::clamp<int64_t>(oldest(a, t) - b0, 0, n);
+      sees[r] = b0 < a.nq[t] && hide[r] < n;
       any |= sees[r];
     }
     if (!any) continue;
@@ -207,6 +223,7 @@ void quantized_task(const Args& a, int64_t bh, int64_t c, Rows& rows) {
       if constexpr (FAST) {
         if (!INTQ) scores_vector<A, DT>(qs.data() + r * D, kbp, n, kbias[r], p);
         softcap_scores(p, n, a.softcap);
+        for (int64_t j = 0; j < hide[r]; ++j) p[j] = NEG_INF;
         const float c = fold_weights<A>(p, n, ws, wz, rows.m[r], rows.l[r], zacc[r]);
         if (c < 0.f) continue;  // (every key hidden: the slot is reused)
         wrow[live] = p, arow[live] = rows.acc + r * D, corr[live] = c;
@@ -217,6 +234,7 @@ void quantized_task(const Args& a, int64_t bh, int64_t c, Rows& rows) {
       } else {
         if (!INTQ) scores_portable(qs.data() + r * D, kbp, n, D, kbias[r], p);
         softcap_scores(p, n, a.softcap);
+        for (int64_t j = 0; j < hide[r]; ++j) p[j] = NEG_INF;
         fold_row_portable(p, n, vbp, ws, wz, D, rows.acc + r * D, rows.m[r], rows.l[r],
                           zacc[r]);
       }
@@ -302,7 +320,7 @@ void full_precision_task(const Args& a, int64_t bh, Rows& rows) {
     for (int64_t j = 0; j < n; ++j) load_key<DT, A>(a, blk, b0 + j, j);
     for (int64_t r = 0; r < rows.RT; ++r) {
       const int64_t t = r % a.T;
-      const int64_t lo = std::max<int64_t>(a.fp_lo[t] - b0, 0);
+      const int64_t lo = std::max({a.fp_lo[t] - b0, oldest(a, t) - a.fp_pos0 - b0, int64_t(0)});
       const int64_t hi = std::min<int64_t>(a.pos[t] - a.fp_pos0 - b0 + 1, n);  // keys [lo, hi)
       if (hi > lo) fold_block_row<DT, A>(a, bh, r, rows, blk.kb, blk.vb, lo, hi, p, zacc);
     }
@@ -328,7 +346,9 @@ void tree_task(const Args& a, int64_t bh, Rows& rows) {
     for (int64_t j = 0; j < shared; ++j) load_key<DT, A>(a, blk, b0 + j, j);
     for (int64_t t = 0; t < T; ++t) {
       const int64_t hi = std::min<int64_t>(w + a.depth[t] + 1 - b0, BLOCK);  // keys [lo, hi)
-      const int64_t lo = std::max<int64_t>(a.fp_lo[t] - b0, 0);
+      // (folded key i, a chain key or a path's, sits at position fp_pos0 + i: the window's
+      // bound is the chain's)
+      const int64_t lo = std::max({a.fp_lo[t] - b0, oldest(a, t) - a.fp_pos0 - b0, int64_t(0)});
       if (hi <= lo) continue;
       for (int64_t j = shared; j < hi; ++j)
         load_key<DT, A>(a, blk, w + a.paths[t * T + (b0 + j - w)], j);
@@ -373,8 +393,9 @@ struct HierAttention::State {
 
 // step.n_quant_q/shift/input_pos: integer [T]. layer.fp_k/fp_v: fp32, stride 1 along D.
 HierAttention::HierAttention(const at::Tensor& q, const HierLayer& layer, const HierStep& step,
-                             int64_t group_size, int64_t chunk)
+                             int64_t group_size, int64_t chunk, int64_t window)
     : s_(std::make_unique<State>()) {
+  TORCH_CHECK(window >= 0, "a sliding window is positive (0: none)");
   State& s = *s_;
   s.fp_k = layer.fp_k, s.fp_v = layer.fp_v;
   const at::Tensor &fp_k = s.fp_k, &fp_v = s.fp_v;
@@ -457,6 +478,7 @@ HierAttention::HierAttention(const at::Tensor& q, const HierLayer& layer, const 
   a.B = B, a.n_kv = n_kv, a.R = R, a.T = T, a.D = D, a.S = s.k_upper.size(2);
   a.G = group_size, a.n_fp = fp_k.size(2), a.fp_pos0 = fp_pos0;
   a.chunk = chunk, a.target = target, a.int_queries = int_queries, a.softcap = step.softcap;
+  a.window = window;
   a.max_nq = *std::max_element(a.nq, a.nq + T);
   a.n_chunks = (a.max_nq + chunk - 1) / chunk;
   s.B = B, s.H = H, s.T = T, s.D = D;
@@ -539,6 +561,6 @@ at::Tensor run_on_pool(const HierAttention& attention) {
 // Returns [B, H, T, D] fp32 (a view of a [B, T, H, D] buffer, so that the caller's
 // transpose(1, 2).reshape(B, T, H * D) for the output projection is free).
 at::Tensor hier_attention_cpu(const at::Tensor& q, const HierLayer& layer, const HierStep& step,
-                              int64_t group_size, int64_t chunk) {
-  return run_on_pool(HierAttention(q, layer, step, group_size, chunk));
+                              int64_t group_size, int64_t chunk, int64_t window) {
+  return run_on_pool(HierAttention(q, layer, step, group_size, chunk, window));
 }

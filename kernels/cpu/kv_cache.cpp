@@ -15,14 +15,19 @@ void check_kv(const at::Tensor& k, const at::Tensor& v) {
 
 HierKV::HierKV(at::Tensor k_upper, at::Tensor k_lower, at::Tensor k_scale, at::Tensor k_zero,
                at::Tensor v_upper, at::Tensor v_lower, at::Tensor v_scale, at::Tensor v_zero,
-               at::Tensor fp_k, at::Tensor fp_v, int64_t group_size, int64_t chunk)
+               at::Tensor fp_k, at::Tensor fp_v, int64_t group_size, int64_t chunk,
+               std::vector<int64_t> windows)
     : all_{k_upper, k_lower, k_scale, k_zero, v_upper, v_lower, v_scale, v_zero, fp_k, fp_v},
       group_size_(group_size),
-      chunk_(chunk) {
+      chunk_(chunk),
+      windows_(std::move(windows)) {
   TORCH_CHECK(fp_k.scalar_type() == at::kFloat && fp_v.scalar_type() == at::kFloat,
               "fp32 full-precision region only");
   TORCH_CHECK(fp_k.dim() == 5 && k_upper.dim() == 5, "buffers of all layers, [L, B, n_kv, ...]");
   TORCH_CHECK(group_size > 0 && chunk > 0, "group size and chunk must be positive");
+  TORCH_CHECK(windows_.empty() || int64_t(windows_.size()) == fp_k.size(0),
+              "one window per layer (0: none), or none at all");
+  for (const int64_t w : windows_) TORCH_CHECK(w >= 0, "a sliding window is positive (0: none)");
 }
 
 void HierKV::write(int64_t layer, const at::Tensor& k, const at::Tensor& v, int64_t lo) const {
@@ -45,7 +50,8 @@ HierAttention HierKV::attention(int64_t layer, const at::Tensor& q,
                       a.v_zero.select(0, layer),
                       a.fp_k.select(0, layer).narrow(2, 0, step.n_fp),
                       a.fp_v.select(0, layer).narrow(2, 0, step.n_fp)};
-  return HierAttention(q, one, step, group_size_, chunk_);
+  const int64_t window = windows_.empty() ? 0 : windows_.at(layer);
+  return HierAttention(q, one, step, group_size_, chunk_, window);
 }
 
 at::Tensor HierKV::attend(int64_t layer, const at::Tensor& q, const HierStep& step) const {

@@ -9,6 +9,7 @@
 #include <ATen/ATen.h>
 
 #include <memory>
+#include <vector>
 
 // One layer of the hierarchical cache as the attention reads it (slices, no copies): planes
 // [B, n_kv, S, D/2] uint8; k_scale/k_zero [B, n_kv, S/G, D] fp32; v_scale/v_zero
@@ -47,8 +48,9 @@ struct HierStep {
 // partials in a fixed order (one thread) -> [B, H, T, D] fp32, a view of a [B, T, H, D] buffer.
 class HierAttention {
  public:
+  // window: the layer's sliding window (query at p sees positions > p - window; 0: none)
   HierAttention(const at::Tensor& q, const HierLayer& layer, const HierStep& step,
-                int64_t group_size, int64_t chunk);
+                int64_t group_size, int64_t chunk, int64_t window = 0);
   HierAttention(HierAttention&&) noexcept;
   HierAttention& operator=(HierAttention&&) noexcept;
   ~HierAttention();
@@ -66,12 +68,15 @@ class HierAttention {
 at::Tensor run_on_pool(const HierAttention& attention);
 
 // The hierarchical cache's buffers, all layers: planes [L, B, n_kv, S, D/2] uint8, K metadata
-// [L, B, n_kv, S/G, D], V metadata [L, B, n_kv, S, D/G], fp_k/fp_v [L, B, n_kv, 3G, D] fp32.
+// [L, B, n_kv, S/G, D], V metadata [L, B, n_kv, S, D/G], fp_k/fp_v [L, B, n_kv, 3G, D] fp32;
+// and each layer's sliding window (windows [L], 0: a global layer; empty: every layer global),
+// which its attention applies: a property of the layer, not of a step.
 class HierKV {
  public:
   HierKV(at::Tensor k_upper, at::Tensor k_lower, at::Tensor k_scale, at::Tensor k_zero,
          at::Tensor v_upper, at::Tensor v_lower, at::Tensor v_scale, at::Tensor v_zero,
-         at::Tensor fp_k, at::Tensor fp_v, int64_t group_size, int64_t chunk);
+         at::Tensor fp_k, at::Tensor fp_v, int64_t group_size, int64_t chunk,
+         std::vector<int64_t> windows = {});
   // k/v [B, n_kv, T, D] (any strides) -> fp_k/fp_v[layer, :, :, lo : lo + T]
   void write(int64_t layer, const at::Tensor& k, const at::Tensor& v, int64_t lo) const;
   // q [B, H, T, D] over the layer's planes and region [0, step.n_fp) -> [B, H, T, D] fp32
@@ -84,6 +89,7 @@ class HierKV {
  private:
   HierLayer all_;  // [L, ...] each
   int64_t group_size_, chunk_;
+  std::vector<int64_t> windows_;  // [L] or empty
 };
 
 // One forward over the full-precision cache: positions [start, end), the attention mask (none
@@ -113,4 +119,4 @@ class FullKV {
 // hier_attention.cpp: the kernel over one layer; fp_pos0 = step.n_quant, and step.lo unused.
 // Returns [B, H, T, D] fp32, a view of a [B, T, H, D] buffer.
 at::Tensor hier_attention_cpu(const at::Tensor& q, const HierLayer& layer, const HierStep& step,
-                              int64_t group_size, int64_t chunk);
+                              int64_t group_size, int64_t chunk, int64_t window = 0);

@@ -64,9 +64,12 @@ class NativeMemo:
         return {"_memo": None}
 
 
-def hier_kv(buffers: dict[str, torch.Tensor], group_size: int, chunk: int):
-    """A `HierKV` over `buffers` (the `HIER_BUFFERS`, [L, ...] each; fp_k/fp_v fp32)."""
-    return cpu_ext.load().HierKV(**buffers, group_size=group_size, chunk=chunk)
+def hier_kv(buffers: dict[str, torch.Tensor], group_size: int, chunk: int, windows: tuple = ()):
+    """A `HierKV` over `buffers` (the `HIER_BUFFERS`, [L, ...] each; fp_k/fp_v fp32), each
+    layer attending within its sliding window (`windows` [L]: None or 0 a global layer; empty:
+    every layer global)."""
+    windows = [int(w or 0) for w in windows]
+    return cpu_ext.load().HierKV(**buffers, group_size=group_size, chunk=chunk, windows=windows)
 
 
 def hier_step(**fields):

@@ -38,11 +38,12 @@ void bind_kv_cache(py::module& m) {
       .def_readonly("parents", &HierStep::parents);
   py::class_<HierKV>(m, "HierKV", "the hierarchical cache's buffers, all layers (kv_cache.h)")
       .def(py::init<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
-                    at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t, int64_t>(),
+                    at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t, int64_t,
+                    std::vector<int64_t>>(),
            py::kw_only(), py::arg("k_upper"), py::arg("k_lower"), py::arg("k_scale"),
            py::arg("k_zero"), py::arg("v_upper"), py::arg("v_lower"), py::arg("v_scale"),
            py::arg("v_zero"), py::arg("fp_k"), py::arg("fp_v"), py::arg("group_size"),
-           py::arg("chunk"))
+           py::arg("chunk"), py::arg("windows") = std::vector<int64_t>())
       .def("write", &HierKV::write, py::arg("layer"), py::arg("k"), py::arg("v"), py::arg("lo"))
       .def("attend", &HierKV::attend, py::arg("layer"), py::arg("q"), py::arg("step"))
       .def_property_readonly("group_size", &HierKV::group_size)

@@ -8,7 +8,7 @@ import torch
 
 from kernels.attention import causal_attention
 from kernels.cpu import kv_cache as cpu_kv
-from kernels.reference import causal_mask
+from kernels.reference import causal_mask, cuts
 from qspec_core.cache.protocol import KVCache, write_kv
 from qspec_core.config import ModelConfig
 from qspec_core.precision import FP, Precision
@@ -48,8 +48,11 @@ class FullPrecisionCache(torch.nn.Module):
         self.max_seq_len = max_seq_len
         self.rope_capacity = rope_capacity or max_seq_len  # (KVCache: `grow` keeps it)
         self.softcap = config.attn_logit_softcapping  # (Gemma 2's; None: none)
+        self.windows = config.windows  # each layer's sliding window (None: global)
         self.seq_len = 0
-        self._mask = (None, None)  # (positions key, mask): built once per forward, not per layer
+        # (positions key, {window: (first key, positions, mask)}): once per forward and
+        # window (`_keys`), not per layer
+        self._mask: tuple = (None, {})
         self.attention_seconds = 0.0  # wall time inside `attend`'s attention (a prefill's stage)
         self._native = cpu_kv.NativeMemo()  # the C++ `FullKV` over k and v
         # a prefill chunk's attention products on a CPU (`kernels.cpu.attention.PRODUCTS`): the
@@ -63,11 +66,14 @@ class FullPrecisionCache(torch.nn.Module):
         self._put(layer, k, v, start)
         if layer == self.k.shape[0] - 1:
             self.seq_len = end
-        k_all, v_all = self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+        window = self.windows[layer]
+        lo, positions, mask = self._keys(input_pos, start, end, window)
+        k_all, v_all = self.k[layer, :, :, lo:end], self.v[layer, :, :, lo:end]
         t0 = time.perf_counter()
         # (`products` run a prefill's chunk on a CPU; a decode or verify step takes its own)
-        mask = self._mask[1]
-        out = causal_attention(q, k_all, v_all, input_pos, mask, self.softcap, self.products)
+        out = causal_attention(
+            q, k_all, v_all, positions, mask, self.softcap, self.products, window
+        )
         self.attention_seconds += time.perf_counter() - t0
         return out
 
@@ -80,8 +86,22 @@ class FullPrecisionCache(torch.nn.Module):
             raise ValueError(f"write at {start} leaves a gap after length {self.seq_len}")
         key = (start, end)
         if self._mask[0] != key:
-            self._mask = (key, causal_mask(input_pos, end))
+            self._mask = (key, {None: (0, input_pos, causal_mask(input_pos, end))})
         return start, end
+
+    def _keys(self, input_pos: torch.Tensor, start: int, end: int, window: int | None):
+        """(lo, positions, mask) of this forward for a layer of sliding `window`: it reads keys
+        [lo, end) (lo the oldest position any of its queries sees: 0 for a global layer, so a
+        local layer's step reads `window` keys, not the context), with the queries' positions
+        and mask relative to lo; made once per forward and window."""
+        if not cuts(window, end):
+            return self._mask[1][None]
+        masks = self._mask[1]
+        if window not in masks:
+            lo = max(0, start - window + 1)
+            positions = input_pos - lo
+            masks[window] = (lo, positions, causal_mask(positions, end - lo, window))
+        return masks[window]
 
     def _put(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
         """Writes k/v [B, n_kv, T, D] at positions [start, start + T): through the C++
@@ -102,15 +122,18 @@ class FullPrecisionCache(torch.nn.Module):
         """For a forward of `native`'s C++ stack: the `FullStep` (`kernels/cpu/kv_cache.h`:
         the attention `causal_attention` computes), its length bookkeeping done; None when
         this forward goes layer by layer (no `native`, a KV view other than "fp", soft-capped
-        scores: the C++ `FullStep` has no cap)."""
+        scores, a sliding window that hides keys: the C++ `FullStep` has one mask for every
+        layer and no cap)."""
         if path.kv != "fp" or self.softcap is not None or self.native is None:
             return None  # (`attend` raises for another view)
+        if any(cuts(w, int(input_pos[-1]) + 1) for w in self.windows):
+            return None
         start, end = self._span(input_pos)
         self.seq_len = end
         # causal_attention's cases: the whole sequence at once is plain causal; one query at
         # the newest position sees every key (no mask); else the mask
         is_causal = n_tokens == end and start == 0
-        mask = None if is_causal else self._mask[1]
+        mask = None if is_causal else self._mask[1][None][2]
         return cpu_kv.full_step(start, end, mask, is_causal)
 
     def truncate(self, length: int) -> None:

@@ -99,6 +99,7 @@ class HierarchicalKVCache(torch.nn.Module):
         self.max_seq_len = max_seq_len
         self.rope_capacity = rope_capacity or max_seq_len  # (KVCache; a snapshot keeps it)
         self.softcap = config.attn_logit_softcapping  # (Gemma 2's; None: none)
+        self.windows = config.windows  # per layer, its sliding window (None: global)
         L, B, n_kv = config.num_hidden_layers, batch_size, config.num_key_value_heads
         S = -(-max_seq_len // G) * G  # quantized capacity, whole groups
         planes = (L, B, n_kv, S, D // 2)  # [L, B, n_kv, S, D/2] uint8, two nibbles per byte
@@ -332,9 +333,8 @@ class HierarchicalKVCache(torch.nn.Module):
         if not cpu_kv.usable(*buffers):
             return None
         named = dict(zip(cpu_kv.HIER_BUFFERS, buffers, strict=True))
-        return self._native.get(
-            buffers, lambda: cpu_kv.hier_kv(named, self.group_size, self.chunk_size)
-        )
+        G, chunk = self.group_size, self.chunk_size
+        return self._native.get(buffers, lambda: cpu_kv.hier_kv(named, G, chunk, self.windows))
 
     def native_step(self, input_pos: torch.Tensor, path: Precision, n_tokens: int):
         """For a forward of `native`'s C++ stack: does every layer's bookkeeping of `attend`
@@ -399,7 +399,7 @@ class HierarchicalKVCache(torch.nn.Module):
         if native is not None and fused:  # (the C++ kernel, as in the stack's step)
             step = self._step(lo, hi, nq, n_quant_q, shift, input_pos, kv, iq)
             return native.attend(layer, q, step).to(q.dtype)
-        rows = QueryRows(n_quant_q, shift, input_pos, self._parents)
+        rows = QueryRows(n_quant_q, shift, input_pos, self._parents, self.windows[layer])
         chunk = self.chunk_size if q.device.type == "cpu" else None  # Triton: fill the GPU
         return hier_attention(q, self.layer_view(layer), rows, kv, chunk, fused, iq, self.softcap)
 
@@ -518,22 +518,24 @@ class HierarchicalKVCache(torch.nn.Module):
         self._staged[layer] = -1
 
     def dequantize_into(
-        self, layer: int, k_out: torch.Tensor, v_out: torch.Tensor, view: str = "int8"
+        self, layer: int, k_out: torch.Tensor, v_out: torch.Tensor, view: str = "int8", first=0
     ) -> None:
-        """A layer's quantized history in `view` into k_out/v_out [B, n_kv, n_quant, D] fp32
-        (rows contiguous): `kernels/cpu/dequant.py`, the reference's numbers."""
+        """A layer's quantized history from position `first` (a multiple of G) in `view` into
+        k_out/v_out [B, n_kv, n_quant - first, D] fp32 (rows contiguous): `kernels/cpu/
+        dequant.py`, the reference's numbers."""
         G, nq = self.group_size, self.n_quant[layer]
+        assert first % G == 0 and 0 <= first <= nq, (first, G, nq)  # (the prefill's own bound)
         keys = QuantizedGroupTensor(
-            self.k_upper[layer, :, :, :nq],
-            self.k_lower[layer, :, :, :nq],
-            self.k_scale[layer, :, :, : nq // G],
-            self.k_zero[layer, :, :, : nq // G],
+            self.k_upper[layer, :, :, first:nq],
+            self.k_lower[layer, :, :, first:nq],
+            self.k_scale[layer, :, :, first // G : nq // G],
+            self.k_zero[layer, :, :, first // G : nq // G],
         )
         values = QuantizedGroupTensor(
-            self.v_upper[layer, :, :, :nq],
-            self.v_lower[layer, :, :, :nq],
-            self.v_scale[layer, :, :, :nq],
-            self.v_zero[layer, :, :, :nq],
+            self.v_upper[layer, :, :, first:nq],
+            self.v_lower[layer, :, :, first:nq],
+            self.v_scale[layer, :, :, first:nq],
+            self.v_zero[layer, :, :, first:nq],
         )
         dequantize_into(keys, G, True, view, k_out)
         dequantize_into(values, G, False, view, v_out)

@@ -34,7 +34,7 @@ import torch
 
 from kernels.attention import causal_attention
 from kernels.cpu.attention import prefill_usable
-from kernels.reference import causal_mask
+from kernels.reference import causal_mask, cuts
 from qspec_core.cache.hierarchical import HierarchicalKVCache
 from qspec_core.precision import FP, Precision
 
@@ -61,7 +61,8 @@ class ChunkedPrefill:
         self.seq_len = 0
         self.attention_seconds = 0.0  # attention, with the history's dequantization
         self.quantize_seconds = 0.0  # the groups' quantization into the planes
-        self._mask: tuple = (None, None)  # (input_pos, mask) of the forward being run
+        # (input_pos, memo) of the forward being run: its relative positions and masks
+        self._forward: tuple = (None, {})
         # the tiled CPU attention's products (`kernels.cpu.attention.PRODUCTS`; off a CPU unused)
         self.products = products
 
@@ -81,9 +82,17 @@ class ChunkedPrefill:
         self.tail_v[layer, :, :, lo:hi] = v
         self.tail_len[layer] = hi
         t0 = time.perf_counter()
-        keys, values = self._keys(layer, hi)
-        mask = None if prefill_usable(q, keys, values) else self._causal_mask(input_pos, end)
-        out = causal_attention(q, keys, values, input_pos, mask, self.cache.softcap, self.products)
+        # a local layer reads (and dequantizes) its history from the group holding the oldest
+        # position its chunk sees: a window's worth per chunk, not the context
+        window, G = self.cache.windows[layer], self.cache.group_size
+        first = 0 if not cuts(window, end) else min(nq, max(0, start - window + 1) // G * G)
+        keys, values = self._keys(layer, hi, first)
+        positions, n_keys = self._relative(input_pos, first)
+        # (the tiled kernel has no window: a local layer past it takes the reference)
+        tiled = prefill_usable(q, keys, values) and not cuts(window, n_keys)
+        mask = None if tiled else self._causal_mask(input_pos, first, window)
+        cap = self.cache.softcap
+        out = causal_attention(q, keys, values, positions, mask, cap, self.products, window)
         t1 = time.perf_counter()
         self._quantize(layer, end)
         self.quantize_seconds += time.perf_counter() - t1
@@ -92,17 +101,19 @@ class ChunkedPrefill:
             self.seq_len = end
         return out
 
-    def _keys(self, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """k/v [B, n_kv, n_quant + n, D]: the history dequantized (INT8), then the tail's n."""
+    def _keys(self, layer: int, n: int, first: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """k/v [B, n_kv, n_quant - first + n, D]: the history from position `first` (a
+        multiple of G) dequantized (INT8), then the tail's n."""
         tail_k, tail_v = self.tail_k[layer, :, :, :n], self.tail_v[layer, :, :, :n]
         nq = self.cache.n_quant[layer]
-        if not nq:
+        if nq == first:
             return tail_k, tail_v
         B, n_kv, _, D = tail_k.shape
-        keys = tail_k.new_empty(B, n_kv, nq + n, D, dtype=torch.float32)
+        h = nq - first
+        keys = tail_k.new_empty(B, n_kv, h + n, D, dtype=torch.float32)
         values = torch.empty_like(keys)
-        self.cache.dequantize_into(layer, keys[:, :, :nq], values[:, :, :nq], "int8")
-        keys[:, :, nq:], values[:, :, nq:] = tail_k, tail_v
+        self.cache.dequantize_into(layer, keys[:, :, :h], values[:, :, :h], "int8", first)
+        keys[:, :, h:], values[:, :, h:] = tail_k, tail_v
         dtype = tail_k.dtype  # (a bf16 cache's prefill attends in bf16, as before)
         return keys.to(dtype), values.to(dtype)
 
@@ -126,12 +137,30 @@ class ChunkedPrefill:
             raise ValueError(f"position {end - 1} is beyond the cache ({self.max_seq_len})")
         return start, end
 
-    def _causal_mask(self, input_pos: torch.Tensor, end: int) -> torch.Tensor | None:
-        """The reference's [T, S] mask, made once per forward, not per layer (the C++ kernel
+    def _relative(self, input_pos: torch.Tensor, first: int) -> tuple[torch.Tensor, int]:
+        """(input_pos - first, the keys [first, end) they see), once per forward and first."""
+        if not first:
+            return input_pos, int(input_pos[-1]) + 1
+        memo = self._memo(input_pos)
+        if ("positions", first) not in memo:
+            memo["positions", first] = (input_pos - first, int(input_pos[-1]) + 1 - first)
+        return memo["positions", first]
+
+    def _causal_mask(self, input_pos: torch.Tensor, first: int, window: int | None):
+        """The reference's [T, S] mask over keys [first, end) (a local layer's: within its
+        `window`), made once per forward, window and first key, not per layer (the C++ kernel
         needs none)."""
-        if self._mask[0] is not input_pos:
-            self._mask = (input_pos, causal_mask(input_pos, end))
-        return self._mask[1]
+        memo = self._memo(input_pos)
+        if ("mask", first, window) not in memo:
+            memo["mask", first, window] = causal_mask(*self._relative(input_pos, first), window)
+        return memo["mask", first, window]
+
+    def _memo(self, input_pos: torch.Tensor) -> dict:
+        """The memo of the forward of `input_pos` (every layer of a forward gets the same
+        tensor), new when a new forward begins."""
+        if self._forward[0] is not input_pos:
+            self._forward = (input_pos, {})
+        return self._forward[1]
 
     def finish(self) -> None:
         """The prompt is in: its last tokens become the cache's full-precision region, every

@@ -12,6 +12,5 @@ FAMILY = replace(
     model_types=("gemma2",),
     label="Gemma 2",
     layer=replace(GEMMA3.layer, qk_norm=None, local_rope=False, softcapping=True),
-    # every other layer slides (4096 tokens), the others attend to all: with the context capped
-    # at the window (ModelConfig.context_limit) both kinds attend to every key
+    window_pattern=2,  # every other layer slides (4,096 tokens), the others attend to all
 )

@@ -18,5 +18,5 @@ FAMILY = Family(
     ),
     reads_mlp_bias=False,
     ties_embeddings=True,
-    sliding_window="all",  # (the context is capped at the window: see ModelConfig)
+    sliding_window="layer_types",  # five local layers to one global (window_pattern 6)
 )

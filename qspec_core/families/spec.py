@@ -8,7 +8,7 @@ NORMS = ("rms", "rms_fp32", "rms_plus_one")
 NORM_PLACEMENTS = ("pre", "post", "sandwich")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # HF hidden_act / hidden_activation names
 QK_NORMS = (None, "head", "all")
-SLIDING_WINDOWS = ("none", "all", "qwen")
+SLIDING_WINDOWS = ("none", "all", "qwen", "layer_types")
 
 
 @dataclass(frozen=True)
@@ -76,8 +76,11 @@ class Family:
     reads_attention_bias: bool = True
     reads_mlp_bias: bool = True
     # how `sliding_window` applies: "none" (ignored: full attention), "all" (every layer,
-    # Mistral), "qwen" (only with use_sliding_window, on layers >= max_window_layers)
+    # Mistral), "qwen" (only with use_sliding_window, on layers >= max_window_layers),
+    # "layer_types" (the layers config.json's layer_types names "sliding_attention"; without
+    # the list, all but every `window_pattern`-th layer: Gemma 2/3)
     sliding_window: str = "none"
+    window_pattern: int = 6  # ("layer_types": transformers 4's sliding_window_pattern default)
     # checkpoint modules that hold several of the model's linears stacked by output rows, split
     # at load in the parts' sizes: ("self_attn.qkv_proj", ("self_attn.q_proj", ...)) (Phi-3)
     fused: tuple[tuple[str, tuple[str, ...]], ...] = ()

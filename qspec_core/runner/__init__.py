@@ -8,8 +8,7 @@ on any device and imports no runner. A runner holds one model and runs its forwa
   builds from the model's tensors and owns), anything else through the model's PyTorch layer
   loop with the runner's `CpuOps` (batch-invariant few-row linears, C++ norms and RoPE);
 - `TorchRunner` (`reference.py`): the model's forward as is: GPUs (the quantized twins and the
-  cache call the Triton kernels themselves), CPUs without qspec's C++ kernels, and families
-  whose layer the C++ stack does not compute.
+  cache call the Triton kernels themselves) and CPUs without qspec's C++ kernels.
 
 So two layer loops exist: the model's PyTorch loop, and the native stack.
 
@@ -41,8 +40,9 @@ Runner = OfModel | Transformer
 
 def build_runner(model) -> CpuRunner | TorchRunner:
     """The runner for `model` where it is now: the CPU runner on a CPU where qspec's C++ kernels
-    are built (`QSPEC_CPU_KERNELS=0` turns them off) and compute the model's layer, else the
-    torch runner. Build it after the model's twins are attached and again after a move."""
-    if model.device.type == "cpu" and model.config.native_ok() and build.available():
+    are built (`QSPEC_CPU_KERNELS=0` turns them off), whatever the family (its one-call stack
+    where it computes the layer, `ModelConfig.native_ok`), else the torch runner. Build it
+    after the model's twins are attached and again after a move."""
+    if model.device.type == "cpu" and build.available():
         return CpuRunner(model, build.load())
     return TorchRunner(model)

@@ -1,19 +1,20 @@
 """The CPU runner: a model's forward on qspec's C++ kernels (`kernels/cpu/`).
 
-Built by `build_runner` (`__init__.py`) for a model on a CPU where the kernels are built and
-whose layer they compute (`LayerSpec.native_ok()`: the Llama-style layer). Two loops run the
-layers, and the runner picks one per forward:
+Built by `build_runner` (`__init__.py`) for a model of any family on a CPU where the kernels
+are built. Two loops run the layers, and the runner picks one per forward:
 
 - a decode or verify step (at most `MAX_STEP_ROWS` = gamma + 1 rows) in fp32 runs every
   decoder layer in one C++ call (`DecoderStack`, built per weight set by `cpu_stack.py`, owned
   by this runner) when the cache has a C++ side (`cache.native`, `cache.native_step`:
-  `cache/protocol.py`): the stack takes the cache's object and the step it fills, and writes
-  and attends through them; the model's `embed` and `head` run around it;
-- anything else (a prefill chunk, bf16, a cache or a twin the stack does not take) runs the
-  model's own PyTorch layer loop, called with this runner's `CpuOps`: RMSNorm, the residual
-  add and RoPE in C++ when fp32 (`kernels/cpu/decode.cpp`), and every linear through
-  `CpuOps.linear`, which runs the kernel `kernel_table.py` chooses (the stack's builder reads
-the same table, so the choice exists once).
+  `cache/protocol.py`) and the stack computes the model's layer (`ModelConfig.native_ok()`:
+  the Llama-style layer): the stack takes the cache's object and the step it fills, and
+  writes and attends through them; the model's `embed` and `head` run around it;
+- anything else (a prefill chunk, bf16, a cache, a twin or a family's layer the stack does not
+  take: q/k norms, other norm placements and kinds, GeGLU, partial rotary) runs the model's
+  own PyTorch layer loop, called with this runner's `CpuOps`: RMSNorm (Llama's kind), the
+  residual add and whole-head RoPE in C++ when fp32 (`kernels/cpu/decode.cpp`), the others in
+  PyTorch, and every linear through `CpuOps.linear`, which runs the kernel `kernel_table.py`
+  chooses (the stack's builder reads the same table, so the choice exists once).
 
 The table runs every linear of a step (at most `MAX_STEP_ROWS` rows) on a batch-invariant
 few-row kernel (`kernels/cpu/linear.cpp`, and `int_dot.cpp` for the int8-activation sets
@@ -72,7 +73,8 @@ class CpuOps(LayerOps):
         return super().add_norm(x, h, norm)
 
     def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        if x.dtype == cos.dtype == torch.float32:
+        # (the C++ RoPE rotates whole heads: a partial rotary, cos [T, r < D], takes torch's)
+        if x.dtype == cos.dtype == torch.float32 and cos.shape[-1] == x.shape[-1]:
             self.ext.rope_cpu(x, cos, sin)  # in place, on the projection's fresh output
             return x.transpose(1, 2)
         return super().rope(x, cos, sin)
@@ -109,11 +111,6 @@ class CpuRunner(OfModel):
     kind = "cpu"
 
     def __init__(self, model, ext):
-        if not model.config.native_ok():
-            raise ValueError(
-                f"the CPU runner computes the Llama-style layer only, not {model.config.model_type}"
-                "'s (`ModelConfig.native_ok`): run it on the torch runner"
-            )
         self.model = model
         self.ext = ext
         self.ops = CpuOps(ext)

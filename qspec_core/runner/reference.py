@@ -2,8 +2,7 @@
 
 What `build_runner` gives where no native runner applies: a GPU (there the model's quantized
 twins and the cache's attention call the Triton kernels themselves), a CPU without qspec's C++
-kernels (`QSPEC_CPU_KERNELS=0`, or a failed build), or a family whose layer the C++ stack does
-not compute (`LayerSpec.native_ok()` false). Its linears take the kernel table's "torch"
+kernels (`QSPEC_CPU_KERNELS=0`, or a failed build). Its linears take the kernel table's "torch"
 backend (`kernel_table.py`): each format's own forward, but an INT8 prefill on the fp32 path
 where this machine measured that fastest. It owns the layouts PyTorch's CPU int4 kernel takes
 of the 4-bit twins (`TorchOps`), made on first use and dropped by `rebuild`; it is a runner so

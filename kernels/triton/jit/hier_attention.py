@@ -18,6 +18,9 @@ from kernels.triton.jit.common import interpreted, round_to_bf16_grid
 _NO_SCORE = tl.constexpr(-1.0e30)
 _LOWER_OFFSET = tl.constexpr(LOWER_OFFSET)  # jit code reads only constexpr globals
 _LOG2E = 1.4426950408889634
+# A global layer's window: more positions than any context, so pos - window hides no key
+# (the kernel takes the window as a runtime int32 and one compile serves both layer kinds).
+NO_WINDOW = 1 << 30
 
 
 # ---------------------------------------------------------------------------------------------
@@ -114,7 +117,7 @@ def _hier_partial_kernel(
     index_ptr,  # [3, T] int32: n_quant_q, input_pos, fp_lo
     acc_ptr,  # [B * n_kv, n_chunks + 1, BLOCK_M, D] fp32
     m_ptr, l_ptr,  # [B * n_kv, n_chunks + 1, BLOCK_M] fp32
-    n_kv, T, n_hist, n_fp, fp_pos0, n_hist_chunks, chunk, qk_scale, cap,
+    n_kv, T, n_hist, n_fp, fp_pos0, n_hist_chunks, chunk, qk_scale, cap, window,
     stride_qb, stride_qh, stride_qt,
     stride_pb, stride_ph, stride_ps,
     stride_kmb, stride_kmh, stride_kmg,
@@ -143,6 +146,7 @@ def _hier_partial_kernel(
     if pid_c < n_hist_chunks:
         # quantized history: tokens [start, end) of this chunk
         n_visible = tl.load(index_ptr + t, mask=row_ok, other=0)  # [BM] n_quant_q per row
+        oldest = tl.load(index_ptr + T + t, mask=row_ok, other=0) - window  # [BM] (exclusive)
         start = pid_c * chunk  # chunk is a runtime value: one compile serves every length
         end = tl.minimum(start + chunk, n_hist)
         bytes_ = tl.arange(0, HEAD_DIM // 2)
@@ -161,6 +165,7 @@ def _hier_partial_kernel(
                 HEAD_DIM, GROUP_SIZE, INT8,
             )  # fmt: skip
             visible = key_ok[None, :] & (offs_n[None, :] < n_visible[:, None])  # [BM, BN]
+            visible &= offs_n[None, :] > oldest[:, None]  # (a local layer's window)
             acc, m_i, l_i = _online_update(
                 q, k, v, visible, acc, m_i, l_i, cap, DOT_PRECISION, SOFTCAP
             )
@@ -180,6 +185,7 @@ def _hier_partial_kernel(
                 & key_ok[None, :]
                 & (offs_n[None, :] >= lo[:, None])
                 & (fp_pos0 + offs_n[None, :] <= pos[:, None])
+                & (fp_pos0 + offs_n[None, :] > pos[:, None] - window)
             )
             acc, m_i, l_i = _online_update(
                 q, k, v, visible, acc, m_i, l_i, cap, DOT_PRECISION, SOFTCAP
@@ -313,7 +319,7 @@ def launcher(
     partial_args = (
         q, *planes, *k_meta, *v_meta, *fp, index, acc, m, l,
         n_kv, T, n_hist, view.fp_k.shape[2], int(view.fp_pos0), n_chunks, chunk, D**-0.5 * _LOG2E,
-        (softcap or 1.0) * _LOG2E,
+        (softcap or 1.0) * _LOG2E, rows.window or NO_WINDOW,
         *q.stride()[:3], *planes[0].stride()[:3], *k_meta[0].stride()[:3],
         *v_meta[0].stride()[:3], *fp[0].stride()[:3],
     )  # fmt: skip
