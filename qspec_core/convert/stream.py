@@ -90,17 +90,20 @@ TWIN_KEYS = {
 
 class _LayerCache:
     """One layer's calibration KV: every layer index lands in slot 0 of a one-layer
-    full-precision cache as long as the text (refilled for each layer)."""
+    full-precision cache as long as the text (refilled for each layer), attending within that
+    layer's sliding window."""
 
     def __init__(self, config: ModelConfig, n_tokens: int):
-        one = replace(config, num_hidden_layers=1)
+        one = replace(config, num_hidden_layers=1, layer_types=())
         self._inner = FullPrecisionCache(one, n_tokens, dtype=torch.float32)
+        self._windows = config.windows  # (the one slot takes each layer's in turn)
         self.rope_capacity = self._inner.rope_capacity
 
     def reset(self) -> None:
         self._inner.reset()
 
     def attend(self, layer, q, k, v, input_pos, path: Precision = FP):
+        self._inner.windows = (self._windows[layer],)
         return self._inner.attend(0, q, k, v, input_pos, path)
 
 
