@@ -46,6 +46,11 @@ def causal_visible(input_pos: torch.Tensor, n_keys: int, window: int | None = No
     return visible
 
 
+def window_start(position: int, window: int | None) -> int:
+    """The oldest key position a query at `position` sees under a sliding `window` (0: all)."""
+    return 0 if window is None else max(0, position - window + 1)
+
+
 def cuts(window: int | None, n_keys: int) -> bool:
     """Whether a sliding `window` hides any of n_keys keys (positions 0..n_keys-1) from a
     query among them: below that length a local layer attends as a global one."""

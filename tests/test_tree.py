@@ -86,6 +86,19 @@ def test_the_document_offers_every_occurrences_continuation():
     assert DocumentLookup([1, 2, 3], min_ngram=3).continuations(4, 4) == []
 
 
+def _chains(runner, cache, point, pending, start, path):
+    """Each row of TREE (after `pending` at `start`) with its path from the root and the last
+    logits of that chain fed alone over the cache restored to `point`: (row, chain, logits)."""
+    tokens, parents = [pending] + TREE.tokens, TREE.rows()
+    for row in range(len(tokens)):
+        chain = [row]
+        while parents[chain[0]] >= 0:
+            chain.insert(0, parents[chain[0]])
+        cache.restore(point)
+        fed = torch.tensor([[tokens[r] for r in chain]])
+        yield row, chain, runner(fed, torch.arange(start, start + len(chain)), cache, path)[0, -1]
+
+
 @native
 @pytest.mark.parametrize("kind", ["stack", "loop"])
 @pytest.mark.parametrize("path", [TARGET, W8_TARGET, W8_TARGET.with_weights("w8a8")])
@@ -107,14 +120,7 @@ def test_tree_rows_have_the_bits_of_the_chain_that_reaches_them(kind, path, head
         point = cache.checkpoint()
         pending = int(ids[0, start])
         got = forward_tree(runner, cache, pending, TREE, start, path)
-        tokens, parents = [pending] + TREE.tokens, TREE.rows()
-        for row in range(len(tokens)):
-            chain = [row]
-            while parents[chain[0]] >= 0:
-                chain.insert(0, parents[chain[0]])
-            cache.restore(point)
-            fed = torch.tensor([[tokens[r] for r in chain]])
-            want = runner(fed, torch.arange(start, start + len(chain)), cache, path)[0, -1]
+        for row, chain, want in _chains(runner, cache, point, pending, start, path):
             assert torch.equal(got[row], want), (row, chain)
 
 
@@ -135,14 +141,7 @@ def test_windowed_tree_rows_see_what_their_chains_see(kind, start, window):
         point = cache.checkpoint()
         pending = int(ids[0, start])
         got = forward_tree(runner, cache, pending, TREE, start, TARGET)
-        tokens, parents = [pending] + TREE.tokens, TREE.rows()
-        for row in range(len(tokens)):
-            chain = [row]
-            while parents[chain[0]] >= 0:
-                chain.insert(0, parents[chain[0]])
-            cache.restore(point)
-            fed = torch.tensor([[tokens[r] for r in chain]])
-            want = runner(fed, torch.arange(start, start + len(chain)), cache, TARGET)[0, -1]
+        for row, chain, want in _chains(runner, cache, point, pending, start, TARGET):
             if kind == "stack":
                 assert torch.equal(got[row], want), (row, chain)
             else:

@@ -8,7 +8,7 @@ import torch
 
 from kernels.attention import causal_attention
 from kernels.cpu import kv_cache as cpu_kv
-from kernels.reference import causal_mask, cuts
+from kernels.reference import causal_mask, cuts, window_start
 from qspec_core.cache.protocol import KVCache, write_kv
 from qspec_core.config import ModelConfig
 from qspec_core.precision import FP, Precision
@@ -98,7 +98,7 @@ class FullPrecisionCache(torch.nn.Module):
             return self._mask[1][None]
         masks = self._mask[1]
         if window not in masks:
-            lo = max(0, start - window + 1)
+            lo = window_start(start, window)
             positions = input_pos - lo
             masks[window] = (lo, positions, causal_mask(positions, end - lo, window))
         return masks[window]

@@ -34,7 +34,7 @@ import torch
 
 from kernels.attention import causal_attention
 from kernels.cpu.attention import prefill_usable
-from kernels.reference import causal_mask, cuts
+from kernels.reference import causal_mask, cuts, window_start
 from qspec_core.cache.hierarchical import HierarchicalKVCache
 from qspec_core.precision import FP, Precision
 
@@ -85,7 +85,7 @@ class ChunkedPrefill:
         # a local layer reads (and dequantizes) its history from the group holding the oldest
         # position its chunk sees: a window's worth per chunk, not the context
         window, G = self.cache.windows[layer], self.cache.group_size
-        first = 0 if not cuts(window, end) else min(nq, max(0, start - window + 1) // G * G)
+        first = 0 if not cuts(window, end) else min(nq, window_start(start, window) // G * G)
         keys, values = self._keys(layer, hi, first)
         positions, n_keys = self._relative(input_pos, first)
         # (the tiled kernel has no window: a local layer past it takes the reference)
