@@ -9,9 +9,9 @@
 // convert and scale every lane, and reduce the lanes at the end: 3 vector operations per
 // product instruction. Here a vector's lanes are as many outputs, an activation's few codes are
 // broadcast, and one product instruction adds them into each lane, so a chunk's whole integer
-// dot accumulates in one int32 lane and is converted once: per chunk and tile of MR rows x 2
-// vectors of outputs (MR = 6 with 32 registers, 4 with 16), 2 MR products per broadcast group
-// and 2 MR conversions and multiply-adds per chunk. The integer lanes are exact and the float
+// dot accumulates in one int32 lane and is converted once: per chunk and tile of MR rows x NV
+// vectors of outputs (6 x 2 with 32 registers; 4 x 2 with AVX-VNNI and 3 x 3 with vpmaddwd on
+// 16), MR NV products per broadcast group and MR NV conversions and multiply-adds per chunk. The integer lanes are exact and the float
 // operations are the definition's, so every instruction set computes the same bits
 // (`w8a8_prefill_ref`); they differ from a decode step's by fp32 rounding (the step sums
 // partial lanes). Every output element is one fixed sequence of operations on its own lane:
@@ -29,7 +29,7 @@
 // Elsewhere (NEON, portable) `kAvailable` is false and the step kernels' GEMM schedule
 // (int_dot.h `w8a8_gemm`) runs many rows.
 //
-// The weights are packed per call, a slab of 2 vectors of outputs at a time, into the order the
+// The weights are packed per call, a slab of NV vectors of outputs at a time, into the order the
 // products read them: [K / STEP][SLAB][STEP] (STEP the inputs per lane and instruction), packed
 // once per unit of 128 rows it serves (a 1/256 overhead; a slab is at most 36 K in L2).
 #pragma once
@@ -56,6 +56,7 @@ struct Form {
   static constexpr int64_t LANES = 16;  // outputs per vector
   static constexpr int STEP = 4;        // inputs per lane and product instruction
   static constexpr int MR = 6;          // x rows per tile: 12 int + 12 fp32 accumulators
+  static constexpr int NV = 2;          // vectors of outputs per tile
   using Code = int8_t;                  // x's codes as the products read them
   using Packed = uint8_t;               // the packed weights: w + 128
   static Packed pack(int8_t w) { return uint8_t(w) ^ 0x80; }
@@ -63,8 +64,9 @@ struct Form {
   static I set1(int32_t v) { return _mm512_set1_epi32(v); }
   static I load(const Packed* p) { return _mm512_loadu_si512(p); }
   // dot[v] += the products of w[v] with the S codes at x, broadcast (v < NV)
-  template <int NV>
+  template <int N>
   static void row(I* dot, const I* w, const Code* x) {
+    static_assert(N == NV);
     int32_t group;
     std::memcpy(&group, x, 4);
     const I xb = _mm512_set1_epi32(group);
@@ -113,12 +115,23 @@ struct Form {
   static Packed pack(int8_t w) { return w; }
   static int32_t start(int32_t) { return 0; }
 #endif
+  // The tile: MR rows x NV vectors of outputs. With vpmaddwd, 3 x 3 (9 int accumulators, 3
+  // weight vectors, a broadcast, a product: 14 of the 16 registers) issues the products at 148
+  // GOP/s a Zen 3 core against 92 for 4 x 2, the shape VNNI keeps: per product pair 1/3 of a
+  // broadcast instead of 1/2, and the broadcasts share the integer pipes with vpaddd (a
+  // torch-free loop of the tile alone, one core; the pipes' own bound, vpmaddwd + vpaddd
+  // pairs, is 164). Every shape computes the same bits.
+#if defined(QSPEC_AVX_VNNI)
+  static constexpr int MR = 4, NV = 2;  // 8 int accumulators, 2 weight vectors, a broadcast
+#else
+  static constexpr int MR = 3, NV = 3;
+#endif
   // dot[v] += the products of w[v] with the codes at x, broadcast. One asm block per row: as
   // intrinsics GCC 12 loaded every row's broadcast first and, 16 registers short, spilled the
   // integer accumulators in the inner loop (MR 6: 202 GOP/s; this way: see PERF.md).
-  template <int NV>
+  template <int N>
   static void row(I* dot, const I* w, const Code* x) {
-    static_assert(NV == 2);
+    static_assert(N == NV);
 #if defined(__GNUC__) && !defined(__clang__)
     I b;
 #if defined(QSPEC_AVX_VNNI)
@@ -133,9 +146,12 @@ struct Form {
         "vpmaddwd %[b], %[w0], %[t]\n\t"
         "vpaddd %[t], %[d0], %[d0]\n\t"
         "vpmaddwd %[b], %[w1], %[t]\n\t"
-        "vpaddd %[t], %[d1], %[d1]"
-        : [d0] "+x"(dot[0]), [d1] "+x"(dot[1]), [b] "=&x"(b), [t] "=&x"(t)
-        : [w0] "x"(w[0]), [w1] "x"(w[1]), [x] "m"(*reinterpret_cast<const int32_t*>(x)));
+        "vpaddd %[t], %[d1], %[d1]\n\t"
+        "vpmaddwd %[b], %[w2], %[t]\n\t"
+        "vpaddd %[t], %[d2], %[d2]"
+        : [d0] "+x"(dot[0]), [d1] "+x"(dot[1]), [d2] "+x"(dot[2]), [b] "=&x"(b), [t] "=&x"(t)
+        : [w0] "x"(w[0]), [w1] "x"(w[1]), [w2] "x"(w[2]),
+          [x] "m"(*reinterpret_cast<const int32_t*>(x)));
 #endif
 #else
     int32_t group;
@@ -150,7 +166,6 @@ struct Form {
     }
 #endif
   }
-  static constexpr int MR = 4;  // 8 int accumulators, 2 weight vectors, a broadcast, a product
   static I set1(int32_t v) { return _mm256_set1_epi32(v); }
   static I load(const Packed* p) { return _mm256_loadu_si256(reinterpret_cast<const I*>(p)); }
   static F zero() { return _mm256_setzero_ps(); }
@@ -186,7 +201,7 @@ struct Part {
 };
 
 #if defined(QSPEC_AVX2)
-constexpr int NV = 2;                          // vectors of outputs per tile
+constexpr int NV = Form::NV;                   // vectors of outputs per tile
 constexpr int64_t SLAB = Form::LANES * NV;     // outputs per packed slab
 constexpr int64_t ROW_BLOCK = 128;             // x rows per unit of work
 
