@@ -14,6 +14,9 @@ Per shape, in DIR (default benchmarks/models/, which git ignores):
                              shards and model.safetensors.index.json), tokenizer files, README.md
   <shape>-random.Q8_0.gguf   the same weights for llama.cpp, every matrix Q8_0
   <shape>-random.Q4_0.gguf   the same, every matrix Q4_0
+                             (the GGUFs for Llama and Qwen2 shapes; the other families'
+                             shapes, and their `llama-as-` twins of the same matrices, are
+                             for `qspec bench`)
 
 Existing outputs are kept (--force rewrites them); --dry-run prints the planned files and
 sizes, headers included, and leaves DIR untouched.
@@ -89,7 +92,7 @@ def plan(shape: Shape, out: Path, kinds: list[str], force: bool, tok: Tokenizer)
     config = check_with_qspec(shape, planned)
     stem = out / f"{shape.name}-random"
     outputs: list[Output] = [HFFolder(shape, planned, stem, tok)]
-    for kind in kinds:
+    for kind in kinds if shape.gguf else []:  # (main says that none is written)
         path = stem.with_name(f"{stem.name}.{kind.upper()}.gguf")
         outputs.append(GGUFOutput(shape, planned, path, kind, tok))
     for o in outputs:
@@ -219,13 +222,14 @@ def dry_run(p: Plan) -> None:
 
 
 def list_shapes() -> None:
-    print(f"{'shape':<14} {'mirrors':<34} {'parameters':>15} {'bf16':>9} {'Q8_0':>9} {'Q4_0':>9}")
+    w, m = max(map(len, SHAPES)), max(len(s.mirrors) for s in SHAPES.values())
+    print(f"{'shape':<{w}} {'mirrors':<{m}} {'parameters':>15} {'bf16':>9} {'Q8_0':>9} {'Q4_0':>9}")
     for shape in SHAPES.values():
         planned = tensors(shape)
         n = sum(t.numel for t in planned)
         sizes = [2 * n] + [sum(t.gguf_bytes(q) for t in planned) for q, _ in GGUF_TYPES.values()]
         gb = " ".join(f"{s / GB:>6.2f} GB" for s in sizes)
-        print(f"{shape.name:<14} {shape.mirrors:<34} {n:>15,} {gb}")
+        print(f"{shape.name:<{w}} {shape.mirrors:<{m}} {n:>15,} {gb}")
     print("(bytes: the weights alone, 1 GB = 10^9 bytes)")
 
 
@@ -287,6 +291,8 @@ def main(argv: list[str] | None = None) -> int:
         plans = [plan(SHAPES[s], args.out, args.gguf, args.force, tok) for s in args.shapes]
         for p in plans:
             print(describe(p), flush=True)
+            if args.gguf and not p.shape.gguf:
+                print(f"  no GGUF: {p.shape.arch}'s llama.cpp layout is not written here")
             if args.dry_run:
                 dry_run(p)
                 continue

@@ -27,6 +27,7 @@ GGUF_TYPES = {
 }
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 GB = 10**9
+GGUF_ARCHS = ("llama", "qwen2")  # the families whose GGUF layout `tensors` writes
 
 
 class UsageError(Exception):
@@ -45,7 +46,12 @@ class Shape:
 
     @property
     def arch(self) -> str:
-        return self.config["model_type"]  # "llama" | "qwen2": llama.cpp's names too
+        return self.config["model_type"]  # "llama", "qwen2": llama.cpp's names too; or "qwen3"...
+
+    @property
+    def gguf(self) -> bool:
+        """Whether a GGUF of the shape can be written (llama.cpp's tensor names are known)."""
+        return self.arch in GGUF_ARCHS
 
 
 _LLAMA3 = {
@@ -88,6 +94,20 @@ _QWEN25 = {
     "use_cache": True,
     "use_sliding_window": False,  # (so sliding_window and max_window_layers change nothing)
 }
+
+
+def _with_llama_twin(shape: Shape) -> tuple[Shape, Shape]:
+    """`shape` and a Llama with its matrices (widths, heads, layers, vocabulary, tying, RoPE
+    base): the same weight bytes through Llama's plain layer, which the C++ stack runs."""
+    c = shape.config
+    same = (
+        "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+        "num_key_value_heads", "head_dim", "max_position_embeddings", "rope_theta",
+        "tie_word_embeddings", "vocab_size",
+    )  # fmt: skip
+    twin = {**_LLAMA3, **{k: c[k] for k in same}, "rms_norm_eps": c["rms_norm_eps"]}
+    return shape, Shape(f"llama-as-{shape.name}", f"Llama layers, {shape.mirrors}'s shapes", twin)
+
 
 SHAPES = {
     shape.name: shape
@@ -173,6 +193,90 @@ SHAPES = {
                 "vocab_size": 152064,
             },
         ),
+        # Issue 54's families (no GGUF: qspec bench only), each beside a Llama of the same
+        # matrices (`_llama_as`): what their layers' extra operations cost
+        *_with_llama_twin(
+            Shape(
+                "qwen3-0.6b",
+                "Qwen/Qwen3-0.6B",
+                {
+                    "architectures": ["Qwen3ForCausalLM"],
+                    "model_type": "qwen3",
+                    "attention_bias": False,
+                    "hidden_act": "silu",
+                    "initializer_range": 0.02,
+                    "hidden_size": 1024,
+                    "intermediate_size": 3072,
+                    "num_hidden_layers": 28,
+                    "num_attention_heads": 16,
+                    "num_key_value_heads": 8,
+                    "head_dim": 128,
+                    "max_position_embeddings": 40960,
+                    "max_window_layers": 28,
+                    "rms_norm_eps": 1e-06,
+                    "rope_theta": 1000000.0,
+                    "sliding_window": None,
+                    "use_sliding_window": False,
+                    "tie_word_embeddings": True,
+                    "vocab_size": 151936,
+                },
+            )
+        ),
+        *_with_llama_twin(
+            Shape(
+                "gemma-3-1b",
+                "google/gemma-3-1b-it",
+                {
+                    "architectures": ["Gemma3ForCausalLM"],
+                    "model_type": "gemma3_text",
+                    "attention_bias": False,
+                    "attn_logit_softcapping": None,
+                    "final_logit_softcapping": None,
+                    "hidden_activation": "gelu_pytorch_tanh",
+                    "initializer_range": 0.02,
+                    "hidden_size": 1152,
+                    "intermediate_size": 6912,
+                    "num_hidden_layers": 26,
+                    "num_attention_heads": 4,
+                    "num_key_value_heads": 1,
+                    "head_dim": 256,
+                    "max_position_embeddings": 32768,
+                    "query_pre_attn_scalar": 256,
+                    "rms_norm_eps": 1e-06,
+                    "rope_local_base_freq": 10000.0,
+                    "rope_scaling": None,
+                    "rope_theta": 1000000.0,
+                    "sliding_window": 512,
+                    "sliding_window_pattern": 6,
+                    "tie_word_embeddings": True,
+                    "vocab_size": 262144,
+                },
+            )
+        ),
+        *_with_llama_twin(
+            Shape(
+                "olmo-2-1b",
+                "allenai/OLMo-2-0425-1B-Instruct",
+                {
+                    "architectures": ["Olmo2ForCausalLM"],
+                    "model_type": "olmo2",
+                    "attention_bias": False,
+                    "hidden_act": "silu",
+                    "initializer_range": 0.02,
+                    "hidden_size": 2048,
+                    "intermediate_size": 8192,
+                    "num_hidden_layers": 16,
+                    "num_attention_heads": 16,
+                    "num_key_value_heads": 16,
+                    "head_dim": 128,
+                    "max_position_embeddings": 4096,
+                    "rms_norm_eps": 1e-06,
+                    "rope_theta": 500000.0,
+                    "tie_word_embeddings": False,
+                    "vocab_size": 100352,
+                },
+            )
+        ),
     )
 }
 
@@ -204,6 +308,8 @@ class Tensor:
 
 def tensors(shape: Shape) -> list[Tensor]:
     """The checkpoint's tensors in writing order; a tied lm_head is not one (HF omits it)."""
+    if not shape.gguf:
+        return _tensors_of_qspec(shape)
     c = shape.config
     h, f, d = c["hidden_size"], c["intermediate_size"], c["head_dim"]
     q, kv = c["num_attention_heads"] * d, c["num_key_value_heads"] * d
@@ -228,6 +334,29 @@ def tensors(shape: Shape) -> list[Tensor]:
     if not c["tie_word_embeddings"]:
         out.append(Tensor("lm_head.weight", "output.weight", (c["vocab_size"], h)))
     return out
+
+
+def _tensors_of_qspec(shape: Shape) -> list[Tensor]:
+    """A family without a GGUF layout here: the parameters of the Transformer qspec builds
+    from its config (on the meta device), in its order, with Hugging Face's names (no GGUF
+    names). Norm weights are 1, except where the family scales by 1 + weight (Gemma): there
+    N(0, 0.02), a scale of about 1 too."""
+    from qspec_core.model.transformer import Transformer
+
+    config = ModelConfig.from_hf_config(hf_config(shape, {}))
+    with torch.device("meta"):
+        model = Transformer(config)
+    unit = config.layer.norm != "rms_plus_one"
+    return [
+        Tensor(
+            name if name == "lm_head.weight" else "model." + name,
+            "",
+            tuple(p.shape),
+            ones=unit and name.endswith("norm.weight"),
+        )
+        for name, p in model.state_dict().items()
+        if not (config.tie_word_embeddings and name == "lm_head.weight")
+    ]
 
 
 def rope_freq_factors(config: dict) -> np.ndarray | None:

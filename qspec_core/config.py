@@ -64,9 +64,9 @@ class ModelConfig:
         return self.rotary_dim or self.head_dim
 
     def native_ok(self) -> bool:
-        """Whether the CPU runner's C++ layer computes this model: its layer
-        (`LayerSpec.native_ok`) with every channel rotated (the C++ RoPE rotates whole heads)."""
-        return self.layer.native_ok() and self.rotated == self.head_dim
+        """Whether the CPU runner's one-call C++ step computes this model's layer
+        (`LayerSpec.native_ok`; a partial rotary too: the C++ RoPE rotates cos's width)."""
+        return self.layer.native_ok()
 
     @property
     def rope_type(self) -> str:

@@ -106,6 +106,58 @@ def test_stack_gives_the_layer_loops_bits(cache_kind, path):
     assert torch.equal(got, want)
 
 
+# Each family's layer at the C++ attention's head_dim 64 (tiny_hf's other shapes): every
+# LayerSpec field the stack computes (q/k norms per head and over the projection, post and
+# sandwich norms, 1 + w, GeGLU, a query scalar, Gemma 3's local RoPE and window, a partial
+# rotary)
+FAMILY_CASES = {
+    "qwen3": {"head_dim": 64},
+    "olmo2": {},
+    "gemma3_text": {
+        "head_dim": 64,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "query_pre_attn_scalar": 48,
+        "sliding_window": 40,  # (the steps below run past it)
+        "max_position_embeddings": 512,
+        "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+        },
+    },
+    "phi3": {"pad_token_id": 0, "partial_rotary_factor": 0.5, "max_position_embeddings": 512},
+}
+
+
+@pytest.mark.parametrize("cache_kind, path", [("hier", TARGET), ("hier", DRAFT), ("full", FP)])
+@pytest.mark.parametrize("model_type", FAMILY_CASES)
+def test_every_familys_stack_gives_the_layer_loops_bits(model_type, cache_kind, path):
+    """The stack runs every supported family's layer (issue 54), bit for bit as the layer
+    loop on the runner's ops does; Gemma 2 (soft caps) is the one it leaves to the loop."""
+    kw = dict(hidden_size=128, intermediate_size=192, num_attention_heads=2)
+    hf = tiny_hf(model_type, num_key_value_heads=1, **kw, **FAMILY_CASES[model_type])
+    model = ours_from_hf(hf)
+    drafts = {n: Int4Linear.from_linear(m, 64) for n, m in linear_layers(model).items()}
+    attach_draft(model, drafts)
+    assert model.config.native_ok()
+    runner, loop = _runners(model)
+    ids = torch.randint(0, 101, (1, 150), generator=torch.Generator().manual_seed(1))
+    make = _full if cache_kind == "full" else _hier
+    want = _rounds(loop, make(model), path, ids, STEPS)
+    assert _used(runner, path)
+    got = _rounds(runner, make(model), path, ids, STEPS)
+    assert torch.equal(got, want)
+    if path.weights == "full":  # and the plain model's, to rounding (the draft's W4A8 rounds x)
+        plain = _rounds(model, make(model), path, ids, STEPS[:3])
+        assert (want[:, :120] - plain).abs().max() <= 1e-3 * plain.abs().max()
+
+
+def test_gemma2_runs_the_layer_loop():
+    hf = tiny_hf("gemma2", head_dim=64, attn_logit_softcapping=1.5, num_key_value_heads=1)
+    model = ours_from_hf(hf)
+    assert not model.config.native_ok()
+    assert CpuRunner(model, cpu_ext.load()).stack("full") is None
+
+
 def test_a_draft_without_some_4bit_twins_runs_their_int8_twins():
     """A recipe that keeps attention and lm_head out of the 4-bit draft (`gptq-mlp`): those
     layers draft on their INT8 twins (W8A8), in the stack exactly as in the layer loop; a

@@ -78,14 +78,14 @@ CASES = {
         "attn_implementation": "eager",  # (transformers' SDPA path has no soft cap)
     },
 }
-NATIVE = {
+NATIVE = {  # whether the one-call C++ step computes the layer (Gemma 2: soft-capped scores)
     "llama": True,
     "mistral": True,
     "qwen2": True,
-    "qwen3": False,
-    "olmo2": False,
+    "qwen3": True,
+    "olmo2": True,
     "phi3": True,
-    "gemma3_text": False,
+    "gemma3_text": True,
     "gemma2": False,
 }
 N_NEW = 24
@@ -116,7 +116,7 @@ def test_every_family_file_has_a_case():
 def test_logits_match_transformers(case):
     hf = _hf(case)
     ours = ours_from_hf(hf)
-    native = NATIVE[case.split("+")[0]] and "partial" not in case  # (the C++ RoPE: whole heads)
+    native = NATIVE[case.split("+")[0]]
     assert ours.config.native_ok() == native
     tokens = torch.randint(0, 101, (2, 40), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -336,7 +336,7 @@ def test_gemma3_reads_transformers4_configs_and_refuses_softcapping():
         "linear",
         1e4,
     )
-    assert config.context_limit == 2048 and not config.layer.native_ok()  # (the window: 512)
+    assert config.context_limit == 2048 and config.layer.native_ok()  # (the window: 512)
     for key in ("attn_logit_softcapping", "final_logit_softcapping"):  # (Gemma 2's)
         with pytest.raises(UnsupportedModelError, match=key):
             ModelConfig.from_hf_config({**hf, key: 30.0})

@@ -6,7 +6,8 @@
 //   rms_norm_cpu(x, w, eps)          y = w * (x * rsqrt(mean(x^2) + eps)), rows of x [.., H]
 //   add_rms_norm_cpu(x, h, w, eps)   x += h in place, then rms_norm(x)
 //   rope_cpu(x, cos, sin)            rotate-half RoPE in place on x [B, T, n, D] (stride 1
-//                                    along D), cos/sin [T, D]
+//                                    along D), cos/sin [T, r]: each head's first r <= D
+//                                    channels (r < D: a partial rotary; the rest pass)
 #include <ATen/ATen.h>
 
 #include "kernels.h"  // (the declarations these definitions must match)
@@ -54,13 +55,16 @@ void rope_cpu(at::Tensor x, at::Tensor cos, at::Tensor sin) {
               "x must be fp32 [B, T, n, D] with stride 1 along D");
   check_float_rows(cos, "cos");
   check_float_rows(sin, "sin");
-  const int64_t B = x.size(0), T = x.size(1), n = x.size(2), D = x.size(3);
+  const int64_t B = x.size(0), T = x.size(1), n = x.size(2), r = cos.size(-1);
+  TORCH_CHECK(cos.numel() == T * r && sin.sizes() == cos.sizes() &&
+                  r <= x.size(3) && r % 2 == 0,
+              "cos/sin must be [T, r], r even and at most the head's size");
   float* xp = x.data_ptr<float>();
   const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
   for (int64_t b = 0; b < B; ++b)
     for (int64_t t = 0; t < T; ++t)
       for (int64_t h = 0; h < n; ++h) {
-        float* r = xp + b * x.stride(0) + t * x.stride(1) + h * x.stride(2);
-        rope_row(r, cp + t * D, sp + t * D, D);
+        float* row = xp + b * x.stride(0) + t * x.stride(1) + h * x.stride(2);
+        rope_row(row, cp + t * r, sp + t * r, r);
       }
 }

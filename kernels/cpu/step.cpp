@@ -100,15 +100,41 @@ at::Tensor fp32_or_undefined(const c10::optional<at::Tensor>& t) {
   return t->to(at::kFloat).contiguous();
 }
 
+// What a layer computes besides its seven projections (`LayerSpec` in
+// qspec_core/families/spec.py; `cpu_stack.py` fills it from the model):
+//   input_norm      before the attention (pre and sandwich placements; undefined: post)
+//   post_norm       pre: the MLP's input norm, after the residual add; post and sandwich
+//                   (`branch_norms`): the attention branch's output, before the add
+//   pre_ff_norm     sandwich: the MLP's input norm (post: the MLP reads the stream itself)
+//   post_ff_norm    post and sandwich: the MLP branch's output, before the add
+//   q_norm, k_norm  RMSNorms of q and k before RoPE: over each head (`qk_per_head`, Qwen3,
+//                   Gemma 3) or over the whole projection (OLMo 2)
+//   q_scale         q times this after RoPE (Gemma's query_pre_attn_scalar; 1: none)
+//   gelu_tanh       the MLP's act: GELU (tanh) instead of SiLU
+//   local_rope      rotates with the second cos/sin of the forward (Gemma 3's sliding layers)
+// Every norm weight is fp32 as the layer loop's ops read it (Gemma's 1 + w made once by the
+// builder). Each step is the kernel the layer loop's ops call (`CpuOps`), in its order, so the
+// two give the same bits.
 struct Layer {
-  at::Tensor input_norm, post_norm;
+  at::Tensor input_norm, post_norm, pre_ff_norm, post_ff_norm, q_norm, k_norm;
   Projection q, k, v, o, gate, up, down;
+  bool qk_per_head = false, gelu_tanh = false, local_rope = false;
+  double q_scale = 1.0;
+
+  bool branch_norms() const { return post_ff_norm.defined(); }
 
   // the projections in the order they are added and indexed (q k v o gate up down)
   std::array<const Projection*, 7> projections() const {
     return {&q, &k, &v, &o, &gate, &up, &down};
   }
 };
+
+at::Tensor norm_weight(const c10::optional<at::Tensor>& w, int64_t size, const char* name) {
+  if (!w.has_value() || !w->defined()) return at::Tensor();
+  TORCH_CHECK(w->scalar_type() == at::kFloat && w->is_contiguous() && w->numel() == size, name,
+              ": fp32 contiguous, ", size, " weights");
+  return *w;
+}
 
 }  // namespace
 
@@ -187,8 +213,12 @@ class DecoderStack {
     pending_.push_back(p);
   }
 
-  // Closes a layer: its two norms and the seven projections added since the last one.
-  void add_layer(at::Tensor input_norm, at::Tensor post_norm) {
+  // Closes a layer: its norms and kinds (`Layer`) and the seven projections added since the
+  // last one.
+  void add_layer(c10::optional<at::Tensor> input_norm, at::Tensor post_norm,
+                 c10::optional<at::Tensor> pre_ff_norm, c10::optional<at::Tensor> post_ff_norm,
+                 c10::optional<at::Tensor> q_norm, c10::optional<at::Tensor> k_norm,
+                 bool qk_per_head, double q_scale, bool gelu_tanh, bool local_rope) {
     TORCH_CHECK(pending_.size() == 7, "a layer takes 7 projections, got ", pending_.size());
     const Projection &q = pending_[0], &k = pending_[1], &v = pending_[2], &o = pending_[3];
     const Projection &gate = pending_[4], &up = pending_[5], &down = pending_[6];
@@ -196,8 +226,24 @@ class DecoderStack {
                     q.K == o.N && k.K == q.K && v.K == q.K && gate.K == q.K && up.K == q.K &&
                     gate.N == up.N && down.K == gate.N && down.N == q.K,
                 "the projections' shapes do not make a decoder layer");
-    layers_.push_back(Layer{input_norm, post_norm, pending_[0], pending_[1], pending_[2],
-                            pending_[3], pending_[4], pending_[5], pending_[6]});
+    const int64_t hidden = q.K;
+    Layer L{norm_weight(input_norm, hidden, "input_norm"),
+            norm_weight(post_norm, hidden, "post_norm"),
+            norm_weight(pre_ff_norm, hidden, "pre_ff_norm"),
+            norm_weight(post_ff_norm, hidden, "post_ff_norm"),
+            norm_weight(q_norm, qk_per_head ? D_ : H_ * D_, "q_norm"),
+            norm_weight(k_norm, qk_per_head ? D_ : n_kv_ * D_, "k_norm"),
+            pending_[0], pending_[1], pending_[2], pending_[3], pending_[4], pending_[5],
+            pending_[6]};
+    TORCH_CHECK(L.post_norm.defined(), "post_norm: every layer has one");
+    TORCH_CHECK(L.q_norm.defined() == L.k_norm.defined(), "q_norm and k_norm come together");
+    // pre: input + post; post: post + post_ff; sandwich: all four
+    TORCH_CHECK(L.branch_norms() ? !L.pre_ff_norm.defined() || L.input_norm.defined()
+                                 : L.input_norm.defined() && !L.pre_ff_norm.defined(),
+                "the norms make no placement (pre, post or sandwich)");
+    L.qk_per_head = qk_per_head, L.q_scale = q_scale, L.gelu_tanh = gelu_tanh;
+    L.local_rope = local_rope;
+    layers_.push_back(L);
     pending_.clear();
   }
 
@@ -205,22 +251,31 @@ class DecoderStack {
 
   // One forward through every layer over a cache's C++ object (kv_cache.h), which writes each
   // layer's new K/V into the cache and attends over it, with the step the cache filled.
+  // cos/sin [T, r] (r <= D: a partial rotary rotates each head's first r channels);
+  // local_cos/local_sin the local layers' (`Layer::local_rope`; None when no layer is)
   at::Tensor run_hier(at::Tensor x, at::Tensor cos, at::Tensor sin, const HierKV& cache,
-                      const HierStep& step) {
-    return run_cached(x, cos, sin, cache, step, step.lo);
+                      const HierStep& step, c10::optional<at::Tensor> local_cos,
+                      c10::optional<at::Tensor> local_sin) {
+    return run_cached(x, Rotations{cos, sin, local_cos, local_sin}, cache, step, step.lo);
   }
 
   at::Tensor run_full(at::Tensor x, at::Tensor cos, at::Tensor sin, const FullKV& cache,
-                      const FullStep& step) {
-    return run_cached(x, cos, sin, cache, step, step.start);
+                      const FullStep& step, c10::optional<at::Tensor> local_cos,
+                      c10::optional<at::Tensor> local_sin) {
+    return run_cached(x, Rotations{cos, sin, local_cos, local_sin}, cache, step, step.start);
   }
 
  private:
+  struct Rotations {
+    at::Tensor cos, sin;
+    c10::optional<at::Tensor> local_cos, local_sin;
+  };
+
   // run over `cache`, each layer's new K/V written from token `first` of its region (the
   // hierarchical cache's full-precision region, the full cache's rows)
   template <class Cache, class Step>
-  at::Tensor run_cached(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
-                        const Cache& cache, const Step& step, int64_t first) {
+  at::Tensor run_cached(const at::Tensor& x, const Rotations& rot, const Cache& cache,
+                        const Step& step, int64_t first) {
     TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && x.dim() == 3,
                 "x must be contiguous fp32 [B, T, hidden]");
     TORCH_CHECK(x.size(0) * x.size(1) <= kMaxStepRows, "a decode step: at most ", kMaxStepRows,
@@ -236,6 +291,8 @@ class DecoderStack {
       const Layer& L = layers_[l];
       TORCH_CHECK(!L.q.packed.defined() || M <= 8, "the W4A8 draft layers take at most 8 rows");
       inter = std::max(inter, L.gate.N);
+      TORCH_CHECK(!L.local_rope || (rot.local_cos.has_value() && rot.local_sin.has_value()),
+                  "a local layer needs the local cos/sin");
       int j = 0;
       for (const Projection* p : L.projections()) compact[7 * l + j++] = p->compact_current();
     }
@@ -249,19 +306,32 @@ class DecoderStack {
     float* rows = x.data_ptr<float>();  // the residual stream [M, hidden], updated in place
     const float eps = float(eps_);
 
-    // layer l's input norm, q/k/v projections and RoPE
+    // layer l's input norm, q/k/v projections, q/k norms, RoPE and query scale
     auto before_attention = [&](const team::Member& t, int64_t l) {
       const Layer& L = layers_[l];
       const uint8_t* c = compact.data() + 7 * l;
-      t.single([&] { norm_rows(rows, L.input_norm.data_ptr<float>(), h.data_ptr<float>(), M,
-                               hidden, eps); });
-      L.q.run(h.data_ptr<float>(), M, q.data_ptr<float>(), t, c[0]);
-      L.k.run(h.data_ptr<float>(), M, k.data_ptr<float>(), t, c[1]);
-      L.v.run(h.data_ptr<float>(), M, v.data_ptr<float>(), t, c[2]);
+      const float* in = rows;  // (post-norm layers: the stream itself)
+      if (L.input_norm.defined()) {
+        t.single([&] { norm_rows(rows, L.input_norm.data_ptr<float>(), h.data_ptr<float>(), M,
+                                 hidden, eps); });
+        in = h.data_ptr<float>();
+      }
+      L.q.run(in, M, q.data_ptr<float>(), t, c[0]);
+      L.k.run(in, M, k.data_ptr<float>(), t, c[1]);
+      L.v.run(in, M, v.data_ptr<float>(), t, c[2]);
       t.barrier();
       t.single([&] {
-        rope_cpu(q, cos, sin);
-        rope_cpu(k, cos, sin);
+        if (L.q_norm.defined()) {  // in place, [M, H D] rows or [M H, D] heads
+          const int64_t qn = L.qk_per_head ? D_ : H_ * D_, kn = L.qk_per_head ? D_ : n_kv_ * D_;
+          float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>();
+          norm_rows(qp, L.q_norm.data_ptr<float>(), qp, M * H_ * D_ / qn, qn, eps);
+          norm_rows(kp, L.k_norm.data_ptr<float>(), kp, M * n_kv_ * D_ / kn, kn, eps);
+        }
+        const at::Tensor& cs = L.local_rope ? *rot.local_cos : rot.cos;
+        const at::Tensor& sn = L.local_rope ? *rot.local_sin : rot.sin;
+        rope_cpu(q, cs, sn);
+        rope_cpu(k, cs, sn);
+        if (L.q_scale != 1.0) q.mul_(L.q_scale);  // (torch's kernel, as the loop's q * scale)
       });
     };
     // layer l's output projection of the attention's output `out` [B, T, H, D], then its MLP
@@ -270,20 +340,42 @@ class DecoderStack {
       const uint8_t* c = compact.data() + 7 * l;
       L.o.run(out.data_ptr<float>(), M, proj.data_ptr<float>(), t, c[3]);
       t.barrier();
-      t.single([&] {  // rows += o(out), y = norm(rows)
-        add_norm_rows(rows, proj.data_ptr<float>(), L.post_norm.data_ptr<float>(),
-                      y.data_ptr<float>(), M, hidden, eps);
+      const float* mlp_in = y.data_ptr<float>();
+      t.single([&] {
+        float* pp = proj.data_ptr<float>();
+        if (!L.branch_norms()) {  // rows += o(out), y = norm(rows)
+          add_norm_rows(rows, pp, L.post_norm.data_ptr<float>(), y.data_ptr<float>(), M, hidden,
+                        eps);
+          return;
+        }
+        // rows += norm(o(out)), then y = norm(rows) (sandwich) or the MLP reads rows (post)
+        norm_rows(pp, L.post_norm.data_ptr<float>(), pp, M, hidden, eps);
+        x.view({M, hidden}).add_(proj);
+        if (L.pre_ff_norm.defined())
+          norm_rows(rows, L.pre_ff_norm.data_ptr<float>(), y.data_ptr<float>(), M, hidden, eps);
       });
+      if (L.branch_norms() && !L.pre_ff_norm.defined()) mlp_in = rows;
       const int64_t I = L.gate.N;
       auto g = gate.narrow(0, 0, M * I).view({M, I}), u = up.narrow(0, 0, M * I).view({M, I});
       auto a = act.narrow(0, 0, M * I).view({M, I});
-      L.up.run(y.data_ptr<float>(), M, u.data_ptr<float>(), t, c[5]);
-      L.gate.run(y.data_ptr<float>(), M, g.data_ptr<float>(), t, c[4]);
+      L.up.run(mlp_in, M, u.data_ptr<float>(), t, c[5]);
+      L.gate.run(mlp_in, M, g.data_ptr<float>(), t, c[4]);
       t.barrier();
-      t.single([&] { at::silu_out(a, g).mul_(u); });
+      t.single([&] {
+        if (L.gelu_tanh)
+          at::gelu_out(a, g, "tanh").mul_(u);
+        else
+          at::silu_out(a, g).mul_(u);
+      });
       L.down.run(a.data_ptr<float>(), M, proj.data_ptr<float>(), t, c[6]);
       t.barrier();
-      t.single([&] { x.view({M, hidden}).add_(proj); });
+      t.single([&] {
+        if (L.post_ff_norm.defined()) {
+          float* pp = proj.data_ptr<float>();
+          norm_rows(pp, L.post_ff_norm.data_ptr<float>(), pp, M, hidden, eps);
+        }
+        x.view({M, hidden}).add_(proj);
+      });
     };
     // the cache's object writes layer l's k/v, then attends [B, H, T, D]
     auto attend = [&](int64_t l) {
@@ -339,15 +431,24 @@ void bind_decoder_stack(pybind11::module& m) {
       .def("compact_count", &DecoderStack::compact_count)
       .def("add_int4_linear", &DecoderStack::add_int4_linear)
       .def("add_int8_linear", &DecoderStack::add_int8_linear)
-      .def("add_layer", &DecoderStack::add_layer)
+      .def("add_layer", &DecoderStack::add_layer, pybind11::arg("input_norm"),
+           pybind11::arg("post_norm"), pybind11::arg("pre_ff_norm") = pybind11::none(),
+           pybind11::arg("post_ff_norm") = pybind11::none(),
+           pybind11::arg("q_norm") = pybind11::none(), pybind11::arg("k_norm") = pybind11::none(),
+           pybind11::arg("qk_per_head") = false, pybind11::arg("q_scale") = 1.0,
+           pybind11::arg("gelu_tanh") = false, pybind11::arg("local_rope") = false)
       .def("__len__", &DecoderStack::size)
       // (the forward touches no Python object: other threads may run meanwhile)
-      // run(x, cos, sin, cache, step): a `HierKV` with its `HierStep`, or a `FullKV` with
-      // its `FullStep` (the cache's `native` and `native_step`)
+      // run(x, cos, sin, cache, step[, local_cos, local_sin]): a `HierKV` with its
+      // `HierStep`, or a `FullKV` with its `FullStep` (the cache's `native` and `native_step`)
       .def("run", &DecoderStack::run_hier, pybind11::arg("x"), pybind11::arg("cos"),
            pybind11::arg("sin"), pybind11::arg("cache"), pybind11::arg("step"),
+           pybind11::arg("local_cos") = pybind11::none(),
+           pybind11::arg("local_sin") = pybind11::none(),
            pybind11::call_guard<pybind11::gil_scoped_release>())
       .def("run", &DecoderStack::run_full, pybind11::arg("x"), pybind11::arg("cos"),
            pybind11::arg("sin"), pybind11::arg("cache"), pybind11::arg("step"),
+           pybind11::arg("local_cos") = pybind11::none(),
+           pybind11::arg("local_sin") = pybind11::none(),
            pybind11::call_guard<pybind11::gil_scoped_release>());
 }

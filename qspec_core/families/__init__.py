@@ -4,8 +4,8 @@ how its Hugging Face `config.json` keys map onto `ModelConfig` (`Family`).
 A family file defines `FAMILY = Family(...)`; every module of this package that does is
 registered by its `model_types`, so adding a family is one file (and its parity test in
 `tests/test_families.py`). `config.py` reads the table; the model builds its layers from
-`ModelConfig.layer`; the CPU runner runs a layer on its C++ kernels only where
-`LayerSpec.native_ok()` says they compute it.
+`ModelConfig.layer`; the CPU runner runs a step in one C++ call where
+`LayerSpec.native_ok()` says the stack computes the layer (every family but Gemma 2).
 """
 
 from __future__ import annotations

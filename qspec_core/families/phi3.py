@@ -1,7 +1,7 @@
 """Phi-3 / 3.5 / Phi-4 (model_type phi3): Llama's layer, with q/k/v and gate/up fused into one
 linear each in the checkpoint (split at load) and a sliding window on every layer. Phi-3.5's
-"longrope" RoPE and Phi-4-mini's partial rotary are `model/rope.py`'s (partial rotary models
-run on the torch runner: `ModelConfig.native_ok`)."""
+"longrope" RoPE and Phi-4-mini's partial rotary are `model/rope.py`'s (the C++ step rotates
+the cos/sin it is given: a partial rotary's first channels)."""
 
 from qspec_core.families.spec import Family
 

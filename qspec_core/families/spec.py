@@ -56,10 +56,10 @@ class LayerSpec:
             raise ValueError(f"activation must be one of {ACTIVATIONS}")
 
     def native_ok(self) -> bool:
-        """Whether the CPU runner's C++ layer (`runner/cpu.py`, `cpu_stack.py`) computes this
-        layer: Llama's layer (the defaults), biases or not. Otherwise the model runs on the
-        torch runner: its plain PyTorch forward."""
-        return self == LayerSpec(qkv_bias=self.qkv_bias, o_bias=self.o_bias, mlp_bias=self.mlp_bias)
+        """Whether the CPU runner's one-call C++ step (`runner/cpu_stack.py`, `step.cpp`)
+        computes this layer: every field but the soft caps (the C++ attention does not cap its
+        scores). Otherwise a step runs the model's layer loop on the runner's kernels."""
+        return not self.softcapping
 
 
 @dataclass(frozen=True)

@@ -7,14 +7,15 @@ are built. Two loops run the layers, and the runner picks one per forward:
   decoder layer in one C++ call (`DecoderStack`, built per weight set by `cpu_stack.py`, owned
   by this runner) when the cache has a C++ side (`cache.native`, `cache.native_step`:
   `cache/protocol.py`) and the stack computes the model's layer (`ModelConfig.native_ok()`:
-  the Llama-style layer): the stack takes the cache's object and the step it fills, and
-  writes and attends through them; the model's `embed` and `head` run around it;
-- anything else (a prefill chunk, bf16, a cache, a twin or a family's layer the stack does not
-  take: q/k norms, other norm placements and kinds, GeGLU, partial rotary) runs the model's
-  own PyTorch layer loop, called with this runner's `CpuOps`: RMSNorm (Llama's kind), the
-  residual add and whole-head RoPE in C++ when fp32 (`kernels/cpu/decode.cpp`), the others in
-  PyTorch, and every linear through `CpuOps.linear`, which runs the kernel `kernel_table.py`
-  chooses (the stack's builder reads the same table, so the choice exists once).
+  every family's layer but Gemma 2's soft-capped one): the stack takes the cache's object and
+  the step it fills, and writes and attends through them; the model's `embed` and `head` run
+  around it;
+- anything else (a prefill chunk, bf16, a cache, a twin or a layer the stack does not take)
+  runs the model's own PyTorch layer loop, called with this runner's `CpuOps`: RMSNorm (every
+  kind), the residual add and RoPE (partial rotary included) in C++ when fp32
+  (`kernels/cpu/decode.cpp`), the rest in PyTorch, and every linear through `CpuOps.linear`,
+  which runs the kernel `kernel_table.py` chooses (the stack's builder reads the same table, so
+  the choice exists once).
 
 The table runs every linear of a step (at most `MAX_STEP_ROWS` rows) on a batch-invariant
 few-row kernel (`kernels/cpu/linear.cpp`, and `int_dot.cpp` for the int8-activation sets
@@ -42,7 +43,7 @@ import torch.nn.functional as F
 from kernels import MAX_STEP_ROWS
 from qspec_core.model.ops import LayerOps
 from qspec_core.precision import Precision
-from qspec_core.runner.cpu_stack import build_stack
+from qspec_core.runner.cpu_stack import build_stack, norm_weight
 from qspec_core.runner.kernel_table import PrefillPath, run_linear, run_linears
 from qspec_core.runner.layouts import WeightLayouts
 from qspec_core.runner.reference import OfModel
@@ -63,18 +64,20 @@ class CpuOps(LayerOps):
         self.layouts = WeightLayouts(bool(getattr(ext, "BF16_WEIGHT_ROWS", False)))
 
     def norm(self, norm, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32 and x.is_contiguous() and norm.kind == "rms":
-            return self.ext.rms_norm_cpu(x, norm.weight, norm.eps)
+        # (every kind: in fp32 they are one computation, Gemma's with 1 + w: `norm_weight`)
+        if x.dtype == norm.weight.dtype == torch.float32 and x.is_contiguous():
+            return self.ext.rms_norm_cpu(x, norm_weight(norm), norm.eps)
         return norm(x)
 
     def add_norm(self, x: torch.Tensor, h: torch.Tensor, norm) -> tuple[torch.Tensor, ...]:
-        if x.dtype == h.dtype == torch.float32 and x.is_contiguous() and norm.kind == "rms":
-            return x, self.ext.add_rms_norm_cpu(x, h, norm.weight, norm.eps)  # x += h in place
+        if x.dtype == h.dtype == norm.weight.dtype == torch.float32 and x.is_contiguous():
+            # x += h in place
+            return x, self.ext.add_rms_norm_cpu(x, h, norm_weight(norm), norm.eps)
         return super().add_norm(x, h, norm)
 
     def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        # (the C++ RoPE rotates whole heads: a partial rotary, cos [T, r < D], takes torch's)
-        if x.dtype == cos.dtype == torch.float32 and cos.shape[-1] == x.shape[-1]:
+        # (cos [T, r]: each head's first r channels, a partial rotary's too)
+        if x.dtype == cos.dtype == torch.float32 and cos.shape[-1] <= x.shape[-1]:
             self.ext.rope_cpu(x, cos, sin)  # in place, on the projection's fresh output
             return x.transpose(1, 2)
         return super().rope(x, cos, sin)
@@ -156,6 +159,9 @@ class CpuRunner(OfModel):
         if step is None:
             return model(tokens, input_pos, cache, path, last_only, ops=self.ops, head=head)
         x = model.embed(tokens)  # [B, T, hidden]
-        cos, sin = model.rotary_emb(input_pos, x.dtype, cache.rope_capacity)  # [T, D] each
-        x = stack.run(x, cos, sin, native, step)  # writes each layer's K/V through it
+        cos, sin = model.rotary_emb(input_pos, x.dtype, cache.rope_capacity)  # [T, r] each
+        local = (None, None)  # (Gemma 3's sliding layers rotate with their own)
+        if model.config.layer.local_rope:
+            local = model.local_rotary_emb(input_pos, x.dtype)
+        x = stack.run(x, cos, sin, native, step, *local)  # writes each layer's K/V through it
         return model.head(x, path, last_only, self.ops, head)

@@ -3,11 +3,13 @@
 `build_stack(model, weights, ext)` makes the `DecoderStack` that runs every layer on one weight
 set (`Precision.weights`): the fp32 weights, the draft's 4-bit twins through the W4A8 kernel,
 or the INT8 twins, as the kernel table (`kernel_table.py`) picks them for `CpuOps.linear` too
-(the KV view is the cache's part of the call). The stack holds the model's tensors themselves,
-not copies (but for the bf16 copies of fp32 weights that hold bf16 numbers, `layouts.py`, read
-only while the weight is unchanged): an in-place change to a weight shows in the next step, and
-a tensor or twin
-*replaced* after the build is not seen until the runner that owns the stack builds it again
+(the KV view is the cache's part of the call), with each layer's norms and kinds as the
+family's `LayerSpec` sets them (placement, q/k norms, GeGLU, query scale, local RoPE; a
+partial rotary through the cos/sin it is given). The stack holds the model's tensors
+themselves, not copies (but for the bf16 copies of fp32 weights that hold bf16 numbers,
+`layouts.py`, read only while the weight is unchanged, and Gemma's 1 + w norm weights): an
+in-place change to a weight shows in the next step, and a tensor or twin *replaced* after the
+build is not seen until the runner that owns the stack builds it again
 (`CpuRunner.rebuild`; the runtime does so on `.to()`). None when the weights need what the C++
 loop does not run: a 4-bit twin in a form other than plain W4A8 (AWQ scales, act-order), an
 INT8 twin the CPU int8 kernel cannot take, weights not fp32 (or bf16-held,
@@ -29,7 +31,7 @@ def build_stack(model, weights: str, ext, layouts=None):
     `WeightLayouts`, whose bf16 copies of bf16-valued fp32 weights the stack reads instead
     (`layouts.py`; None: the fp32 weights)."""
     cfg = model.config
-    if not cfg.native_ok():  # the C++ layer is Llama's: pre-norm, no q/k norms, whole RoPE
+    if not cfg.native_ok():  # (Gemma 2's soft-capped attention scores)
         return None
     stack = ext.DecoderStack(
         cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps
@@ -48,11 +50,42 @@ def build_stack(model, weights: str, ext, layouts=None):
         ):
             if not _add_linear(stack, linear, weights, layouts, bf16_rows):
                 return None
-        norms = (layer.input_layernorm, layer.post_attention_layernorm)
-        if not all(_fp32(n.weight) and n.eps == cfg.rms_norm_eps for n in norms):
+        norms = _layer_norms(layer)
+        present = [n for n in norms.values() if n is not None]
+        if not all(_fp32(n.weight) and n.eps == cfg.rms_norm_eps for n in present):
             return None
-        stack.add_layer(norms[0].weight, norms[1].weight)
+        weight = {name: None if n is None else norm_weight(n) for name, n in norms.items()}
+        stack.add_layer(
+            **weight,
+            qk_per_head=attn.qk_norm == "head",
+            q_scale=attn.q_scale or 1.0,
+            gelu_tanh=cfg.layer.activation == "gelu_pytorch_tanh",
+            local_rope=layer.local,
+        )
     return stack
+
+
+def _layer_norms(layer) -> dict:
+    """A decoder layer's norms by the stack's names (`step.cpp` `Layer`), None where its
+    placement has none."""
+    attn = layer.self_attn
+    return {
+        "input_norm": getattr(layer, "input_layernorm", None),
+        "post_norm": layer.post_attention_layernorm,
+        "pre_ff_norm": getattr(layer, "pre_feedforward_layernorm", None),
+        "post_ff_norm": getattr(layer, "post_feedforward_layernorm", None),
+        "q_norm": getattr(attn, "q_norm", None),
+        "k_norm": getattr(attn, "k_norm", None),
+    }
+
+
+def norm_weight(norm) -> torch.Tensor:
+    """The fp32 weight the C++ RMSNorm scales by for `norm` (a `model.RMSNorm`): its own
+    weight, or, scaling by 1 + weight (Gemma), that sum, computed as the PyTorch norm computes
+    it. (A sum is a copy: a later in-place change to the weight needs `CpuRunner.rebuild`.)"""
+    if norm.kind == "rms_plus_one":
+        return 1.0 + norm.weight.float()
+    return norm.weight  # ("rms" and "rms_fp32" are one computation in fp32)
 
 
 def _add_linear(stack, linear, weights: str, layouts=None, bf16_rows=False) -> bool:
