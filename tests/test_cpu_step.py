@@ -78,6 +78,19 @@ STEPS = [(0, 5), (5, 64), (64, 120)] + [(p, p + 1) for p in range(120, 130)]
 STEPS += [(130, 135), (135, 136), (136, 141), (141, 149), (149, 150)]
 
 
+def _assert_stack_equals_loop(model, cache_kind, path):
+    """The runner with its stack and its loop-only twin through STEPS on a fresh cache each:
+    the same logits, bit for bit. Returns (those logits, the ids, the cache maker)."""
+    runner, loop = _runners(model)
+    ids = torch.randint(0, 101, (1, 150), generator=torch.Generator().manual_seed(1))
+    make = _full if cache_kind == "full" else _hier
+    want = _rounds(loop, make(model), path, ids, STEPS)
+    assert _used(runner, path)
+    got = _rounds(runner, make(model), path, ids, STEPS)
+    assert torch.equal(got, want)
+    return want, ids, make
+
+
 @pytest.mark.parametrize(
     "cache_kind, path",
     [
@@ -97,13 +110,7 @@ def test_stack_gives_the_layer_loops_bits(cache_kind, path):
     if path.weights in ("int8", "w8a8"):
         layers = linear_layers(model)
         attach_int8(model, {n: Int8Linear.from_linear(m) for n, m in layers.items()})
-    runner, loop = _runners(model)
-    ids = torch.randint(0, 101, (1, 150), generator=torch.Generator().manual_seed(1))
-    make = _full if cache_kind == "full" else _hier
-    want = _rounds(loop, make(model), path, ids, STEPS)
-    assert _used(runner, path)
-    got = _rounds(runner, make(model), path, ids, STEPS)
-    assert torch.equal(got, want)
+    _assert_stack_equals_loop(model, cache_kind, path)
 
 
 # Each family's layer at the C++ attention's head_dim 64 (tiny_hf's other shapes): every
@@ -139,13 +146,7 @@ def test_every_familys_stack_gives_the_layer_loops_bits(model_type, cache_kind, 
     drafts = {n: Int4Linear.from_linear(m, 64) for n, m in linear_layers(model).items()}
     attach_draft(model, drafts)
     assert model.config.native_ok()
-    runner, loop = _runners(model)
-    ids = torch.randint(0, 101, (1, 150), generator=torch.Generator().manual_seed(1))
-    make = _full if cache_kind == "full" else _hier
-    want = _rounds(loop, make(model), path, ids, STEPS)
-    assert _used(runner, path)
-    got = _rounds(runner, make(model), path, ids, STEPS)
-    assert torch.equal(got, want)
+    want, ids, make = _assert_stack_equals_loop(model, cache_kind, path)
     if path.weights == "full":  # and the plain model's, to rounding (the draft's W4A8 rounds x)
         plain = _rounds(model, make(model), path, ids, STEPS[:3])
         assert (want[:, :120] - plain).abs().max() <= 1e-3 * plain.abs().max()
