@@ -132,6 +132,8 @@ FAMILY_CASES = {
         },
     },
     "phi3": {"pad_token_id": 0, "partial_rotary_factor": 0.5, "max_position_embeddings": 512},
+    # soft caps low enough to bend the scores (the hierarchical cache's C++ step caps them)
+    "gemma2": {"head_dim": 64, "query_pre_attn_scalar": 48, "attn_logit_softcapping": 1.5},
 }
 
 
@@ -139,7 +141,8 @@ FAMILY_CASES = {
 @pytest.mark.parametrize("model_type", FAMILY_CASES)
 def test_every_familys_stack_gives_the_layer_loops_bits(model_type, cache_kind, path):
     """The stack runs every supported family's layer (issue 54), bit for bit as the layer
-    loop on the runner's ops does; Gemma 2 (soft caps) is the one it leaves to the loop."""
+    loop on the runner's ops does (Gemma 2's capped scores on the hierarchical cache; on the
+    full cache its steps take the loop)."""
     kw = dict(hidden_size=128, intermediate_size=192, num_attention_heads=2)
     hf = tiny_hf(model_type, num_key_value_heads=1, **kw, **FAMILY_CASES[model_type])
     model = ours_from_hf(hf)
@@ -152,11 +155,15 @@ def test_every_familys_stack_gives_the_layer_loops_bits(model_type, cache_kind, 
         assert (want[:, :120] - plain).abs().max() <= 1e-3 * plain.abs().max()
 
 
-def test_gemma2_runs_the_layer_loop():
+def test_a_soft_capped_step_on_the_full_cache_runs_the_layer_loop():
+    """Gemma 2 has its stack, but the full-precision cache's C++ step (SDPA) caps no scores:
+    there its steps take the layer loop."""
     hf = tiny_hf("gemma2", head_dim=64, attn_logit_softcapping=1.5, num_key_value_heads=1)
     model = ours_from_hf(hf)
-    assert not model.config.native_ok()
-    assert CpuRunner(model, cpu_ext.load()).stack("full") is None
+    assert CpuRunner(model, cpu_ext.load()).stack("full") is not None
+    cache = _full(model)
+    assert cache.native_step(torch.arange(1), FP, 1) is None
+    assert _hier(model).native_step(torch.arange(1), TARGET, 1) is not None
 
 
 def test_a_draft_without_some_4bit_twins_runs_their_int8_twins():

@@ -78,7 +78,7 @@ CASES = {
         "attn_implementation": "eager",  # (transformers' SDPA path has no soft cap)
     },
 }
-NATIVE = {  # whether the one-call C++ step computes the layer (Gemma 2: soft-capped scores)
+NATIVE = {  # whether the one-call C++ step computes the layer
     "llama": True,
     "mistral": True,
     "qwen2": True,
@@ -86,7 +86,7 @@ NATIVE = {  # whether the one-call C++ step computes the layer (Gemma 2: soft-ca
     "olmo2": True,
     "phi3": True,
     "gemma3_text": True,
-    "gemma2": False,
+    "gemma2": True,  # (its capped scores on the hierarchical cache)
 }
 N_NEW = 24
 

@@ -5,7 +5,7 @@ A family file defines `FAMILY = Family(...)`; every module of this package that 
 registered by its `model_types`, so adding a family is one file (and its parity test in
 `tests/test_families.py`). `config.py` reads the table; the model builds its layers from
 `ModelConfig.layer`; the CPU runner runs a step in one C++ call where
-`LayerSpec.native_ok()` says the stack computes the layer (every family but Gemma 2).
+`LayerSpec.native_ok()` says the stack computes the layer (every family now).
 """
 
 from __future__ import annotations

@@ -57,9 +57,10 @@ class LayerSpec:
 
     def native_ok(self) -> bool:
         """Whether the CPU runner's one-call C++ step (`runner/cpu_stack.py`, `step.cpp`)
-        computes this layer: every field but the soft caps (the C++ attention does not cap its
-        scores). Otherwise a step runs the model's layer loop on the runner's kernels."""
-        return not self.softcapping
+        computes this layer: every field, the soft caps through the cache's attention (the
+        hierarchical cache's C++ step caps its scores; the full-precision cache's `FullStep`
+        does not, so there a capped model's step runs the layer loop)."""
+        return True
 
 
 @dataclass(frozen=True)

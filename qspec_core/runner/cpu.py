@@ -7,9 +7,9 @@ are built. Two loops run the layers, and the runner picks one per forward:
   decoder layer in one C++ call (`DecoderStack`, built per weight set by `cpu_stack.py`, owned
   by this runner) when the cache has a C++ side (`cache.native`, `cache.native_step`:
   `cache/protocol.py`) and the stack computes the model's layer (`ModelConfig.native_ok()`:
-  every family's layer but Gemma 2's soft-capped one): the stack takes the cache's object and
-  the step it fills, and writes and attends through them; the model's `embed` and `head` run
-  around it;
+  every family's layer; Gemma 2's capped scores where the cache's step caps them): the stack
+  takes the cache's object and the step it fills, and writes and attends through them; the
+  model's `embed` and `head` run around it;
 - anything else (a prefill chunk, bf16, a cache, a twin or a layer the stack does not take)
   runs the model's own PyTorch layer loop, called with this runner's `CpuOps`: RMSNorm (every
   kind), the residual add and RoPE (partial rotary included) in C++ when fp32

@@ -31,7 +31,7 @@ def build_stack(model, weights: str, ext, layouts=None):
     `WeightLayouts`, whose bf16 copies of bf16-valued fp32 weights the stack reads instead
     (`layouts.py`; None: the fp32 weights)."""
     cfg = model.config
-    if not cfg.native_ok():  # (Gemma 2's soft-capped attention scores)
+    if not cfg.native_ok():
         return None
     stack = ext.DecoderStack(
         cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps
