@@ -336,26 +336,32 @@ def tensors(shape: Shape) -> list[Tensor]:
     return out
 
 
-def _tensors_of_qspec(shape: Shape) -> list[Tensor]:
-    """A family without a GGUF layout here: the parameters of the Transformer qspec builds
-    from its config (on the meta device), in its order, with Hugging Face's names (no GGUF
-    names). Norm weights are 1, except where the family scales by 1 + weight (Gemma): there
-    N(0, 0.02), a scale of about 1 too."""
+def _qspec_parameters(shape: Shape) -> tuple[ModelConfig, dict[str, tuple[int, ...]]]:
+    """The config as qspec reads it, and the parameters of the Transformer qspec builds from
+    it (on the meta device: no memory), in its order, by Hugging Face's names; a tied lm_head
+    is not one (HF omits it)."""
     from qspec_core.model.transformer import Transformer
 
     config = ModelConfig.from_hf_config(hf_config(shape, {}))
     with torch.device("meta"):
         model = Transformer(config)
+    params = {
+        (k if k == "lm_head.weight" else "model." + k): tuple(v.shape)
+        for k, v in model.state_dict().items()
+        if not (config.tie_word_embeddings and k == "lm_head.weight")
+    }
+    return config, params
+
+
+def _tensors_of_qspec(shape: Shape) -> list[Tensor]:
+    """A family without a GGUF layout here: qspec's parameters for its config, with no GGUF
+    names. Norm weights are 1, except where the family scales by 1 + weight (Gemma): there
+    N(0, 0.02), a scale of about 1 too."""
+    config, params = _qspec_parameters(shape)
     unit = config.layer.norm != "rms_plus_one"
     return [
-        Tensor(
-            name if name == "lm_head.weight" else "model." + name,
-            "",
-            tuple(p.shape),
-            ones=unit and name.endswith("norm.weight"),
-        )
-        for name, p in model.state_dict().items()
-        if not (config.tie_word_embeddings and name == "lm_head.weight")
+        Tensor(name, "", dims, ones=unit and name.endswith("norm.weight"))
+        for name, dims in params.items()
     ]
 
 
@@ -386,16 +392,7 @@ def hf_config(shape: Shape, token_ids: dict) -> dict:
 def check_with_qspec(shape: Shape, planned: list[Tensor]) -> ModelConfig:
     """Read the config as qspec does and compare the planned tensors with the parameters of the
     Transformer qspec builds from it (on the meta device: no memory), as its loader will."""
-    from qspec_core.model.transformer import Transformer
-
-    config = ModelConfig.from_hf_config(hf_config(shape, {}))
-    with torch.device("meta"):
-        model = Transformer(config)
-    want = {
-        (k if k == "lm_head.weight" else "model." + k): tuple(v.shape)
-        for k, v in model.state_dict().items()
-        if not (config.tie_word_embeddings and k == "lm_head.weight")
-    }
+    config, want = _qspec_parameters(shape)
     have = {t.name: t.shape for t in planned}
     if want != have:
         odd = sorted(set(want.items()) ^ set(have.items()))[:4]
