@@ -280,7 +280,8 @@ def test_paths_whose_activations_are_int8_round_their_queries(monkeypatch, path,
         lambda *a, **k: calls.append(k["int_queries"]) or real(*a, **k),
     )
     real_step = cache._step
-    monkeypatch.setattr(cache, "_step", lambda *a: calls.append(a[-1]) or real_step(*a))
+    # (_step's 8th argument: int_queries)
+    monkeypatch.setattr(cache, "_step", lambda *a: calls.append(a[7]) or real_step(*a))
     q = torch.zeros(1, model.config.num_attention_heads, 1, model.config.head_dim)
     kv = torch.zeros(1, model.config.num_key_value_heads, 1, model.config.head_dim)
     cache.attend(0, q, kv, kv, torch.tensor([0]), path)

@@ -123,11 +123,16 @@ def windowed(tiny_model_dir, tmp_path_factory):
 
 @pytest.mark.parametrize("mode", ["quantspec", "target-ar"])
 def test_a_windowed_model_chats_from_its_snapshot_as_from_its_document(windowed, tmp_path, mode):
-    """A sliding-window model's snapshot holds its planes and region as any other's: the chat
-    from it answers as the chat that prefilled the document, past the window."""
+    """A sliding-window model's snapshot holds each layer's window of planes (format 2), and
+    its region: the chat from it answers as the chat that prefilled the document, past the
+    window."""
     assert windowed.model.config.windows == (16, 16)
     path = tmp_path / "doc.qspec"
     _make(windowed, path)
+    manifest = snap.read_manifest(path)
+    assert manifest["format_version"] == 2 and manifest["cache"]["local_layers"] == [0, 1]
+    held = manifest["n_quant"] - manifest["local_base"]  # (G = 16: the window's group, +1)
+    assert manifest["n_quant"] > 3 * 16 and held <= 2 * 16
     loaded = snap.load_snapshot(path, windowed.folder, windowed.model, windowed.context_limit)
     assert len(loaded.token_ids) > 4 * 16
     from_snapshot = ChatSession(windowed, loaded.document, mode=mode, max_new_tokens=16)

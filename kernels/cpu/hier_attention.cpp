@@ -54,6 +54,7 @@ struct Args {
   bool target, int_queries;
   float softcap;  // HierStep::softcap (0: none)
   int64_t window;  // a local layer's sliding window (HierKV's; 0: none)
+  int64_t base;    // the position the planes begin at (a local layer's dropped history)
 };
 
 // The first position query t may see: pos - window + 1 under a sliding window, else 0. A
@@ -153,8 +154,8 @@ void quantized_task(const Args& a, int64_t bh, int64_t c, Rows& rows) {
     const int64_t g = b0 / G;  // a block lies within one K group
     if (g != group) {
       group = g;
-      const float* ks = a.ks + (bh * (a.S / G) + g) * D;
-      const float* kz = a.kz + (bh * (a.S / G) + g) * D;
+      const float* ks = a.ks + (bh * (a.S / G) + g - a.base / G) * D;
+      const float* kz = a.kz + (bh * (a.S / G) + g - a.base / G) * D;
       if ((g + 1) * G < stop) {  // the next group's scales and zeros, asked for a group ahead:
         for (int64_t d = 0; d < D; d += 16) {  // (perf: rounding the queries waited on them)
           prefetch_l2(ks + D + d);
@@ -175,7 +176,7 @@ void quantized_task(const Args& a, int64_t bh, int64_t c, Rows& rows) {
         }
       }
     }
-    const int64_t row0 = bh * a.S + b0;
+    const int64_t row0 = bh * a.S + b0 - a.base;  // (the block's first row in the planes)
     // The planes of the block two ahead, asked for now: the kernel waited on these loads
     // (perf: half the task's time on the first touch of a block's bytes), as the few-row
     // linears did before they prefetched.
@@ -393,9 +394,12 @@ struct HierAttention::State {
 
 // step.n_quant_q/shift/input_pos: integer [T]. layer.fp_k/fp_v: fp32, stride 1 along D.
 HierAttention::HierAttention(const at::Tensor& q, const HierLayer& layer, const HierStep& step,
-                             int64_t group_size, int64_t chunk, int64_t window)
+                             int64_t group_size, int64_t chunk, int64_t window,
+                             int64_t base)
     : s_(std::make_unique<State>()) {
   TORCH_CHECK(window >= 0, "a sliding window is positive (0: none)");
+  TORCH_CHECK(base >= 0 && base % group_size == 0 && (base == 0 || window > 0),
+              "the planes begin at a multiple of G, past 0 only under a sliding window");
   State& s = *s_;
   s.fp_k = layer.fp_k, s.fp_v = layer.fp_v;
   const at::Tensor &fp_k = s.fp_k, &fp_v = s.fp_v;
@@ -479,7 +483,15 @@ HierAttention::HierAttention(const at::Tensor& q, const HierLayer& layer, const 
   a.G = group_size, a.n_fp = fp_k.size(2), a.fp_pos0 = fp_pos0;
   a.chunk = chunk, a.target = target, a.int_queries = int_queries, a.softcap = step.softcap;
   a.window = window;
+  a.base = base;
   a.max_nq = *std::max_element(a.nq, a.nq + T);
+  // every key a query can see must be held: none below the planes' first position, none past
+  // their end
+  for (int64_t t = 0; t < T && base; ++t)
+    TORCH_CHECK(a.nq[t] <= oldest(a, t) || oldest(a, t) >= base, "a query at ", a.pos[t],
+                " sees positions below ", base, ", which this layer no longer holds");
+  TORCH_CHECK(a.max_nq <= base + a.S, "the history (", a.max_nq, ") is past the planes' end (",
+              base + a.S, ")");
   a.n_chunks = (a.max_nq + chunk - 1) / chunk;
   s.B = B, s.H = H, s.T = T, s.D = D;
   s.tasks = a.n_chunks + 1;  // + the full-precision region
@@ -561,6 +573,7 @@ at::Tensor run_on_pool(const HierAttention& attention) {
 // Returns [B, H, T, D] fp32 (a view of a [B, T, H, D] buffer, so that the caller's
 // transpose(1, 2).reshape(B, T, H * D) for the output projection is free).
 at::Tensor hier_attention_cpu(const at::Tensor& q, const HierLayer& layer, const HierStep& step,
-                              int64_t group_size, int64_t chunk, int64_t window) {
-  return run_on_pool(HierAttention(q, layer, step, group_size, chunk, window));
+                              int64_t group_size, int64_t chunk, int64_t window,
+                              int64_t base) {
+  return run_on_pool(HierAttention(q, layer, step, group_size, chunk, window, base));
 }

@@ -16,18 +16,33 @@ void check_kv(const at::Tensor& k, const at::Tensor& v) {
 HierKV::HierKV(at::Tensor k_upper, at::Tensor k_lower, at::Tensor k_scale, at::Tensor k_zero,
                at::Tensor v_upper, at::Tensor v_lower, at::Tensor v_scale, at::Tensor v_zero,
                at::Tensor fp_k, at::Tensor fp_v, int64_t group_size, int64_t chunk,
-               std::vector<int64_t> windows)
+               std::vector<int64_t> windows, std::vector<at::Tensor> local,
+               std::vector<int64_t> slots)
     : all_{k_upper, k_lower, k_scale, k_zero, v_upper, v_lower, v_scale, v_zero, fp_k, fp_v},
       group_size_(group_size),
       chunk_(chunk),
-      windows_(std::move(windows)) {
+      windows_(std::move(windows)),
+      slots_(std::move(slots)) {
   TORCH_CHECK(fp_k.scalar_type() == at::kFloat && fp_v.scalar_type() == at::kFloat,
               "fp32 full-precision region only");
   TORCH_CHECK(fp_k.dim() == 5 && k_upper.dim() == 5, "buffers of all layers, [L, B, n_kv, ...]");
   TORCH_CHECK(group_size > 0 && chunk > 0, "group size and chunk must be positive");
-  TORCH_CHECK(windows_.empty() || int64_t(windows_.size()) == fp_k.size(0),
+  const int64_t L = fp_k.size(0);
+  TORCH_CHECK(windows_.empty() || int64_t(windows_.size()) == L,
               "one window per layer (0: none), or none at all");
   for (const int64_t w : windows_) TORCH_CHECK(w >= 0, "a sliding window is positive (0: none)");
+  TORCH_CHECK(local.empty() || local.size() == 8, "local: the 8 plane tensors, or none");
+  if (!local.empty()) {
+    local_ = HierLayer{local[0], local[1], local[2], local[3],
+                       local[4], local[5], local[6], local[7], {}, {}};
+    TORCH_CHECK(local_.k_upper.dim() == 5, "local planes [Ll, B, n_kv, ...]");
+  }
+  TORCH_CHECK(slots_.empty() || int64_t(slots_.size()) == L, "one slot per layer, or none");
+  for (int64_t l = 0; l < int64_t(slots_.size()); ++l) {
+    const bool is_local = !windows_.empty() && windows_[l] && !local.empty();
+    const int64_t n = is_local ? local_.k_upper.size(0) : k_upper.size(0);
+    TORCH_CHECK(slots_[l] >= 0 && slots_[l] < n, "layer ", l, "'s slot is outside its stack");
+  }
 }
 
 void HierKV::write(int64_t layer, const at::Tensor& k, const at::Tensor& v, int64_t lo) const {
@@ -39,19 +54,22 @@ void HierKV::write(int64_t layer, const at::Tensor& k, const at::Tensor& v, int6
 
 HierAttention HierKV::attention(int64_t layer, const at::Tensor& q,
                                 const HierStep& step) const {
-  const HierLayer& a = all_;
-  const HierLayer one{a.k_upper.select(0, layer),
-                      a.k_lower.select(0, layer),
-                      a.k_scale.select(0, layer),
-                      a.k_zero.select(0, layer),
-                      a.v_upper.select(0, layer),
-                      a.v_lower.select(0, layer),
-                      a.v_scale.select(0, layer),
-                      a.v_zero.select(0, layer),
-                      a.fp_k.select(0, layer).narrow(2, 0, step.n_fp),
-                      a.fp_v.select(0, layer).narrow(2, 0, step.n_fp)};
   const int64_t window = windows_.empty() ? 0 : windows_.at(layer);
-  return HierAttention(q, one, step, group_size_, chunk_, window);
+  const bool is_local = window && local_.k_upper.defined();
+  const HierLayer& a = is_local ? local_ : all_;
+  const int64_t slot = slots_.empty() ? layer : slots_.at(layer);
+  const HierLayer one{a.k_upper.select(0, slot),
+                      a.k_lower.select(0, slot),
+                      a.k_scale.select(0, slot),
+                      a.k_zero.select(0, slot),
+                      a.v_upper.select(0, slot),
+                      a.v_lower.select(0, slot),
+                      a.v_scale.select(0, slot),
+                      a.v_zero.select(0, slot),
+                      all_.fp_k.select(0, layer).narrow(2, 0, step.n_fp),
+                      all_.fp_v.select(0, layer).narrow(2, 0, step.n_fp)};
+  const int64_t base = is_local ? step.local_base : 0;
+  return HierAttention(q, one, step, group_size_, chunk_, window, base);
 }
 
 at::Tensor HierKV::attend(int64_t layer, const at::Tensor& q, const HierStep& step) const {

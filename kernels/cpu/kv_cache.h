@@ -39,6 +39,10 @@ struct HierStep {
   // forward's rows); row t sees the keys before the forward's rows, then its path from its
   // root, at the positions input_pos gives (its depth); row 0 is a root.
   at::Tensor parents;
+  // The position a local layer's planes begin at (a multiple of G; 0 for global layers):
+  // a sliding-window layer keeps only the history its queries can still see
+  // (`HierarchicalKVCache`'s local stack), in step over the local layers.
+  int64_t local_base = 0;
 };
 
 // One layer's attention over the hierarchical cache in three phases, so that a team of
@@ -48,9 +52,12 @@ struct HierStep {
 // partials in a fixed order (one thread) -> [B, H, T, D] fp32, a view of a [B, T, H, D] buffer.
 class HierAttention {
  public:
-  // window: the layer's sliding window (query at p sees positions > p - window; 0: none)
+  // window: the layer's sliding window (query at p sees positions > p - window; 0: none).
+  // base: the position the layer's planes begin at (a local layer's dropped history; a
+  // multiple of G, at most any query's oldest visible position). Positions stay absolute, so
+  // the tasks' chunks, and the bits, do not depend on it.
   HierAttention(const at::Tensor& q, const HierLayer& layer, const HierStep& step,
-                int64_t group_size, int64_t chunk, int64_t window = 0);
+                int64_t group_size, int64_t chunk, int64_t window = 0, int64_t base = 0);
   HierAttention(HierAttention&&) noexcept;
   HierAttention& operator=(HierAttention&&) noexcept;
   ~HierAttention();
@@ -67,16 +74,20 @@ class HierAttention {
 // Every task on torch's thread pool, then the merge.
 at::Tensor run_on_pool(const HierAttention& attention);
 
-// The hierarchical cache's buffers, all layers: planes [L, B, n_kv, S, D/2] uint8, K metadata
-// [L, B, n_kv, S/G, D], V metadata [L, B, n_kv, S, D/G], fp_k/fp_v [L, B, n_kv, 3G, D] fp32;
-// and each layer's sliding window (windows [L], 0: a global layer; empty: every layer global),
-// which its attention applies: a property of the layer, not of a step.
+// The hierarchical cache's buffers: planes [Lg, B, n_kv, S, D/2] uint8, K metadata
+// [Lg, B, n_kv, S/G, D], V metadata [Lg, B, n_kv, S, D/G] of its global layers (all layers
+// when none is local), fp_k/fp_v [L, B, n_kv, 3G, D] fp32 of all; each layer's sliding window
+// (windows [L], 0: a global layer; empty: every layer global), which its attention applies;
+// and the local layers' planes, a second stack `local` (the 8 plane tensors in the same order,
+// [Ll, B, n_kv, Sw, ...]: a window's worth of positions from HierStep::local_base on; empty
+// when no layer is local). slots [L]: each layer's index in its stack (empty: the identity).
 class HierKV {
  public:
   HierKV(at::Tensor k_upper, at::Tensor k_lower, at::Tensor k_scale, at::Tensor k_zero,
          at::Tensor v_upper, at::Tensor v_lower, at::Tensor v_scale, at::Tensor v_zero,
          at::Tensor fp_k, at::Tensor fp_v, int64_t group_size, int64_t chunk,
-         std::vector<int64_t> windows = {});
+         std::vector<int64_t> windows = {}, std::vector<at::Tensor> local = {},
+         std::vector<int64_t> slots = {});
   // k/v [B, n_kv, T, D] (any strides) -> fp_k/fp_v[layer, :, :, lo : lo + T]
   void write(int64_t layer, const at::Tensor& k, const at::Tensor& v, int64_t lo) const;
   // q [B, H, T, D] over the layer's planes and region [0, step.n_fp) -> [B, H, T, D] fp32
@@ -87,9 +98,11 @@ class HierKV {
   int64_t chunk() const { return chunk_; }
 
  private:
-  HierLayer all_;  // [L, ...] each
+  HierLayer all_;    // the global stack [Lg, ...] (fp_k/fp_v: [L, ...])
+  HierLayer local_;  // the local stack [Ll, ...] (fp_k/fp_v unused), or undefined
   int64_t group_size_, chunk_;
   std::vector<int64_t> windows_;  // [L] or empty
+  std::vector<int64_t> slots_;    // [L] or empty
 };
 
 // One forward over the full-precision cache: positions [start, end), the attention mask (none
@@ -119,4 +132,5 @@ class FullKV {
 // hier_attention.cpp: the kernel over one layer; fp_pos0 = step.n_quant, and step.lo unused.
 // Returns [B, H, T, D] fp32, a view of a [B, T, H, D] buffer.
 at::Tensor hier_attention_cpu(const at::Tensor& q, const HierLayer& layer, const HierStep& step,
-                              int64_t group_size, int64_t chunk, int64_t window = 0);
+                              int64_t group_size, int64_t chunk, int64_t window = 0,
+                              int64_t base = 0);

@@ -64,16 +64,33 @@ class NativeMemo:
         return {"_memo": None}
 
 
-def hier_kv(buffers: dict[str, torch.Tensor], group_size: int, chunk: int, windows: tuple = ()):
+def hier_kv(
+    buffers: dict[str, torch.Tensor],
+    group_size: int,
+    chunk: int,
+    windows: tuple = (),
+    local: tuple = (),
+    slots: tuple = (),
+):
     """A `HierKV` over `buffers` (the `HIER_BUFFERS`, [L, ...] each; fp_k/fp_v fp32), each
     layer attending within its sliding window (`windows` [L]: None or 0 a global layer; empty:
-    every layer global)."""
+    every layer global). `local`: the sliding-window layers' own planes (the first 8
+    `HIER_BUFFERS`, [Ll, ...] each; `HierStep.local_base` says where they begin), `buffers`
+    then holding the global layers'; `slots` [L]: each layer's index in its stack."""
     windows = [int(w or 0) for w in windows]
-    return cpu_ext.load().HierKV(**buffers, group_size=group_size, chunk=chunk, windows=windows)
+    return cpu_ext.load().HierKV(
+        **buffers,
+        group_size=group_size,
+        chunk=chunk,
+        windows=windows,
+        local=list(local),
+        slots=[int(s) for s in slots],
+    )
 
 
 def hier_step(**fields):
-    """A `HierStep`: lo, n_fp, n_quant, n_quant_q, shift, input_pos, int8, int_queries."""
+    """A `HierStep`: lo, n_fp, n_quant, n_quant_q, shift, input_pos, int8, int_queries,
+    softcap, parents, local_base."""
     return cpu_ext.load().HierStep(**fields)
 
 

@@ -18,14 +18,18 @@ void bind_kv_cache(py::module& m) {
   py::class_<HierStep>(m, "HierStep", "one forward over the hierarchical cache (kv_cache.h)")
       .def(py::init([](int64_t lo, int64_t n_fp, int64_t n_quant, at::Tensor n_quant_q,
                        at::Tensor shift, at::Tensor input_pos, bool int8, bool int_queries,
-                       double softcap, c10::optional<at::Tensor> parents) {
+                       double softcap, c10::optional<at::Tensor> parents,
+                       int64_t local_base) {
              TORCH_CHECK(softcap >= 0, "softcap must be >= 0 (0: none)");
-             return HierStep{lo, n_fp, n_quant, n_quant_q, shift, input_pos, int8,
-                             int_queries, float(softcap), parents.value_or(at::Tensor())};
+             TORCH_CHECK(local_base >= 0, "local_base must be >= 0");
+             return HierStep{lo,      n_fp,          n_quant,       n_quant_q,
+                             shift,   input_pos,     int8,          int_queries,
+                             float(softcap), parents.value_or(at::Tensor()), local_base};
            }),
            py::kw_only(), py::arg("lo"), py::arg("n_fp"), py::arg("n_quant"),
            py::arg("n_quant_q"), py::arg("shift"), py::arg("input_pos"), py::arg("int8"),
-           py::arg("int_queries"), py::arg("softcap") = 0.0, py::arg("parents") = py::none())
+           py::arg("int_queries"), py::arg("softcap") = 0.0, py::arg("parents") = py::none(),
+           py::arg("local_base") = 0)
       .def_readonly("lo", &HierStep::lo)
       .def_readonly("n_fp", &HierStep::n_fp)
       .def_readonly("n_quant", &HierStep::n_quant)
@@ -35,15 +39,17 @@ void bind_kv_cache(py::module& m) {
       .def_readonly("int8", &HierStep::int8)
       .def_readonly("int_queries", &HierStep::int_queries)
       .def_readonly("softcap", &HierStep::softcap)
-      .def_readonly("parents", &HierStep::parents);
+      .def_readonly("parents", &HierStep::parents)
+      .def_readonly("local_base", &HierStep::local_base);
   py::class_<HierKV>(m, "HierKV", "the hierarchical cache's buffers, all layers (kv_cache.h)")
       .def(py::init<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
                     at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t, int64_t,
-                    std::vector<int64_t>>(),
+                    std::vector<int64_t>, std::vector<at::Tensor>, std::vector<int64_t>>(),
            py::kw_only(), py::arg("k_upper"), py::arg("k_lower"), py::arg("k_scale"),
            py::arg("k_zero"), py::arg("v_upper"), py::arg("v_lower"), py::arg("v_scale"),
            py::arg("v_zero"), py::arg("fp_k"), py::arg("fp_v"), py::arg("group_size"),
-           py::arg("chunk"), py::arg("windows") = std::vector<int64_t>())
+           py::arg("chunk"), py::arg("windows") = std::vector<int64_t>(),
+           py::arg("local") = std::vector<at::Tensor>(), py::arg("slots") = std::vector<int64_t>())
       .def("write", &HierKV::write, py::arg("layer"), py::arg("k"), py::arg("v"), py::arg("lo"))
       .def("attend", &HierKV::attend, py::arg("layer"), py::arg("q"), py::arg("step"))
       .def_property_readonly("group_size", &HierKV::group_size)

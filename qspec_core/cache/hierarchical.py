@@ -28,6 +28,14 @@ it in full precision; queries past that point before the rotation (draft steps, 
 tokens of a verify) see F1 quantized: it is staged once into the planes' next slot, which
 the rotation later fills with the very same values. The full-precision buffer therefore holds
 2G tokens plus up to G of slack for a round's unverified tokens.
+
+Sliding-window layers (Gemma 2/3's local layers, Mistral's and Phi-3's every layer, Qwen's
+from `max_window_layers` on) keep their planes in a second stack, `local_*`, of a window's
+worth of positions: a local layer's planes begin at `base[layer]` (a multiple of G), and the
+groups no later query can see (every query sits at or past n_quant, and sees the positions >
+p - window) are dropped as new ones come (`_fit`), so its memory is O(window), not
+O(context). The C++ attention reads absolute positions from that base (the bits do not
+depend on it); the other attentions get the layer's view with positions counted from it.
 """
 
 from __future__ import annotations
@@ -73,6 +81,16 @@ class CommitInvariantError(RuntimeError):
 PLANE_BUFFERS = ("k_upper", "k_lower", "v_upper", "v_lower")  # positions along dim 3
 PLANE_BUFFERS += ("k_scale", "k_zero", "v_scale", "v_zero")  # (K's: groups along dim 3)
 K_GROUPED = ("k_scale", "k_zero")  # one entry per G positions
+LOCAL = "local_"  # the local (sliding-window) layers' stack: "local_k_upper", ...
+
+
+def local_slots(window: int, group_size: int) -> int:
+    """Positions a local layer's planes hold: the window's groups, the group its oldest key
+    straddles, the staged F1 and one more group, so that each drop frees at least a group
+    (a drop copies the kept groups down: about window / G positions a token, beside the
+    window the attention reads for it)."""
+    G = group_size
+    return -(-window // G) * G + 3 * G
 
 
 class HierarchicalKVCache(torch.nn.Module):
@@ -102,17 +120,30 @@ class HierarchicalKVCache(torch.nn.Module):
         self.windows = config.windows  # per layer, its sliding window (None: global)
         L, B, n_kv = config.num_hidden_layers, batch_size, config.num_key_value_heads
         S = -(-max_seq_len // G) * G  # quantized capacity, whole groups
-        planes = (L, B, n_kv, S, D // 2)  # [L, B, n_kv, S, D/2] uint8, two nibbles per byte
+        # each layer's stack (global, or local: `LOCAL`) and its index there
+        self._local = [w is not None for w in self.windows]
+        self._slot = [self._local[:i].count(self._local[i]) for i in range(L)]
+        self.window = max((w for w in self.windows if w is not None), default=None)
+        n_local = self._local.count(True)
+        self.base = [0] * L  # per layer: the position its planes begin at (0 unless local)
 
         def buf(name, shape, dt):
             self.register_buffer(name, torch.zeros(shape, dtype=dt, device=device), False)
 
-        for name in ("k_upper", "k_lower", "v_upper", "v_lower"):
-            buf(name, planes, torch.uint8)
-        buf("k_scale", (L, B, n_kv, S // G, D), torch.float32)  # K: per channel per G tokens
-        buf("k_zero", (L, B, n_kv, S // G, D), torch.float32)
-        buf("v_scale", (L, B, n_kv, S, D // G), torch.float32)  # V: per token per G channels
-        buf("v_zero", (L, B, n_kv, S, D // G), torch.float32)
+        def planes(prefix: str, layers: int, S: int):
+            shape = (layers, B, n_kv, S, D // 2)  # [L, B, n_kv, S, D/2] uint8, two nibbles a byte
+            for name in ("k_upper", "k_lower", "v_upper", "v_lower"):
+                buf(prefix + name, shape, torch.uint8)
+            k_meta = (layers, B, n_kv, S // G, D)  # K: per channel per G tokens
+            buf(prefix + "k_scale", k_meta, torch.float32)
+            buf(prefix + "k_zero", k_meta, torch.float32)
+            v_meta = (layers, B, n_kv, S, D // G)  # V: per token per G channels
+            buf(prefix + "v_scale", v_meta, torch.float32)
+            buf(prefix + "v_zero", v_meta, torch.float32)
+
+        planes("", L - n_local, S)
+        if n_local:  # (only a model with sliding windows has the local stack)
+            planes(LOCAL, n_local, min(S, local_slots(self.window, G)))
         # [F1 | F2] plus G of slack, so that a verify forward crossing a group boundary never
         # forces a rotation in the middle of its tokens (see `_boundary`).
         buf("fp_k", (L, B, n_kv, 3 * G, D), dtype)
@@ -169,16 +200,73 @@ class HierarchicalKVCache(torch.nn.Module):
             return
         G = self.group_size
         S = -(-max_seq_len // G) * G
-        for name in PLANE_BUFFERS:  # dim 3: positions, or K groups (k_scale, k_zero)
-            old = getattr(self, name)
-            new = old.new_zeros(*old.shape[:3], S // G if name in K_GROUPED else S, old.shape[4])
-            new[:, :, :, : old.shape[3]] = old
-            setattr(self, name, new)  # (replaces the registered buffer)
+        self._resize("", S)
+        if self.window is not None:  # (a local stack capped by a short context grows too)
+            want = min(S, local_slots(self.window, G))
+            if want > self.local_k_upper.shape[3]:
+                self._resize(LOCAL, want)
         self.max_seq_len = max_seq_len
+
+    def _resize(self, prefix: str, S: int) -> None:
+        """A stack's planes and scales reallocated to hold S positions (a multiple of G),
+        keeping the first S positions they hold."""
+        G = self.group_size
+        for name in PLANE_BUFFERS:  # dim 3: positions, or K groups (k_scale, k_zero)
+            old = getattr(self, prefix + name)
+            n = S // G if name in K_GROUPED else S
+            # (a prefill under inference mode grows a local stack: its buffers must stay
+            # writable after it)
+            with torch.inference_mode(False):
+                new = old.new_zeros(*old.shape[:3], n, old.shape[4])
+                keep = min(n, old.shape[3])
+                new[:, :, :, :keep] = old[:, :, :, :keep]
+            setattr(self, prefix + name, new)  # (replaces the registered buffer)
+
+    def _plane(self, name: str, layer: int) -> torch.Tensor:
+        """A layer's `name` buffer in its stack, [B, n_kv, capacity, ...]: slot i holds
+        position base[layer] + i (K scales and zeros: group i, from base / G on)."""
+        return getattr(self, LOCAL + name if self._local[layer] else name)[self._slot[layer]]
+
+    def _local_bases(self) -> set[int]:
+        """The local layers' bases (one, unless a forward was interrupted half-way)."""
+        return {base for base, is_local in zip(self.base, self._local, strict=True) if is_local}
+
+    def _keep_from(self, layer: int) -> int:
+        """The first position a local layer must keep: the group holding the oldest key that
+        a query at or past its quantized length can see (global layers: 0)."""
+        if not self._local[layer]:
+            return 0
+        G, window = self.group_size, self.windows[layer]
+        return max(self.base[layer], max(0, self.n_quant[layer] - window + 1) // G * G)
+
+    def _fit(self, layer: int, end: int) -> None:
+        """Room in a layer's planes for the positions below `end` (a multiple of G): a local
+        layer first drops the groups no later query sees (moving the rest down), then grows
+        its stack if that is not enough; ValueError past the cache's capacity."""
+        G = self.group_size
+        if end > -(-self.max_seq_len // G) * G:
+            raise ValueError(f"the cache holds at most {self.max_seq_len} positions")
+        if not self._local[layer]:
+            return
+        base, capacity = self.base[layer], self.local_k_upper.shape[3]
+        if end - base <= capacity:
+            return
+        keep = self._keep_from(layer)
+        if keep > base:  # slots [keep - base, held) move down to 0
+            held = min(capacity, self.n_quant[layer] + G - base)  # (with a staged F1)
+            for name in PLANE_BUFFERS:
+                g = G if name in K_GROUPED else 1
+                t = self._plane(name, layer)
+                lo, hi = (keep - base) // g, held // g
+                t[:, :, : hi - lo] = t[:, :, lo:hi].clone()
+            self.base[layer] = base = keep
+        if end - base > capacity:
+            self._resize(LOCAL, end - base + local_slots(self.windows[layer], G))
 
     def reset(self) -> None:
         self.n_quant = [0] * len(self.n_quant)
         self.fp_len = [0] * len(self.fp_len)
+        self.base = [0] * len(self.base)
         self.committed = 0
         self._staged = [-1] * len(self._staged)
 
@@ -191,11 +279,16 @@ class HierarchicalKVCache(torch.nn.Module):
         if meta["committed"] != meta["n_quant"] + meta["fp_len"]:
             raise ValueError("a checkpoint needs every position committed")
         n_fp = meta["fp_len"]
+        local = None
+        if self.window is not None:  # (a window's worth of planes per local layer)
+            local = {k: t.clone() for k, t in self._local_state(meta).items()}
         return CacheCheckpoint(
             meta["n_quant"],
             n_fp,
             self.fp_k[:, :, :, :n_fp].clone(),
             self.fp_v[:, :, :, :n_fp].clone(),
+            meta.get("local_base", 0),
+            local,
         )
 
     def restore(self, point: CacheCheckpoint) -> None:
@@ -207,6 +300,19 @@ class HierarchicalKVCache(torch.nn.Module):
         self.fp_len = [n_fp] * len(self.fp_len)
         self.committed = point.n_quant + n_fp
         self._staged = [-1] * len(self._staged)  # the next slot holds later data now
+        if point.local is not None:  # the local planes as they were (drops moved them since)
+            self._load_local(point.local, point.local_base, point.n_quant)
+
+    def _load_local(self, local: dict[str, torch.Tensor], base: int, n_quant: int) -> None:
+        """The local stack's planes become `local` (buffers by name, [Ll, B, n_kv, n, ...]:
+        positions [base, n_quant)), every local layer beginning at `base`."""
+        n = n_quant - base
+        if n > self.local_k_upper.shape[3]:
+            self._resize(LOCAL, n + local_slots(self.window, self.group_size))
+        for name in PLANE_BUFFERS:
+            t = local[LOCAL + name]
+            getattr(self, LOCAL + name)[:, :, :, : t.shape[3]] = t
+        self.base = [base if is_local else 0 for is_local in self._local]
 
     @contextmanager
     def tree_rows(self, parents: Sequence[int]) -> Iterator[None]:
@@ -333,8 +439,15 @@ class HierarchicalKVCache(torch.nn.Module):
         if not cpu_kv.usable(*buffers):
             return None
         named = dict(zip(cpu_kv.HIER_BUFFERS, buffers, strict=True))
+        local = ()
+        if self.window is not None:  # the local stack, in the same order (its fp: unused)
+            local = tuple(self._buffers[LOCAL + name] for name in cpu_kv.HIER_BUFFERS[:8])
         G, chunk = self.group_size, self.chunk_size
-        return self._native.get(buffers, lambda: cpu_kv.hier_kv(named, G, chunk, self.windows))
+
+        def make():
+            return cpu_kv.hier_kv(named, G, chunk, self.windows, local, self._slot)
+
+        return self._native.get(buffers + local, make)
 
     def native_step(self, input_pos: torch.Tensor, path: Precision, n_tokens: int):
         """For a forward of `native`'s C++ stack: does every layer's bookkeeping of `attend`
@@ -350,6 +463,7 @@ class HierarchicalKVCache(torch.nn.Module):
             or self.fused is False
             or self.n_quant.count(self.n_quant[0]) != L
             or self.fp_len.count(self.fp_len[0]) != L
+            or len(self._local_bases()) > 1
             or self.native is None
         ):
             return None
@@ -363,10 +477,14 @@ class HierarchicalKVCache(torch.nn.Module):
                 if self._staged[layer] != nq:
                     self._stage_f1(layer)
         iq = self._int_queries(path, q_device=self.fp_k.device)
-        return self._step(lo, hi, nq, n_quant_q, shift, input_pos, kv, iq)
+        local_base = max(self.base)  # (the local layers', in step; 0 for the global ones)
+        return self._step(lo, hi, nq, n_quant_q, shift, input_pos, kv, iq, local_base)
 
-    def _step(self, lo, hi, nq, n_quant_q, shift, input_pos, kv: str, int_queries: bool):
-        """The `HierStep` of a forward whose tokens sit at [lo, hi) of the region."""
+    def _step(
+        self, lo, hi, nq, n_quant_q, shift, input_pos, kv: str, int_queries: bool, local_base=0
+    ):
+        """The `HierStep` of a forward whose tokens sit at [lo, hi) of the region; the
+        local layers' planes begin at `local_base`."""
         return cpu_kv.hier_step(
             lo=lo,
             n_fp=hi,
@@ -378,6 +496,7 @@ class HierarchicalKVCache(torch.nn.Module):
             int_queries=int_queries,
             softcap=float(self.softcap or 0.0),
             parents=self._parents,
+            local_base=local_base,
         )
 
     def attend(self, layer, q, k, v, input_pos, path: Precision):
@@ -396,9 +515,12 @@ class HierarchicalKVCache(torch.nn.Module):
         fused = self.fused is not False
         iq = self._int_queries(path, q.device)
         native = self.native
+        base = self.base[layer]
         if native is not None and fused:  # (the C++ kernel, as in the stack's step)
-            step = self._step(lo, hi, nq, n_quant_q, shift, input_pos, kv, iq)
+            step = self._step(lo, hi, nq, n_quant_q, shift, input_pos, kv, iq, base)
             return native.attend(layer, q, step).to(q.dtype)
+        if base:  # (the view counts positions from the layer's base)
+            n_quant_q, input_pos = n_quant_q - base, input_pos - base
         rows = QueryRows(n_quant_q, shift, input_pos, self._parents, self.windows[layer])
         chunk = self.chunk_size if q.device.type == "cpu" else None  # Triton: fill the GPU
         return hier_attention(q, self.layer_view(layer), rows, kv, chunk, fused, iq, self.softcap)
@@ -410,20 +532,14 @@ class HierarchicalKVCache(torch.nn.Module):
         return path.int_queries and q_device.type == "cpu" and head_dim <= QUERY_MAX_DIM
 
     def layer_view(self, layer: int) -> HierLayerView:
-        """One layer's planes, metadata and full-precision region, as the attention reads it."""
+        """One layer's planes, metadata and full-precision region, as the attention reads it,
+        positions counted from the layer's `base` (0 but for a local layer's dropped groups)."""
         n_fp = self.fp_len[layer]
         return HierLayerView(
-            k_upper=self.k_upper[layer],
-            k_lower=self.k_lower[layer],
-            k_scale=self.k_scale[layer],
-            k_zero=self.k_zero[layer],
-            v_upper=self.v_upper[layer],
-            v_lower=self.v_lower[layer],
-            v_scale=self.v_scale[layer],
-            v_zero=self.v_zero[layer],
+            **{name: self._plane(name, layer) for name in PLANE_BUFFERS},
             fp_k=self.fp_k[layer, :, :, :n_fp],
             fp_v=self.fp_v[layer, :, :, :n_fp],
-            fp_pos0=self.n_quant[layer],
+            fp_pos0=self.n_quant[layer] - self.base[layer],
             group_size=self.group_size,
         )
 
@@ -454,19 +570,27 @@ class HierarchicalKVCache(torch.nn.Module):
     def _stage_f1(self, layer: int) -> None:
         """Quantize F1 (confirmed, one whole K group) into the planes at [nq, nq + G)."""
         G, nq = self.group_size, self.n_quant[layer]
-        if nq + G > self.k_upper.shape[3]:
-            raise ValueError(f"the cache holds at most {self.max_seq_len} positions")
+        self._fit(layer, nq + G)
         k = quantize_keys_triton(self.fp_k[layer, :, :, :G], G)  # planes [B, n_kv, G, D/2]
         v = quantize_values_triton(self.fp_v[layer, :, :, :G], G)  # (torch off CUDA)
-        self.k_upper[layer, :, :, nq : nq + G] = k.upper
-        self.k_lower[layer, :, :, nq : nq + G] = k.lower
-        self.k_scale[layer, :, :, nq // G] = k.scale[:, :, 0]
-        self.k_zero[layer, :, :, nq // G] = k.zero[:, :, 0]
-        self.v_upper[layer, :, :, nq : nq + G] = v.upper
-        self.v_lower[layer, :, :, nq : nq + G] = v.lower
-        self.v_scale[layer, :, :, nq : nq + G] = v.scale
-        self.v_zero[layer, :, :, nq : nq + G] = v.zero
+        self._write_planes(layer, nq - self.base[layer], k, v)
         self._staged[layer] = nq
+
+    def _write_planes(self, layer: int, at: int, k, v) -> None:
+        """Quantized keys and values (`QuantizedGroupTensor`s of n positions, whole K groups)
+        into a layer's planes from slot `at` (a multiple of G)."""
+        G, n = self.group_size, k.upper.shape[2]
+        for name, t, slots in (
+            ("k_upper", k.upper, (at, at + n)),
+            ("k_lower", k.lower, (at, at + n)),
+            ("k_scale", k.scale, (at // G, (at + n) // G)),
+            ("k_zero", k.zero, (at // G, (at + n) // G)),
+            ("v_upper", v.upper, (at, at + n)),
+            ("v_lower", v.lower, (at, at + n)),
+            ("v_scale", v.scale, (at, at + n)),
+            ("v_zero", v.zero, (at, at + n)),
+        ):
+            self._plane(name, layer)[:, :, slots[0] : slots[1]] = t
 
     def load_full_precision(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Bulk load of a prompt's full-precision KV: k/v [L, B, n_kv, T, D], all confirmed,
@@ -489,18 +613,10 @@ class HierarchicalKVCache(torch.nn.Module):
         G, nq, n = self.group_size, self.n_quant[layer], k.shape[2]
         if n % G or self.fp_len[layer]:
             raise ValueError("whole groups of G tokens, onto an empty full-precision region")
-        if nq + n > self.k_upper.shape[3]:
-            raise ValueError(f"the cache holds at most {self.max_seq_len} positions")
+        self._fit(layer, nq + n)
         if n:
             kq, vq = quantize_keys(k, G), quantize_values(v, G)
-            self.k_upper[layer, :, :, nq : nq + n] = kq.upper
-            self.k_lower[layer, :, :, nq : nq + n] = kq.lower
-            self.k_scale[layer, :, :, nq // G : (nq + n) // G] = kq.scale
-            self.k_zero[layer, :, :, nq // G : (nq + n) // G] = kq.zero
-            self.v_upper[layer, :, :, nq : nq + n] = vq.upper
-            self.v_lower[layer, :, :, nq : nq + n] = vq.lower
-            self.v_scale[layer, :, :, nq : nq + n] = vq.scale
-            self.v_zero[layer, :, :, nq : nq + n] = vq.zero
+            self._write_planes(layer, nq - self.base[layer], kq, vq)
         self.n_quant[layer] = nq + n
         self._staged[layer] = -1
 
@@ -523,19 +639,22 @@ class HierarchicalKVCache(torch.nn.Module):
         """A layer's quantized history from position `first` (a multiple of G) in `view` into
         k_out/v_out [B, n_kv, n_quant - first, D] fp32 (rows contiguous): `kernels/cpu/
         dequant.py`, the reference's numbers."""
-        G, nq = self.group_size, self.n_quant[layer]
+        G, base = self.group_size, self.base[layer]
+        nq = self.n_quant[layer] - base
+        first -= base  # (slots)
         assert first % G == 0 and 0 <= first <= nq, (first, G, nq)  # (the prefill's own bound)
+        planes = {name: self._plane(name, layer) for name in PLANE_BUFFERS}
         keys = QuantizedGroupTensor(
-            self.k_upper[layer, :, :, first:nq],
-            self.k_lower[layer, :, :, first:nq],
-            self.k_scale[layer, :, :, first // G : nq // G],
-            self.k_zero[layer, :, :, first // G : nq // G],
+            planes["k_upper"][:, :, first:nq],
+            planes["k_lower"][:, :, first:nq],
+            planes["k_scale"][:, :, first // G : nq // G],
+            planes["k_zero"][:, :, first // G : nq // G],
         )
         values = QuantizedGroupTensor(
-            self.v_upper[layer, :, :, first:nq],
-            self.v_lower[layer, :, :, first:nq],
-            self.v_scale[layer, :, :, first:nq],
-            self.v_zero[layer, :, :, first:nq],
+            planes["v_upper"][:, :, first:nq],
+            planes["v_lower"][:, :, first:nq],
+            planes["v_scale"][:, :, first:nq],
+            planes["v_zero"][:, :, first:nq],
         )
         dequantize_into(keys, G, True, view, k_out)
         dequantize_into(values, G, False, view, v_out)
@@ -543,26 +662,36 @@ class HierarchicalKVCache(torch.nn.Module):
     # ------------------------------------------------------------------ accounting, snapshots
     def nbytes(self) -> dict[str, int]:
         """Bytes of the valid data: packed planes, scales/zeros, full-precision region."""
-        G, nq, n_fp = self.group_size, self.quantized_len, self.fp_len[-1]
-        per_tok_plane = self.k_upper[:, :, :, 0].numel()  # L * B * n_kv * D/2 bytes
-        payload = 4 * per_tok_plane * nq  # K and V, upper and lower
-        k_meta = 2 * self.k_scale[:, :, :, 0].numel() * 4 * (nq // G)
-        v_meta = 2 * self.v_scale[:, :, :, 0].numel() * 4 * nq
+        G, n_fp = self.group_size, self.fp_len[-1]
+        payload = scales = 0
+        for prefix, held in self._held():
+            per_tok_plane = getattr(self, prefix + "k_upper")[:, :, :, 0].numel()  # L B n_kv D/2
+            payload += 4 * per_tok_plane * held  # K and V, upper and lower
+            scales += 2 * getattr(self, prefix + "k_scale")[:, :, :, 0].numel() * 4 * (held // G)
+            scales += 2 * getattr(self, prefix + "v_scale")[:, :, :, 0].numel() * 4 * held
         fp = 2 * self.fp_k[:, :, :, 0].numel() * self.fp_k.element_size() * n_fp
-        return {"payload": payload, "scales": k_meta + v_meta, "full_precision": fp}
+        return {"payload": payload, "scales": scales, "full_precision": fp}
+
+    def _held(self) -> list[tuple[str, int]]:
+        """(stack prefix, positions each of its layers holds in its planes) per stack."""
+        nq = self.quantized_len
+        held = [("", nq)]
+        if self.window is not None:
+            held.append((LOCAL, max(0, nq - max(self._local_bases()))))
+        return held
 
     def bytes_per_token(self, view: str) -> float:
         """Bytes the KV view `view` ("int8" or "int4") reads per quantized-history token over
-        all layers and KV heads."""
-        L, B, n_kv = self.k_upper.shape[:3]
-        D = 2 * self.k_upper.shape[4]
+        all layers and KV heads (a local layer's: within its window)."""
+        L, B, n_kv = self.fp_k.shape[:3]
+        D = self.fp_k.shape[4]
         per_head = kv_bytes_per_token(D, view, self.group_size, self.group_size).total
         return per_head * L * B * n_kv
 
     def meta(self) -> dict:
         if len(set(self.n_quant)) != 1 or len(set(self.fp_len)) != 1:
             raise RuntimeError("layers are out of step (an interrupted forward); truncate first")
-        return {
+        meta = {
             "group_size": self.group_size,
             "n_quant": self.n_quant[0],
             "fp_len": self.fp_len[0],
@@ -570,30 +699,70 @@ class HierarchicalKVCache(torch.nn.Module):
             "max_seq_len": self.max_seq_len,
             "fp_dtype": str(self.fp_k.dtype).removeprefix("torch."),
         }
+        if self.window is not None:  # the local layers' state begins there (in step): the
+            # oldest group a later query sees (`_keep_from`), not what the planes still hold
+            local = [layer for layer, is_local in enumerate(self._local) if is_local]
+            if len({(self.base[layer], self._keep_from(layer)) for layer in local}) != 1:
+                raise RuntimeError("local layers are out of step; truncate first")
+            meta["local_base"] = self._keep_from(local[0])
+        return meta
 
     def state(self) -> dict[str, torch.Tensor]:
-        """The valid part of every buffer (what a snapshot stores)."""
+        """The valid part of every buffer (what a snapshot stores): the global layers' planes
+        from position 0, the local layers' (`LOCAL`) from `meta()["local_base"]`."""
         meta = self.meta()
         G, nq, n_fp = self.group_size, meta["n_quant"], meta["fp_len"]
         out = {
-            name: getattr(self, name)[:, :, :, :nq]
-            for name in ("k_upper", "k_lower", "v_upper", "v_lower", "v_scale", "v_zero")
+            name: getattr(self, name)[:, :, :, : nq // G if name in K_GROUPED else nq]
+            for name in PLANE_BUFFERS
         }
-        out["k_scale"] = self.k_scale[:, :, :, : nq // G]
-        out["k_zero"] = self.k_zero[:, :, :, : nq // G]
         out["fp_k"] = self.fp_k[:, :, :, :n_fp]
         out["fp_v"] = self.fp_v[:, :, :, :n_fp]
+        out |= self._local_state(meta)
         return {k: t.contiguous() for k, t in out.items()}
 
+    def _local_state(self, meta: dict) -> dict[str, torch.Tensor]:
+        """The local stack's valid planes, positions [local_base, n_quant) (none without
+        local layers)."""
+        if self.window is None:
+            return {}
+        held_from = self.base[self._local.index(True)]  # (the planes' slot 0; in step)
+        G, lo, hi = self.group_size, meta["local_base"] - held_from, meta["n_quant"] - held_from
+        out = {}
+        for name in PLANE_BUFFERS:
+            g = G if name in K_GROUPED else 1
+            out[LOCAL + name] = getattr(self, LOCAL + name)[:, :, :, lo // g : hi // g]
+        return out
+
     def load_state(self, state: dict[str, torch.Tensor], meta: dict) -> None:
+        """`state()`'s tensors (and `meta`) into this cache. A state with no local stack but
+        every layer in the global names (a snapshot from before windowed caches) loads too:
+        each local layer keeps the groups its later queries can see."""
         if meta["group_size"] != self.group_size:
             raise ValueError(f"state has group size {meta['group_size']}, cache {self.group_size}")
-        nq, n_fp = meta["n_quant"], meta["fp_len"]
+        G, nq, n_fp = self.group_size, meta["n_quant"], meta["fp_len"]
         if nq + n_fp > self.max_seq_len:
             raise ValueError(f"state holds {nq + n_fp} positions, cache {self.max_seq_len}")
-        for name, tensor in state.items():
-            getattr(self, name)[:, :, :, : tensor.shape[3]] = tensor
+        self.reset()
         self.n_quant = [nq] * len(self.n_quant)
         self.fp_len = [n_fp] * len(self.fp_len)
+        self.fp_k[:, :, :, :n_fp] = state["fp_k"]
+        self.fp_v[:, :, :, :n_fp] = state["fp_v"]
+        if self.window is None or LOCAL + "k_upper" in state:
+            for name in PLANE_BUFFERS:
+                tensor = state[name]
+                getattr(self, name)[:, :, :, : tensor.shape[3]] = tensor
+            if self.window is not None:
+                self._load_local(state, meta["local_base"], nq)
+        else:  # every layer's planes from position 0, in layer order
+            local = [layer for layer, is_local in enumerate(self._local) if is_local]
+            glob = [layer for layer, is_local in enumerate(self._local) if not is_local]
+            base = max(0, nq - self.window + 1) // G * G  # (`_keep_from`)
+            stacks = {}
+            for name in PLANE_BUFFERS:
+                g = G if name in K_GROUPED else 1
+                getattr(self, name)[:, :, :, : nq // g] = state[name][glob]
+                stacks[LOCAL + name] = state[name][local][:, :, :, base // g : nq // g]
+            self._load_local(stacks, base, nq)
         self.committed = meta["committed"]
         self._staged = [-1] * len(self._staged)

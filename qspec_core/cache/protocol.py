@@ -31,12 +31,16 @@ from qspec_core.precision import Precision
 @dataclass(frozen=True)
 class CacheCheckpoint:
     """`HierarchicalKVCache.checkpoint()`: lengths and the full-precision region
-    fp_k/fp_v [L, B, n_kv, fp_len, D] at that point."""
+    fp_k/fp_v [L, B, n_kv, fp_len, D] at that point; with sliding-window layers, their planes
+    too (`local`: the local stack's buffers by name, positions [local_base, n_quant), which
+    later drops may move or overwrite)."""
 
     n_quant: int
     fp_len: int
     fp_k: torch.Tensor
     fp_v: torch.Tensor
+    local_base: int = 0
+    local: dict[str, torch.Tensor] | None = None
 
 
 class KVCache(Protocol):

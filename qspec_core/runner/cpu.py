@@ -163,5 +163,6 @@ class CpuRunner(OfModel):
         local = (None, None)  # (Gemma 3's sliding layers rotate with their own)
         if model.config.layer.local_rope:
             local = model.local_rotary_emb(input_pos, x.dtype)
+        native = cache.native  # (the bookkeeping may have replaced a buffer: a local stack's)
         x = stack.run(x, cos, sin, native, step, *local)  # writes each layer's K/V through it
         return model.head(x, path, last_only, self.ops, head)

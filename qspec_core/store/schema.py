@@ -13,12 +13,18 @@ import math
 import re
 
 FORMAT = "qspec-kv-snapshot"
-FORMAT_VERSION = 1
+# 2: a model with sliding-window layers stores their planes apart, from `local_base` on
+# (`LOCAL_PLANES`); 1: every layer's planes from position 0 (what a model without windows,
+# and every snapshot before December 2026, has). A reader reads both.
+FORMAT_VERSION = 2
+FORMAT_VERSIONS = (1, 2)
 FP_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}  # manifest -> header
 ITEMSIZE = {"U8": 1, "I64": 8, "F32": 4, "F16": 2, "BF16": 2}
 PLANES = ("k_upper", "k_lower", "v_upper", "v_lower")
 TENSORS = (*PLANES, "v_scale", "v_zero", "k_scale", "k_zero", "fp_k", "fp_v")
 TENSORS += ("token_ids", "document_utf8")
+LOCAL = "local_"  # (HierarchicalKVCache's local stack)
+LOCAL_PLANES = tuple(LOCAL + name for name in (*PLANES, "v_scale", "v_zero", "k_scale", "k_zero"))
 # Manifests without `document_bytes` (the first files written): the document is at most this
 # many UTF-8 bytes per token plus a constant. Tokens of byte-level BPE vocabularies are far
 # shorter than 256 bytes; the constant covers the chat framing around the document.
@@ -77,6 +83,7 @@ OPTIONAL = {
     "prefill_seconds": _number,
     "compute_dtype": _str,
     "rope_capacity": _positive,  # (older snapshots have none)
+    "local_base": _count,  # (version 2, sliding-window layers: where their planes begin)
 }
 QUANTIZATION = {
     "group_size": _positive,
@@ -88,6 +95,19 @@ QUANTIZATION = {
     "fp_dtype": _one_of(*FP_DTYPES),
 }
 CACHE = {"layers": _positive, "batch": _positive, "kv_heads": _positive, "head_dim": _positive}
+
+
+def _layers(v) -> bool:
+    """cache.local_layers: layer indices, increasing, at least one."""
+    return isinstance(v, list) and len(v) > 0 and all(_count(i) for i in v) and v == sorted(set(v))
+
+
+CACHE_OPTIONAL = {"local_layers": _layers}  # (version 2: the sliding-window layers)
+
+
+def tensor_names(manifest: dict) -> tuple[str, ...]:
+    """The tensors a manifest's snapshot holds."""
+    return TENSORS + (LOCAL_PLANES if "local_layers" in manifest["cache"] else ())
 
 
 def _check_fields(obj: dict, spec: dict, prefix: str = "", required: bool = True) -> None:
@@ -116,14 +136,22 @@ def validate_manifest(manifest) -> None:
     q, c = manifest["quantization"], manifest["cache"]
     _check_fields(q, QUANTIZATION, "quantization.")
     _check_fields(c, CACHE, "cache.")
+    _check_fields(c, CACHE_OPTIONAL, "cache.", required=False)
     G, D, nq = q["group_size"], c["head_dim"], manifest["n_quant"]
     _require(D % 2 == 0 and D % G == 0, "quantization.group_size")
     _require(nq % G == 0, "n_quant")
+    windowed = "local_layers" in c
+    _require(windowed == (manifest["format_version"] >= 2), "format_version")
+    _require(windowed == ("local_base" in manifest), "local_base")
+    if windowed:
+        base = manifest["local_base"]
+        _require(c["local_layers"][-1] < c["layers"], "cache.local_layers")
+        _require(base % G == 0 and base <= nq, "local_base")
     _require(manifest["fp_len"] <= FP_SLOTS * G, "fp_len")
     _require(manifest["tokens"] == nq + manifest["fp_len"], "tokens")
     shas = manifest["tensor_sha256"]
-    _require(set(shas) == set(TENSORS), "tensor_sha256")
-    for name in TENSORS:
+    _require(set(shas) == set(tensor_names(manifest)), "tensor_sha256")
+    for name in tensor_names(manifest):
         _require(_hex64(shas[name]), f"tensor_sha256.{name}")
     # the document's hash and its tensor's hash are one hash of the same bytes
     _require(shas["document_utf8"] == manifest["document_sha256"], "document_sha256")
@@ -132,14 +160,23 @@ def validate_manifest(manifest) -> None:
 def layout(manifest: dict) -> dict[str, tuple[str, tuple[int, ...]]]:
     """dtype and shape of every tensor but `document_utf8`, as `cache.state()` makes them."""
     c, q = manifest["cache"], manifest["quantization"]
-    lead = (c["layers"], c["batch"], c["kv_heads"])
+    L, lead = c["layers"], (c["batch"], c["kv_heads"])
     G, D, nq, n_fp = q["group_size"], c["head_dim"], manifest["n_quant"], manifest["fp_len"]
     fp = FP_DTYPES[q["fp_dtype"]]
-    out = {name: ("U8", (*lead, nq, D // 2)) for name in PLANES}  # two nibbles per byte
-    out["v_scale"] = out["v_zero"] = ("F32", (*lead, nq, D // G))  # per token, G channels
-    out["k_scale"] = out["k_zero"] = ("F32", (*lead, nq // G, D))  # per channel, G tokens
-    out["fp_k"] = out["fp_v"] = (fp, (*lead, n_fp, D))
+    n_local = len(c.get("local_layers", ()))
+    out = _planes("", (L - n_local, *lead), nq, G, D)  # (version 1: every layer)
+    if n_local:
+        out |= _planes(LOCAL, (n_local, *lead), nq - manifest["local_base"], G, D)
+    out["fp_k"] = out["fp_v"] = (fp, (L, *lead, n_fp, D))
     out["token_ids"] = ("I64", (manifest["tokens"],))
+    return out
+
+
+def _planes(prefix: str, lead: tuple, n: int, G: int, D: int) -> dict:
+    """dtype and shape of a stack's planes and scales, `lead` [layers, B, n_kv], n positions."""
+    out = {prefix + name: ("U8", (*lead, n, D // 2)) for name in PLANES}  # two nibbles a byte
+    out[prefix + "v_scale"] = out[prefix + "v_zero"] = ("F32", (*lead, n, D // G))  # per token
+    out[prefix + "k_scale"] = out[prefix + "k_zero"] = ("F32", (*lead, n // G, D))  # per channel
     return out
 
 
@@ -175,7 +212,7 @@ def header_spans(header: dict, manifest: dict, data_bytes: int) -> dict[str, tup
     each with the dtype and shape the manifest implies, packed back to back over exactly
     `data_bytes` bytes: after this, reading a tensor allocates what the file holds."""
     want = layout(manifest)
-    if set(header) != set(TENSORS):
+    if set(header) != set(tensor_names(manifest)):
         raise SchemaError("tensors differ from the manifest")
     spans = {}
     for name, info in header.items():

@@ -41,7 +41,7 @@ from qspec_core.errors import QspecError
 from qspec_core.model.checkpoint import checkpoint_files
 from qspec_core.paths import sha256_file
 from qspec_core.store import schema
-from qspec_core.store.schema import FORMAT, FORMAT_VERSION
+from qspec_core.store.schema import FORMAT, FORMAT_VERSION, FORMAT_VERSIONS
 from qspec_core.store.schema import estimate_bytes as estimate_bytes
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
@@ -137,7 +137,8 @@ def _manifest(cache, meta, tensors, model_folder, model_name, extra) -> dict:
     shas = {name: _tensor_sha(t) for name, t in tensors.items()}
     manifest = {
         "format": FORMAT,
-        "format_version": FORMAT_VERSION,
+        # (a model without sliding windows writes what every reader since version 1 reads)
+        "format_version": FORMAT_VERSION if "local_base" in meta else 1,
         "qspec_version": qspec_core.__version__,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "model": model_name,
@@ -162,6 +163,7 @@ def _manifest(cache, meta, tensors, model_folder, model_name, extra) -> dict:
         # LongRoPE's factors were chosen by it (model/rope.py): a chat from the snapshot
         # rotates its new tokens alike, whatever its own capacity
         "rope_capacity": cache.rope_capacity,
+        **({"local_base": meta["local_base"]} if "local_base" in meta else {}),
         **(extra or {}),
     }
     manifest["manifest_sha256"] = _manifest_sha(manifest)
@@ -207,8 +209,10 @@ def _write_file(f: BinaryIO, prefix: bytes, tensors: dict[str, torch.Tensor]) ->
 
 
 def cache_config(cache: HierarchicalKVCache) -> dict:
-    L, B, n_kv = cache.k_upper.shape[:3]
-    return {"layers": L, "batch": B, "kv_heads": n_kv, "head_dim": 2 * cache.k_upper.shape[4]}
+    L, B, n_kv, _, D = cache.fp_k.shape
+    out = {"layers": L, "batch": B, "kv_heads": n_kv, "head_dim": D}
+    local = [layer for layer, w in enumerate(cache.windows) if w is not None]
+    return out | ({"local_layers": local} if local else {})
 
 
 # ---------------------------------------------------------------------------------- reading
@@ -314,7 +318,7 @@ def _checked_manifest(text: str, path: Path) -> dict:
     if not intact:
         raise QspecError(f"{path}: the manifest was modified after writing (checksum mismatch)")
     version = manifest.get("format_version")
-    if isinstance(version, int) and version != FORMAT_VERSION:
+    if isinstance(version, int) and version not in FORMAT_VERSIONS:
         raise QspecError(
             f"{path}: snapshot format version {version}, "
             f"this qspec reads version {FORMAT_VERSION}; prefill the document again"
@@ -450,6 +454,10 @@ def _cache_from(tensors: dict, manifest: dict, model, capacity: int, path: Path)
     for name in ("fp_k", "fp_v"):
         tensors[name] = tensors[name].to(model.dtype)  # no copy when the dtypes agree
     meta = {"group_size": G, "n_quant": manifest["n_quant"], "fp_len": manifest["fp_len"]}
+    local = [layer for layer, w in enumerate(model.config.windows) if w is not None]
+    if manifest["cache"].get("local_layers", local) != local:  # (version 1: every layer)
+        raise QspecError(f"{path}: snapshot's sliding-window layers are not this model's")
+    meta["local_base"] = manifest.get("local_base", 0)
     try:  # the fingerprint matched, so only a forged manifest's shapes can fail here
         cache = HierarchicalKVCache(
             model.config,
