@@ -12,6 +12,8 @@ from __future__ import annotations
 import math
 import re
 
+from qspec_core.cache.hier_planes import LOCAL, PLANE_BUFFERS
+
 FORMAT = "qspec-kv-snapshot"
 # 2: a model with sliding-window layers stores their planes apart, from `local_base` on
 # (`LOCAL_PLANES`); 1: every layer's planes from position 0 (what a model without windows,
@@ -23,8 +25,8 @@ ITEMSIZE = {"U8": 1, "I64": 8, "F32": 4, "F16": 2, "BF16": 2}
 PLANES = ("k_upper", "k_lower", "v_upper", "v_lower")
 TENSORS = (*PLANES, "v_scale", "v_zero", "k_scale", "k_zero", "fp_k", "fp_v")
 TENSORS += ("token_ids", "document_utf8")
-LOCAL = "local_"  # (HierarchicalKVCache's local stack)
-LOCAL_PLANES = tuple(LOCAL + name for name in (*PLANES, "v_scale", "v_zero", "k_scale", "k_zero"))
+# the cache's local (sliding-window) stack, by the names `HierarchicalKVCache.state()` gives
+LOCAL_PLANES = tuple(LOCAL + name for name in PLANE_BUFFERS)
 # Manifests without `document_bytes` (the first files written): the document is at most this
 # many UTF-8 bytes per token plus a constant. Tokens of byte-level BPE vocabularies are far
 # shorter than 256 bytes; the constant covers the chat framing around the document.
