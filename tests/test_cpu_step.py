@@ -141,8 +141,8 @@ FAMILY_CASES = {
 @pytest.mark.parametrize("model_type", FAMILY_CASES)
 def test_every_familys_stack_gives_the_layer_loops_bits(model_type, cache_kind, path):
     """The stack runs every supported family's layer (issue 54), bit for bit as the layer
-    loop on the runner's ops does (Gemma 2's capped scores on the hierarchical cache; on the
-    full cache its steps take the loop)."""
+    loop on the runner's ops does: Gemma 2's capped scores and Gemma 3's local layer past its
+    window on both caches."""
     kw = dict(hidden_size=128, intermediate_size=192, num_attention_heads=2)
     hf = tiny_hf(model_type, num_key_value_heads=1, **kw, **FAMILY_CASES[model_type])
     model = ours_from_hf(hf)
@@ -155,15 +155,26 @@ def test_every_familys_stack_gives_the_layer_loops_bits(model_type, cache_kind, 
         assert (want[:, :120] - plain).abs().max() <= 1e-3 * plain.abs().max()
 
 
-def test_a_soft_capped_step_on_the_full_cache_runs_the_layer_loop():
-    """Gemma 2 has its stack, but the full-precision cache's C++ step (SDPA) caps no scores:
-    there its steps take the layer loop."""
+def test_soft_capped_and_windowed_steps_on_the_full_cache_run_the_stack():
+    """The full-precision cache's C++ step caps Gemma 2's scores and gives a local layer past
+    its window its own keys and mask (`FullStep.local_start`, `local_mask`): those steps run
+    the stack (`test_every_familys_stack_gives_the_layer_loops_bits` holds them to the loop's
+    bits), not the layer loop."""
     hf = tiny_hf("gemma2", head_dim=64, attn_logit_softcapping=1.5, num_key_value_heads=1)
     model = ours_from_hf(hf)
     assert CpuRunner(model, cpu_ext.load()).stack("full") is not None
-    cache = _full(model)
-    assert cache.native_step(torch.arange(1), FP, 1) is None
+    assert _full(model).native_step(torch.arange(1), FP, 1) is not None
     assert _hier(model).native_step(torch.arange(1), TARGET, 1) is not None
+    case = {**FAMILY_CASES["gemma3_text"], "num_key_value_heads": 1}
+    model = ours_from_hf(tiny_hf("gemma3_text", **case))
+    cache = _full(model)
+    step = cache.native_step(torch.arange(30), FP, 30)  # (within the window: one mask)
+    assert step.local_start == -1 and step.is_causal
+    cache.native_step(torch.arange(30, 100), FP, 70)
+    step = cache.native_step(torch.arange(100, 101), FP, 1)  # (window 40: keys 61..100)
+    assert step.local_start == 61 and step.local_mask is None and step.mask is None
+    step = cache.native_step(torch.arange(101, 106), FP, 5)
+    assert step.local_start == 62 and step.local_mask.shape == (5, 44)
 
 
 def test_a_draft_without_some_4bit_twins_runs_their_int8_twins():

@@ -26,7 +26,7 @@ def _qkv(B, H, n_kv, T, S, D, seed, room=7):
     return q, k, v
 
 
-@pytest.mark.parametrize("D", [64, 80, 96, 128])
+@pytest.mark.parametrize("D", [64, 80, 96, 128, 256])
 @pytest.mark.parametrize(("H", "n_kv"), [(9, 3), (4, 4), (6, 1)])
 @pytest.mark.parametrize(("start", "T"), [(0, 18), (0, 100), (5, 33), (64, 64), (200, 130)])
 def test_matches_sdpa(D, H, n_kv, start, T):
@@ -44,7 +44,7 @@ bf16 = pytest.mark.skipif(
 
 @bf16
 @pytest.mark.parametrize("products", ["bf16", "bf16-values"])
-@pytest.mark.parametrize("D", [64, 80, 96, 128])
+@pytest.mark.parametrize("D", [64, 80, 96, 128, 256])
 @pytest.mark.parametrize(
     ("H", "n_kv", "start", "T"), [(9, 3, 0, 45), (6, 1, 70, 33), (4, 2, 5, 130)]
 )
@@ -76,7 +76,7 @@ int16 = pytest.mark.skipif(
 
 
 @int16
-@pytest.mark.parametrize("D", [64, 80, 96, 128])
+@pytest.mark.parametrize("D", [64, 80, 96, 128, 256])
 @pytest.mark.parametrize(
     ("H", "n_kv", "start", "T"), [(9, 3, 0, 45), (6, 1, 70, 33), (4, 2, 5, 130), (14, 2, 600, 237)]
 )
@@ -107,13 +107,13 @@ def test_int16_products_match_their_twin_and_sdpa_closer_than_bf16(
 
 
 @int16
-@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("D", [64, 128, 256])
 def test_int16_sums_do_not_overflow_at_the_largest_codes(D, monkeypatch):
     """Codes near their bounds, all of one sign: queries and keys of one sign and nearly one
-    magnitude (a score's D products near 4095 x 8191, or 4095 x 4095 at D = 128), values all 1
-    and near-equal scores (a block's probability codes near 4096, value codes 8191): the int32
-    sums come within 10% of 2^31, where a wrapped sum would be negative, and the output is the
-    plain mean, 1 (and -1 in a channel of -1)."""
+    magnitude (a score's D products near 4095 x 8191, 4095 x 4095 at D = 128, 4095 x 2047 at
+    D = 256), values all 1 and near-equal scores (a block's probability codes near 4096, value
+    codes 8191): the int32 sums come within 10% of 2^31, where a wrapped sum would be
+    negative, and the output is the plain mean, 1 (and -1 in a channel of -1)."""
     q = torch.full((1, 4, 64, D), 0.01)
     k = torch.full((1, 2, 512, D), 0.01)
     k[:, :, :, 0] += torch.linspace(1e-3, 0, 512)  # (scores fall: p just under 1 after block 0)
@@ -222,3 +222,66 @@ def test_dispatch_takes_the_kernel_for_a_prefill_chunk_only(monkeypatch):
     dispatch.causal_attention(q, k, v, gap)
     dispatch.causal_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), torch.arange(20, 60))
     assert calls == [20]
+
+
+@pytest.mark.parametrize("D", [64, 256])
+@pytest.mark.parametrize("window", [1, 16, 33, 64, 200])
+@pytest.mark.parametrize(("start", "T"), [(0, 130), (200, 100), (517, 64)])
+def test_a_sliding_window_matches_sdpa(D, window, start, T):
+    """A local layer's chunk (query at p sees keys p - window + 1 .. p): the kernel skips the
+    blocks below its first row's window and masks the rest per row; equal to the reference's
+    windowed SDPA to rounding, windows shorter than a block, a tile of rows, and longer."""
+    q, k, v = _qkv(1, 6, 2, T, start + T, D, seed=D + window + start)
+    got = cpu_attention.prefill_attention(q, k, v, start, window=window)
+    want = causal_attention(q, k, v, torch.arange(start, start + T), window=window)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6)
+
+
+def test_under_a_window_keys_below_it_are_invisible_and_rows_keep_their_bits():
+    """Keys at or below a row's position - window change nothing for it, to the bit (a block
+    the kernel folds wholly masked leaves the row as if skipped), and a row gives the same
+    bits whatever chunk it comes in, though the blocks its tile skips differ."""
+    q, k, v = _qkv(1, 4, 2, 200, 400, 64, seed=8)
+    window, start = 50, 200
+    whole = cpu_attention.prefill_attention(q, k, v, start, window=window)
+    tail = cpu_attention.prefill_attention(q[:, :, 77:], k, v, start + 77, window=window)
+    assert torch.equal(whole[:, :, 77:], tail)
+    k2, v2 = k.clone(), v.clone()
+    k2[:, :, : start - window + 1] = 1e4  # (below the first row's window)
+    v2[:, :, : start - window + 1] = -1e4
+    assert torch.equal(whole, cpu_attention.prefill_attention(q, k2, v2, start, window=window))
+    k2[:, :, 250] = 100.0  # (visible to rows at 250 .. 299 only)
+    moved = cpu_attention.prefill_attention(q, k2, v2, start, window=window)
+    changed = (moved != whole).any(-1).any(1)[0]  # [T]
+    assert changed[50:100].all() and not changed[:50].any() and not changed[100:].any()
+
+
+@int16
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("window", [20, 100])
+def test_int16_products_under_a_window_match_their_twin(D, window, monkeypatch):
+    q, k, v = _qkv(1, 6, 2, 130, 430, D, seed=D + window)
+    monkeypatch.setenv(cpu_attention.PRODUCTS_ENV, "int16")
+    got = cpu_attention.prefill_attention(q, k, v, 300, window=window)
+    twin = cpu_attention.prefill_attention_int16_ref(q, k, v, 300, window=window)
+    torch.testing.assert_close(got, twin, rtol=1e-4, atol=2e-3)
+    assert (got - twin).abs().mean() < 2e-6
+    exact = causal_attention(q, k, v, torch.arange(300, 430), window=window)
+    torch.testing.assert_close(got, exact, rtol=0, atol=3e-3)
+
+
+def test_dispatch_hands_a_local_layers_window_to_the_kernel(monkeypatch):
+    """A prefill chunk of a local layer runs the tiled kernel with its window (once the
+    window hides a key; before that, as a global layer's); a soft cap takes the reference."""
+    calls = []
+    real = cpu_attention.prefill_attention
+    monkeypatch.setattr(
+        cpu_attention, "prefill_attention", lambda *a: calls.append(a[3:]) or real(*a)
+    )
+    q, k, v = _qkv(1, 4, 2, 40, 100, 64, seed=9)
+    pos = torch.arange(60, 100)
+    out = dispatch.causal_attention(q, k, v, pos, window=16)
+    torch.testing.assert_close(out, causal_attention(q, k, v, pos, window=16))
+    dispatch.causal_attention(q, k[:, :, :40], v[:, :, :40], torch.arange(40), window=64)
+    dispatch.causal_attention(q, k, v, pos, softcap=50.0, window=16)
+    assert calls == [(60, None, 16), (0, None, None)]

@@ -6,6 +6,9 @@ import pytest
 import torch
 from hf_tiny import ours_from_hf, tiny_hf
 
+from kernels.cpu import attention as cpu_attention
+from qspec_core.cache import prefill as chunked
+from qspec_core.cache.full import FullPrecisionCache
 from qspec_core.cache.hierarchical import (
     K_GROUPED,
     LOCAL,
@@ -130,3 +133,53 @@ def test_a_state_with_every_layer_from_position_0_loads_its_window():
         got = model(torch.tensor([[5]]), torch.tensor([300]), loaded, TARGET)
         want = model(torch.tensor([[5]]), torch.tensor([300]), cache, TARGET)
     assert torch.equal(got, want)
+
+
+def test_a_local_layers_prefill_chunks_run_the_tiled_kernel_with_its_window(monkeypatch):
+    """At head_dim 64 (the tiled C++ prefill attention's), a local layer's prefill chunks past
+    its window run that kernel with the window, on both caches: the full-precision one's logits
+    are transformers', and the hierarchical one's chunked prefill gives the reference's to
+    rounding (the same chunks with the tiled kernel turned off; fp32 products)."""
+    if not cpu_attention.prefill_usable(*[torch.zeros(1, 2, 32, 64)] * 3):
+        pytest.skip("the tiled C++ prefill attention is not built here")
+    window, n = 40, 300
+    hf = tiny_hf(
+        "qwen2",
+        max_position_embeddings=1024,
+        hidden_size=128,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        use_sliding_window=True,
+        sliding_window=window,
+        max_window_layers=1,
+    )
+    model = build_runner(ours_from_hf(hf))
+    assert model.config.windows == (None, window) and model.config.head_dim == 64
+    windows = []
+    real = cpu_attention.prefill_attention
+    monkeypatch.setattr(
+        cpu_attention, "prefill_attention", lambda *a: windows.append(a[5]) or real(*a)
+    )
+    monkeypatch.setenv(cpu_attention.PRODUCTS_ENV, "fp32")  # (the reference's numbers)
+    tokens = _tokens(n)
+    with torch.no_grad():
+        want = hf(torch.tensor([tokens])).logits[0, -1]
+        full = FullPrecisionCache(model.config, n, dtype=torch.float32)
+        got = model(torch.tensor([tokens]), torch.arange(n), full)[0, -1]
+        assert window in windows  # (the local layer's chunk, on the kernel)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+        def chunked_logits():
+            cache = HierarchicalKVCache(model.config, n, dtype=torch.float32)
+            return prefill_hierarchical(model, cache, tokens, chunk_size=64)
+
+        windows.clear()
+        tiled = chunked_logits()
+        assert window in windows
+        monkeypatch.setattr(chunked, "prefill_usable", lambda *a: False)  # (its mask)
+        monkeypatch.setattr(cpu_attention, "prefill_usable", lambda *a: False)
+        windows.clear()
+        reference = chunked_logits()
+        assert window not in windows
+    torch.testing.assert_close(tiled, reference, atol=1e-5, rtol=1e-5)
+    assert not torch.equal(tiled, reference)  # (two implementations ran)

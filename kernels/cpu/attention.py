@@ -18,6 +18,7 @@ from kernels.cpu import build as cpu_ext
 from kernels.cpu import kv_cache as cpu_kv
 from kernels.planes import HierLayerView, QueryRows, check_view
 from kernels.reference import causal_attention as causal_attention_ref
+from kernels.reference import causal_visible
 
 DEFAULT_CHUNK = 512  # history tokens per task (the threads split the history in chunks)
 
@@ -90,7 +91,7 @@ def view_tensors(view: HierLayerView) -> tuple[torch.Tensor, ...]:
 
 # ------------------------------------------------------------ a prefill chunk (flash_prefill)
 PREFILL_MIN_ROWS = 18  # longer than any decode or verify step: those keep their own kernels
-PREFILL_HEAD_DIMS = (64, 80, 96, 128)  # `flash::supported`
+PREFILL_HEAD_DIMS = (64, 80, 96, 128, 256)  # `flash::supported`
 
 
 def prefill_usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -155,30 +156,43 @@ def prefill_products(asked: str | None = None) -> str:
 
 
 def prefill_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, products: str | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    start: int,
+    products: str | None = None,
+    window: int | None = None,
 ):
     """Causal attention of queries at positions start .. start + T - 1 (q [B, H, T, D]) over
-    keys 0 .. start + T - 1 (k/v [B, n_kv, S, D], S >= start + T, GQA by head groups): tiled
-    in C++ (`flash_prefill.h`), no [T, S] scores in memory; fp32 -> [B, H, T, D]. Equals
-    `kernels.reference.causal_attention` (SDPA) to rounding, its twin in the tests (with
-    other products, `prefill_products(products)`, to the rounding of the operands)."""
+    keys 0 .. start + T - 1 (k/v [B, n_kv, S, D], S >= start + T, GQA by head groups), under a
+    sliding `window` only the last `window` of them: tiled in C++ (`flash_prefill.h`), no
+    [T, S] scores in memory; fp32 -> [B, H, T, D]. Equals `kernels.reference.
+    causal_attention` (SDPA) to rounding, its twin in the tests (with other products,
+    `prefill_products(products)`, to the rounding of the operands)."""
     chosen = prefill_products(products)
     if chosen == TORCH_PRODUCTS:
         S = start + q.shape[2]
         positions = torch.arange(start, S, device=q.device)
-        return causal_attention_ref(q, k[:, :, :S], v[:, :, :S], positions)
-    return cpu_ext.load().prefill_attention_cpu(q, k, v, start, products=chosen)
+        return causal_attention_ref(q, k[:, :, :S], v[:, :, :S], positions, window=window)
+    ext = cpu_ext.load()
+    return ext.prefill_attention_cpu(q, k, v, start, products=chosen, window=window or 0)
 
 
 def prefill_attention_bf16_ref(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scores_bf16: bool = True
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    start: int,
+    scores_bf16: bool = True,
+    window: int | None = None,
 ):
     """The bf16 products' twin (`flash_bf16.h`): q / sqrt(D) and k rounded to bf16 (unless
     not `scores_bf16`: "bf16-values"), v and the probabilities rounded to bf16, the products
     summed in fp32, the softmax folded over blocks of 64 keys in order as the kernel folds them
     (each block's probabilities taken against the running max, then rounded). It differs from
     the kernel by fp32 summation order and its exp polynomial, which may move a probability's
-    bf16 rounding by one step. q [B, H, T, D] at positions start.. over k/v [B, n_kv, S, D]."""
+    bf16 rounding by one step. q [B, H, T, D] at positions start.. over k/v [B, n_kv, S, D]
+    (under a sliding `window`, its last `window` keys)."""
     B, H, T, D = q.shape
     S, group = start + T, H // k.shape[1]
     scale = 1 / torch.tensor(float(D)).sqrt()  # (1.f / sqrt(float(D)), as the kernel has it)
@@ -192,7 +206,7 @@ def prefill_attention_bf16_ref(
     def value_sums(p: torch.Tensor, k0: int) -> torch.Tensor:
         return p.bfloat16().float() @ values[:, :, k0 : k0 + p.shape[-1]]
 
-    return _block_folds(scores, start, D, value_sums)
+    return _block_folds(scores, start, D, value_sums, window)
 
 
 FOLD_BLOCK = 64  # keys a fold takes where no kernel is built (flash_prefill.h's KB on AVX-512)
@@ -204,14 +218,17 @@ def fold_block() -> int:
     return int(cpu_ext.load().PREFILL_KEY_BLOCK) if cpu_ext.available() else FOLD_BLOCK
 
 
-def _block_folds(scores: torch.Tensor, start: int, D: int, value_sums) -> torch.Tensor:
+def _block_folds(
+    scores: torch.Tensor, start: int, D: int, value_sums, window: int | None = None
+) -> torch.Tensor:
     """The kernel's online softmax, as its twins compute it: scores [B, H, T, S] of queries at
-    positions start.. (masked here past each one's position), folded over blocks of
-    `fold_block()` keys in order, each block's probabilities p [B, H, T, <= that] taken
-    against the running max and summed with the block's values by `value_sums(p, k0)` ->
-    [B, H, T, D]; the sums over the probabilities' total."""
+    positions start.. (masked here past each one's position and, under a sliding `window`,
+    below its window), folded over blocks of `fold_block()` keys in order, each block's
+    probabilities p [B, H, T, <= that] taken against the running max and summed with the
+    block's values by `value_sums(p, k0)` -> [B, H, T, D]; the sums over the probabilities'
+    total. A block before any key a row sees leaves that row as it was (the kernel's)."""
     B, H, T, S = scores.shape
-    visible = torch.arange(start, S)[:, None] >= torch.arange(S)[None, :]
+    visible = causal_visible(torch.arange(start, S), S, window)
     scores = scores.masked_fill(~visible, float("-inf"))
     m = torch.full((B, H, T, 1), float("-inf"))
     acc, total = torch.zeros(B, H, T, D), torch.zeros(B, H, T, 1)
@@ -219,23 +236,29 @@ def _block_folds(scores: torch.Tensor, start: int, D: int, value_sums) -> torch.
     for k0 in range(0, S, block):
         s_b = scores[..., k0 : k0 + block]
         new_m = torch.maximum(m, s_b.amax(-1, keepdim=True))
-        alpha, p = (m - new_m).exp(), (s_b - new_m).exp()
+        unseen = new_m == float("-inf")  # (no key of the row yet: exp(-inf - -inf) is NaN)
+        alpha = torch.where(unseen, 1.0, (m - new_m).exp())
+        p = torch.where(unseen, 0.0, (s_b - new_m).exp())
         total = total * alpha + p.sum(-1, keepdim=True)
         acc = acc * alpha + value_sums(p, k0)
         m = new_m
     return acc / total
 
 
-def prefill_attention_int16_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int):
+def prefill_attention_int16_ref(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, window: int | None = None
+):
     """The int16 products' twin (`flash_int16.h`): keys and values rounded per channel over
     their S = start + T rows to codes of step max|x| / 8191 (keys of heads wider than 64:
-    / 4095); q / sqrt(D) times the keys' steps rounded per row to step max / 4095; the scores
-    the exact integer dots times the row's step; the softmax folded over blocks of
+    / 4095, wider than 128: / 2047); q / sqrt(D) times the keys' steps rounded per row to
+    step max / 4095; the scores the exact integer dots times the row's step; the softmax
+    folded over blocks of
     `fold_block()` keys in order as the kernel folds them, each block's probabilities rounded
     per row to step 2^(e - 11), 2^e <= their max (below 2^-115: codes 0), and summed with the
     value codes exactly; the values' steps applied at the end. It differs from the kernel by
     fp32 summation order and its exp polynomial, which may move a probability's code by one.
-    q [B, H, T, D] at positions start.. over k/v [B, n_kv, S, D]."""
+    q [B, H, T, D] at positions start.. over k/v [B, n_kv, S, D] (under a sliding `window`,
+    its last `window` keys; the steps are still over all S rows)."""
     B, H, T, D = q.shape
     S, group = start + T, H // k.shape[1]
 
@@ -247,7 +270,7 @@ def prefill_attention_int16_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         inv = torch.where(ok, levels / amax, torch.zeros_like(amax))
         return (x * inv).nan_to_num(0.0).round().clamp(-levels, levels), step
 
-    key_levels = 8191.0 if D <= 64 else 4095.0
+    key_levels = 8191.0 if D <= 64 else 4095.0 if D <= 128 else 2047.0
     key_codes, key_step = rounded(k[:, :, :S].float(), 2, key_levels)  # step [B, n_kv, 1, D]
     value_codes, value_step = rounded(v[:, :, :S].float(), 2, 8191.0)
     key_codes = key_codes.repeat_interleave(group, 1).double()
@@ -266,4 +289,4 @@ def prefill_attention_int16_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         block = value_codes[:, :, k0 : k0 + p.shape[-1]]
         return (p_codes.double() @ block).float() * p_step
 
-    return _block_folds(scores, start, D, value_sums) * value_step
+    return _block_folds(scores, start, D, value_sums, window) * value_step

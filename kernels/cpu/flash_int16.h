@@ -4,7 +4,7 @@
 // per two instructions, where an FMA does 8 (with AVX-VNNI, `vpdpwssd` on ymm: both in one;
 // flash_int16_avx2.h). What is rounded, each to half a step:
 //   values         per channel over the call's rows: step max_t |v_td| / 8191
-//   keys           the same, step max_t |k_td| / 8191 for D <= 64, / 4095 for wider heads
+//   keys           the same, step max_t |k_td| / 8191 for D <= 64, / 4095 to 128, / 2047 above
 //   queries        per row, after the keys' steps are folded in: step max_d |q'_d| / 4095
 //   probabilities  per row and block of keys: step 2^(e - 11), 2^e <= the block's largest p
 //                  (a power of two: no division in the block loop; codes 0..4096)
@@ -12,8 +12,8 @@
 // where bf16 (flash_bf16.h) is off by 2^-9 of itself. On the inputs of a real prefill (every
 // SmolLM2 layer's 512-row chunk after 7,168 tokens) the output was off by 1.3e-3 of its norm
 // against exact attention, bf16's by 6.6e-3 (docs/PERF.md). The int32 sums are exact: a
-// score's D terms, 64 * 4095 * 8191 and 128 * 4095 * 4095 < 2^31, and a block's value sums
-// over KB <= 64 keys, 64 * 4096 * 8191 < 2^31. Each score and each block's value sums go to
+// score's D terms, 64 * 4095 * 8191, 128 * 4095 * 4095 and 256 * 4095 * 2047 < 2^31, and a
+// block's value sums over KB <= 64 keys, 64 * 4096 * 8191 < 2^31. Each score and each block's value sums go to
 // fp32 with their steps (the values' channel steps once, at the end); the softmax, the masking
 // and the accumulators are flash_prefill.h's, fp32. The twin:
 // `kernels.cpu.attention.prefill_attention_int16_ref`. A row's rounding depends on every key
@@ -40,7 +40,8 @@ namespace int16 {
 constexpr bool kAvailable = true;
 
 constexpr float kValueLevels = 8191.f, kQueryLevels = 4095.f;
-inline float key_levels(int64_t D) { return D <= 64 ? 8191.f : 4095.f; }
+inline float key_levels(int64_t D) { return D <= 64 ? 8191.f : D <= 128 ? 4095.f : 2047.f; }
+constexpr int64_t kMaxHeadDim = 256;  // (flash::supported's widest: the row buffers below)
 constexpr int kProbBits = 11, kProbMax = 4096;  // p codes in [2^11, 2^12] for a block's largest
 
 // The step of amax over `levels` codes and its inverse (0 and 0 where amax < kMinAmax: all
@@ -65,12 +66,12 @@ inline void step_of(float amax, float levels, float& step, float& inv) {
 
 #include "flash_int16_lanes.h"
 
-// The channels' steps of rows x [S, D] (D a multiple of L, at most 128) over `levels` codes
-// each side of 0, and their inverses.
+// The channels' steps of rows x [S, D] (D a multiple of L, at most kMaxHeadDim) over `levels`
+// codes each side of 0, and their inverses.
 inline void channel_steps(const float* x, int64_t S, int64_t D, float levels, float* step,
                           float* inv) {
   constexpr int N = Lanes::N;
-  Lanes::AbsMax m[128 / N];
+  Lanes::AbsMax m[kMaxHeadDim / N];
   for (int64_t t = 0; t < S; ++t)
     for (int64_t c = 0; c < D / N; ++c) m[c].add(Lanes::load(x + t * D + N * c));
   for (int64_t c = 0; c < D / N; ++c) {
@@ -125,7 +126,7 @@ inline void pair_values(const float* v, int64_t S, int64_t D, const float* inv, 
 inline float round_query(const float* q, float scale, const float* key_step, int64_t D,
                          int16_t* out) {
   constexpr int N = Lanes::N;
-  Lanes::F x[128 / N];
+  Lanes::F x[kMaxHeadDim / N];
   Lanes::AbsMax m;
   for (int64_t c = 0; c < D / N; ++c) {
     x[c] = Lanes::mul(Lanes::mul(Lanes::load(q + N * c), Lanes::set1(scale)),
@@ -296,8 +297,8 @@ struct Products : ProductsBase {
 // its kv head's key steps.
 template <class For>
 void causal(const float* q, int64_t H, int64_t T, int64_t D, const float* k, const float* v,
-            int64_t n_kv, int64_t head_stride, int64_t start, float* out, int64_t min_units,
-            const For& parallel_for) {
+            int64_t n_kv, int64_t head_stride, int64_t start, int64_t window, float* out,
+            int64_t min_units, const For& parallel_for) {
   const int64_t group = H / n_kv, end = start + T, key_blocks = (end + KB - 1) / KB;
   const int64_t per_head = key_blocks * D * KB;
   std::vector<int16_t> kt(n_kv * per_head), vt(n_kv * per_head);
@@ -328,8 +329,9 @@ void causal(const float* q, int64_t H, int64_t T, int64_t D, const float* k, con
           q_step[i * QB + r] = round_query(q + ((h0 + i) * T + r0 + r) * D, scale, s, D,
                                            qs.data() + (i * QB + r) * D);
       const Products::Context ctx{q_step.data(), s + 2 * D};
-      run_unit<Products>(D, ctx, qs.data(), rows, heads, start + r0, kt.data() + g * per_head,
-                         vt.data() + g * per_head, out + (h0 * T + r0) * D, T * D);
+      run_unit<Products>(D, ctx, qs.data(), rows, heads, start + r0, window,
+                         kt.data() + g * per_head, vt.data() + g * per_head,
+                         out + (h0 * T + r0) * D, T * D);
     }
   });
 }
@@ -338,7 +340,7 @@ constexpr bool kAvailable = false;
 struct Products;  // (none: flash::causal takes the int16 path only where kAvailable)
 template <class For>
 [[noreturn]] void causal(const float*, int64_t, int64_t, int64_t, const float*, const float*,
-                         int64_t, int64_t, int64_t, float*, int64_t, const For&) {
+                         int64_t, int64_t, int64_t, int64_t, float*, int64_t, const For&) {
   std::abort();  // (never called: flash::causal checks kAvailable first)
 }
 #endif

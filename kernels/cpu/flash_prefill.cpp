@@ -18,9 +18,10 @@ struct TorchParallelFor {
 // rows of a head contiguous: the cache's buffers, sliced), fp32 -> [B, H, T, D]. products:
 // "fp32", or "bf16" (every product) or "bf16-values" (the value sums) on flash_bf16.h's
 // products, which builds without AVX512-BF16 lack (PREFILL_BF16 false: refused), or "int16"
-// on flash_int16.h's, which need AVX512-VNNI (PREFILL_INT16).
+// on flash_int16.h's, which need AVX2 (PREFILL_INT16). window: a local layer's sliding window
+// (query at p sees keys p - window + 1 .. p; 0: none).
 at::Tensor prefill_attention_cpu(at::Tensor q, at::Tensor k, at::Tensor v, int64_t start,
-                                 const std::string& products) {
+                                 const std::string& products, int64_t window) {
   flash::Operands operands = flash::Operands::kFp32;
   if (products == "bf16")
     operands = flash::Operands::kBf16;
@@ -39,10 +40,11 @@ at::Tensor prefill_attention_cpu(at::Tensor q, at::Tensor k, at::Tensor v, int64
   TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat &&
                   v.scalar_type() == at::kFloat, "fp32 q, k, v");
   const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3), n_kv = k.size(1);
-  TORCH_CHECK(flash::supported(D), "head dim 64, 80, 96 or 128");
+  TORCH_CHECK(flash::supported(D), "head dim 64, 80, 96, 128 or 256");
   TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == B && k.size(3) == D && n_kv > 0 &&
                   H % n_kv == 0, "k, v [B, n_kv, S, D] with n_kv dividing H");
   TORCH_CHECK(start >= 0 && k.size(2) >= start + T, "keys for every position up to start + T");
+  TORCH_CHECK(window >= 0, "a sliding window is positive (0: none)");
   TORCH_CHECK(k.strides() == v.strides() && k.stride(3) == 1 && k.stride(2) == D,
               "k and v alike, rows contiguous per head");
   q = q.contiguous();
@@ -51,7 +53,7 @@ at::Tensor prefill_attention_cpu(at::Tensor q, at::Tensor k, at::Tensor v, int64
   for (int64_t b = 0; b < B; ++b)
     flash::causal(q.data_ptr<float>() + b * H * T * D, H, T, D,
                   k.data_ptr<float>() + b * k.stride(0), v.data_ptr<float>() + b * v.stride(0),
-                  n_kv, k.stride(1), start, out.data_ptr<float>() + b * H * T * D, operands,
-                  min_units, TorchParallelFor{});
+                  n_kv, k.stride(1), start, window, out.data_ptr<float>() + b * H * T * D,
+                  operands, min_units, TorchParallelFor{});
   return out;
 }

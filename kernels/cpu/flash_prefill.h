@@ -6,7 +6,8 @@
 //
 //   q [H, T, D] (a batch item's heads), k/v rows [n_kv, S, D] (GQA: head h reads kv head
 //   h / (H / n_kv)), out [H, T, D]; query t sits at position start + t and sees keys
-//   0 .. start + t. fp32 throughout, D a multiple of 16.
+//   0 .. start + t, or under a sliding window W (a local layer's) the W keys up to its own,
+//   start + t - W + 1 .. start + t. fp32 throughout, D a multiple of 16.
 //
 // The arithmetic is plain fp32 in one fixed order per row (scores as 64-term dot products
 // summed over d in order, the softmax folded block by block in key order, exp by a fixed
@@ -182,11 +183,12 @@ inline void transpose_keys(const float* k, int64_t S, int64_t D, float* kt) {
 }
 
 // The online softmax of a score tile's rows t0 .. t0 + ST - 1 (those below `rows`) over the
-// block of keys from k0: masks the keys past each row's position, sets p[r] = exp(s - new max)
-// and rescales the row's running max m, sum l and the factor alpha its accumulator takes.
+// block of keys from k0: masks the keys past each row's position (and, under a sliding
+// `window`, those at or below its position - window), sets p[r] = exp(s - new max) and
+// rescales the row's running max m, sum l and the factor alpha its accumulator takes.
 // l is kept per lane ([L] a row) and summed across lanes once, in `write`.
 inline void fold(vf sc[ST][NV], int64_t t0, int64_t rows, int64_t pos0, int64_t k0,
-                 float (*p)[KB], float* m, vf* l, float* alpha) {
+                 int64_t window, float (*p)[KB], float* m, vf* l, float* alpha) {
   for (int i = 0; i < ST && t0 + i < rows; ++i) {
     const int64_t r = t0 + i, last = pos0 + r;  // this row's newest visible key
     if (k0 + KB - 1 > last) {
@@ -194,9 +196,19 @@ inline void fold(vf sc[ST][NV], int64_t t0, int64_t rows, int64_t pos0, int64_t 
         for (int j = 0; j < L; ++j)
           if (k0 + L * c + j > last) sc[i][c][j] = -INFINITY;
     }
+    if (window && k0 <= last - window) {  // (its oldest visible key: last - window + 1)
+      for (int c = 0; c < NV; ++c)
+        for (int j = 0; j < L; ++j)
+          if (k0 + L * c + j <= last - window) sc[i][c][j] = -INFINITY;
+    }
     vf top = sc[i][0];
     for (int c = 1; c < NV; ++c) top = top > sc[i][c] ? top : sc[i][c];
-    const float mx = std::max(m[r], hmax(top));  // (key 0 is always visible: finite)
+    const float mx = std::max(m[r], hmax(top));  // (-inf: no key of the row seen yet)
+    if (mx == -INFINITY) {  // (a block wholly below the row's window, before any it sees: as
+      std::fill(p[r], p[r] + KB, 0.f);  // if skipped, so a row's bits do not depend on which
+      alpha[r] = 1.f;                   // rows share its tile)
+      continue;
+    }
     const vf vmx = splat(mx);
     vf sum = vf{};
     for (int c = 0; c < NV; ++c) {
@@ -317,7 +329,7 @@ template <int DV, class P>
 __attribute__((always_inline)) inline void block(Rows<L * DV>& s, P& products,
                                                  const typename P::E* q, const typename P::E* kb,
                                                  const typename P::V* vb, int64_t k0,
-                                                 int64_t rows, int64_t pos0) {
+                                                 int64_t rows, int64_t pos0, int64_t window) {
   constexpr int64_t D = L * DV;
   auto& acc = s.acc;
   float* alpha = s.alpha;
@@ -329,7 +341,7 @@ __attribute__((always_inline)) inline void block(Rows<L * DV>& s, P& products,
 #pragma GCC unroll 8
       for (int c = 0; c < NV; ++c) sc[i][c] = vf{};
     products.template scores<D>(q + t0 * D, t0, kb, sc);
-    fold(sc, t0, rows, pos0, k0, s.p, s.m, s.l, alpha);
+    fold(sc, t0, rows, pos0, k0, window, s.p, s.m, s.l, alpha);
   }
   products.probabilities(s.p, rows);
   // acc = alpha acc + p V over the block's keys, G rows at a time (RG for D = 64; fewer for
@@ -367,8 +379,9 @@ __attribute__((always_inline)) inline void block(Rows<L * DV>& s, P& products,
 template <int DV, class P>
 __attribute__((noinline)) void block_call(Rows<L * DV>& s, P& products, const typename P::E* q,
                                           const typename P::E* kb, const typename P::V* vb,
-                                          int64_t k0, int64_t rows, int64_t pos0) {
-  block<DV>(s, products, q, kb, vb, k0, rows, pos0);
+                                          int64_t k0, int64_t rows, int64_t pos0,
+                                          int64_t window) {
+  block<DV>(s, products, q, kb, vb, k0, rows, pos0, window);
 }
 
 // One unit: query rows [r0, r0 + rows) (rows <= QB) of `heads` heads sharing a kv head
@@ -386,28 +399,31 @@ __attribute__((noinline)) void block_call(Rows<L * DV>& s, P& products, const ty
 // arithmetic is the same, in the same order, whatever heads share its unit. qs: head i's rows
 // pre-scaled by 1/sqrt(D) at qs + i QB D [QB, D] (rows past `rows` zero); kt, v: the kv
 // head's keys and values as P lays them out, D KB entries a block of KB keys; out: head i's
-// rows [rows, D] at out + i head_stride.
+// rows [rows, D] at out + i head_stride. Under a sliding `window` (0: none) the blocks below
+// the first row's window are not read: a local layer's chunk reads about window + QB keys.
 template <int DV, class P>
 void unit(const typename P::Context& ctx, const typename P::E* qs, int64_t rows, int64_t heads,
-          int64_t pos0, const typename P::E* kt, const typename P::V* v, float* out,
-          int64_t head_stride) {
+          int64_t pos0, int64_t window, const typename P::E* kt, const typename P::V* v,
+          float* out, int64_t head_stride) {
   using E = typename P::E;
   constexpr int64_t D = L * DV;
   std::vector<Rows<D>> state(heads);
   P products(ctx);  // (a block's probabilities as its value products take them: a head at a time)
   const int64_t blocks = (pos0 + rows + KB - 1) / KB;  // keys [0, pos0 + rows) exist
+  const int64_t first = window ? std::max<int64_t>(0, pos0 - window + 1) / KB : 0;
   if (heads == 1) {  // (one head: its blocks in one loop, `block` inlined)
     products.head(0);
-    for (int64_t b = 0; b < blocks; ++b)
-      block<DV>(state[0], products, qs, kt + b * D * KB, v + b * D * KB, b * KB, rows, pos0);
+    for (int64_t b = first; b < blocks; ++b)
+      block<DV>(state[0], products, qs, kt + b * D * KB, v + b * D * KB, b * KB, rows, pos0,
+                window);
   } else {
     const int64_t span = span_blocks(D * KB * (sizeof(E) + sizeof(typename P::V)));
-    for (int64_t b0 = 0; b0 < blocks; b0 += span)
+    for (int64_t b0 = first; b0 < blocks; b0 += span)
       for (int64_t h = 0; h < heads; ++h) {
         products.head(h);
         for (int64_t b = b0; b < std::min(blocks, b0 + span); ++b)
           block_call<DV>(state[h], products, qs + h * QB * D, kt + b * D * KB, v + b * D * KB,
-                         b * KB, rows, pos0);
+                         b * KB, rows, pos0, window);
       }
   }
   for (int64_t h = 0; h < heads; ++h) {
@@ -417,17 +433,26 @@ void unit(const typename P::Context& ctx, const typename P::E* qs, int64_t rows,
 }
 
 // Head dims with a compiled unit (D = L DV).
-inline bool supported(int64_t D) { return D == 64 || D == 80 || D == 96 || D == 128; }
+// (256: Gemma 2 and 3's heads; a row's sums take 32 KB there, about L1)
+inline bool supported(int64_t D) {
+  return D == 64 || D == 80 || D == 96 || D == 128 || D == 256;
+}
 
 template <class P>
 inline void run_unit(int64_t D, const typename P::Context& ctx, const typename P::E* qs,
-                     int64_t rows, int64_t heads, int64_t pos0, const typename P::E* kt,
-                     const typename P::V* v, float* out, int64_t head_stride) {
+                     int64_t rows, int64_t heads, int64_t pos0, int64_t window,
+                     const typename P::E* kt, const typename P::V* v, float* out,
+                     int64_t head_stride) {
   switch (D) {
-    case 64: unit<64 / L, P>(ctx, qs, rows, heads, pos0, kt, v, out, head_stride); break;
-    case 80: unit<80 / L, P>(ctx, qs, rows, heads, pos0, kt, v, out, head_stride); break;
-    case 96: unit<96 / L, P>(ctx, qs, rows, heads, pos0, kt, v, out, head_stride); break;
-    default: unit<128 / L, P>(ctx, qs, rows, heads, pos0, kt, v, out, head_stride); break;
+    case 64: unit<64 / L, P>(ctx, qs, rows, heads, pos0, window, kt, v, out, head_stride); break;
+    case 80: unit<80 / L, P>(ctx, qs, rows, heads, pos0, window, kt, v, out, head_stride); break;
+    case 96: unit<96 / L, P>(ctx, qs, rows, heads, pos0, window, kt, v, out, head_stride); break;
+    case 128:
+      unit<128 / L, P>(ctx, qs, rows, heads, pos0, window, kt, v, out, head_stride);
+      break;
+    default:
+      unit<256 / L, P>(ctx, qs, rows, heads, pos0, window, kt, v, out, head_stride);
+      break;
   }
 }
 
@@ -450,14 +475,15 @@ namespace flash {
 enum class Operands { kFp32, kBf16, kBf16Values, kInt16 };
 
 // One batch item: q [H, T, D] (contiguous) at positions start .. start + T - 1 over the rows
-// of k/v (kv head g's row j at k + g * head_stride + j D, for j < start + T) -> out [H, T, D],
+// of k/v (kv head g's row j at k + g * head_stride + j D, for j < start + T), under a sliding
+// `window` (0: none) -> out [H, T, D],
 // on the products P, in at least min_units units where the heads allow (`unit_heads`: about
 // 4 a thread keeps the threads' shares even). parallel_for(begin, end, grain, fn) as in
 // int_dot.h.
 template <class P, class For>
 void causal_on(const float* q, int64_t H, int64_t T, int64_t D, const float* k, const float* v,
-               int64_t n_kv, int64_t head_stride, int64_t start, float* out, int64_t min_units,
-               const For& parallel_for) {
+               int64_t n_kv, int64_t head_stride, int64_t start, int64_t window, float* out,
+               int64_t min_units, const For& parallel_for) {
   using E = typename P::E;  // the queries' and keys' element type
   using V = typename P::V;  // the values'
   constexpr bool kBf16Keys = std::is_same_v<E, uint16_t>, kBf16Values = std::is_same_v<V, uint16_t>;
@@ -501,7 +527,7 @@ void causal_on(const float* q, int64_t H, int64_t T, int64_t D, const float* k, 
         values = vt.data() + g * per_head;
       else
         values = v + g * head_stride;
-      run_unit<P>(D, typename P::Context{}, qs.data(), rows, heads, start + r0,
+      run_unit<P>(D, typename P::Context{}, qs.data(), rows, heads, start + r0, window,
                   kt.data() + g * per_head, values, out + (h0 * T + r0) * D, T * D);
     }
   });
@@ -515,22 +541,23 @@ namespace flash {
 // checks; elsewhere: fp32).
 template <class For>
 void causal(const float* q, int64_t H, int64_t T, int64_t D, const float* k, const float* v,
-            int64_t n_kv, int64_t head_stride, int64_t start, float* out, Operands operands,
-            int64_t min_units, const For& parallel_for) {
+            int64_t n_kv, int64_t head_stride, int64_t start, int64_t window, float* out,
+            Operands operands, int64_t min_units, const For& parallel_for) {
   if constexpr (bf16::kAvailable) {
     if (operands == Operands::kBf16)
-      return causal_on<bf16::Products>(q, H, T, D, k, v, n_kv, head_stride, start, out,
+      return causal_on<bf16::Products>(q, H, T, D, k, v, n_kv, head_stride, start, window, out,
                                        min_units, parallel_for);
     if (operands == Operands::kBf16Values)
-      return causal_on<bf16::ValueProducts>(q, H, T, D, k, v, n_kv, head_stride, start, out,
-                                            min_units, parallel_for);
+      return causal_on<bf16::ValueProducts>(q, H, T, D, k, v, n_kv, head_stride, start, window,
+                                            out, min_units, parallel_for);
   }
   if constexpr (int16::kAvailable) {
     if (operands == Operands::kInt16)
-      return int16::causal(q, H, T, D, k, v, n_kv, head_stride, start, out, min_units,
+      return int16::causal(q, H, T, D, k, v, n_kv, head_stride, start, window, out, min_units,
                            parallel_for);
   }
-  causal_on<Fp32>(q, H, T, D, k, v, n_kv, head_stride, start, out, min_units, parallel_for);
+  causal_on<Fp32>(q, H, T, D, k, v, n_kv, head_stride, start, window, out, min_units,
+                  parallel_for);
 }
 
 }  // namespace flash

@@ -2,6 +2,8 @@
 // and the attention over them, for the per-layer path and DecoderStack alike.
 #include <ATen/ATen.h>
 
+#include <cmath>
+
 #include "kernels.h"  // (the declarations these definitions must match)
 
 namespace {
@@ -76,10 +78,31 @@ at::Tensor HierKV::attend(int64_t layer, const at::Tensor& q, const HierStep& st
   return run_on_pool(attention(layer, q, step));
 }
 
-FullKV::FullKV(at::Tensor k, at::Tensor v) : k_(k), v_(v) {
+FullKV::FullKV(at::Tensor k, at::Tensor v, std::vector<int64_t> windows, double softcap)
+    : k_(k), v_(v), windows_(std::move(windows)), softcap_(softcap) {
   TORCH_CHECK(k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat, "fp32 cache only");
   TORCH_CHECK(k.dim() == 5 && k.sizes() == v.sizes(), "k/v [L, B, n_kv, S, D] alike");
+  TORCH_CHECK(windows_.empty() || int64_t(windows_.size()) == k.size(0),
+              "one window per layer (0: none), or none at all");
+  for (const int64_t w : windows_) TORCH_CHECK(w >= 0, "a sliding window is positive (0: none)");
+  TORCH_CHECK(softcap >= 0, "a soft cap is positive (0: none)");
 }
+
+namespace {
+// `kernels.reference._softcapped_attention` with `_attend`, op for op (the same bits): the
+// scaled scores of q [B, H, T, D] over k/v [B, n_kv, S, D] capped, the keys each query sees
+// (`visible` [T, S]) softmaxed in fp32, a query that sees none zeros.
+at::Tensor softcapped(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                      const at::Tensor& visible, double cap) {
+  const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3), n_kv = k.size(1);
+  const auto qg = q.view({B, n_kv, H / n_kv, T, D});
+  auto scores = at::einsum("bhrtd,bhsd->bhrts", {qg, k}) * std::pow(double(D), -0.5);
+  scores = at::tanh(scores / cap) * cap;
+  auto probs = scores.masked_fill(visible.logical_not(), -INFINITY).softmax(-1);
+  probs = at::where(visible.any(-1, true), probs, at::zeros({}, probs.options()));
+  return at::einsum("bhrts,bhsd->bhrtd", {probs, v}).reshape(q.sizes());
+}
+}  // namespace
 
 void FullKV::write(int64_t layer, const at::Tensor& k, const at::Tensor& v,
                    int64_t start) const {
@@ -90,10 +113,26 @@ void FullKV::write(int64_t layer, const at::Tensor& k, const at::Tensor& v,
 }
 
 at::Tensor FullKV::attend(int64_t layer, const at::Tensor& q, const FullStep& step) const {
-  const auto k = k_.select(0, layer).narrow(2, 0, step.end);
-  const auto v = v_.select(0, layer).narrow(2, 0, step.end);
+  // a local layer, once its window hides a key, reads [local_start, end) under its own mask
+  const bool local = step.local_start >= 0 && !windows_.empty() && windows_.at(layer);
+  const int64_t lo = local ? step.local_start : 0;
+  TORCH_CHECK(lo <= step.end, "a local layer's keys begin before the step's end");
+  const auto k = k_.select(0, layer).narrow(2, lo, step.end - lo);
+  const auto v = v_.select(0, layer).narrow(2, lo, step.end - lo);
+  const auto& mask = local ? step.local_mask : step.mask;
+  const bool is_causal = !local && step.is_causal;
+  if (softcap_ > 0) {  // (the keys a query sees, from the mask SDPA would take)
+    const int64_t T = q.size(2), S = k.size(2);
+    at::Tensor visible;
+    if (mask.has_value())
+      visible = mask->eq(0);
+    else if (is_causal)
+      visible = at::ones({T, S}, q.options().dtype(at::kBool)).tril();
+    else
+      visible = at::ones({T, S}, q.options().dtype(at::kBool));
+    return softcapped(q, k, v, visible, softcap_);
+  }
   const bool gqa = q.size(1) != k.size(1);
   // the call `kernels.reference.causal_attention` makes
-  return at::scaled_dot_product_attention(q, k, v, step.mask, 0.0, step.is_causal, c10::nullopt,
-                                          gqa);
+  return at::scaled_dot_product_attention(q, k, v, mask, 0.0, is_causal, c10::nullopt, gqa);
 }

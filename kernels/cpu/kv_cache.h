@@ -111,12 +111,19 @@ struct FullStep {
   int64_t start = 0, end = 0;
   c10::optional<at::Tensor> mask;
   bool is_causal = false;
+  // a local layer's (FullKV's windows): its keys [local_start, end) and their mask, positions
+  // counted from local_start (-1: no window hides a key in this forward, every layer as above)
+  int64_t local_start = -1;
+  c10::optional<at::Tensor> local_mask;
 };
 
-// The full-precision cache's k/v [L, B, n_kv, S, D] fp32.
+// The full-precision cache's k/v [L, B, n_kv, S, D] fp32; each layer's sliding window
+// (windows [L], 0: a global layer; empty: all global), which its attention applies from a
+// step's local_start; softcap: Gemma 2's cap on the scaled scores (0: none), which takes the
+// reference's written-out attention (`kernels.reference._softcapped_attention`, op for op).
 class FullKV {
  public:
-  FullKV(at::Tensor k, at::Tensor v);
+  FullKV(at::Tensor k, at::Tensor v, std::vector<int64_t> windows = {}, double softcap = 0.0);
   // k/v [B, n_kv, T, D] -> the cache's [layer, :, :, start : start + T]
   void write(int64_t layer, const at::Tensor& k, const at::Tensor& v, int64_t start) const;
   // q [B, H, T, D] over keys [0, step.end) -> [B, H, T, D]
@@ -127,6 +134,8 @@ class FullKV {
 
  private:
   at::Tensor k_, v_;
+  std::vector<int64_t> windows_;  // [L] or empty
+  double softcap_;
 };
 
 // hier_attention.cpp: the kernel over one layer; fp_pos0 = step.n_quant, and step.lo unused.

@@ -94,11 +94,28 @@ def hier_step(**fields):
     return cpu_ext.load().HierStep(**fields)
 
 
-def full_kv(k: torch.Tensor, v: torch.Tensor):
-    """A `FullKV` over k/v [L, B, n_kv, S, D] fp32."""
-    return cpu_ext.load().FullKV(k=k, v=v)
+def full_kv(k: torch.Tensor, v: torch.Tensor, windows=(), softcap: float | None = None):
+    """A `FullKV` over k/v [L, B, n_kv, S, D] fp32: each layer's sliding window (None or 0:
+    global; () all global) and Gemma 2's soft cap (None: none)."""
+    windows = [int(w or 0) for w in windows]
+    return cpu_ext.load().FullKV(k=k, v=v, windows=windows, softcap=float(softcap or 0.0))
 
 
-def full_step(start: int, end: int, mask: torch.Tensor | None, is_causal: bool):
-    """A `FullStep`: positions [start, end), SDPA's mask, or is_causal."""
-    return cpu_ext.load().FullStep(start=start, end=end, mask=mask, is_causal=is_causal)
+def full_step(
+    start: int,
+    end: int,
+    mask: torch.Tensor | None,
+    is_causal: bool,
+    local_start: int = -1,
+    local_mask: torch.Tensor | None = None,
+):
+    """A `FullStep`: positions [start, end), SDPA's mask, or is_causal; a local layer's keys
+    from local_start (-1: none hidden) under local_mask."""
+    return cpu_ext.load().FullStep(
+        start=start,
+        end=end,
+        mask=mask,
+        is_causal=is_causal,
+        local_start=local_start,
+        local_mask=local_mask,
+    )

@@ -56,15 +56,21 @@ void bind_kv_cache(py::module& m) {
       .def_property_readonly("chunk", &HierKV::chunk);
   py::class_<FullStep>(m, "FullStep", "one forward over the full-precision cache (kv_cache.h)")
       .def(py::init([](int64_t start, int64_t end, c10::optional<at::Tensor> mask,
-                       bool is_causal) { return FullStep{start, end, mask, is_causal}; }),
+                       bool is_causal, int64_t local_start, c10::optional<at::Tensor> local_mask) {
+             return FullStep{start, end, mask, is_causal, local_start, local_mask};
+           }),
            py::kw_only(), py::arg("start"), py::arg("end"), py::arg("mask"),
-           py::arg("is_causal"))
+           py::arg("is_causal"), py::arg("local_start") = -1, py::arg("local_mask") = py::none())
       .def_readonly("start", &FullStep::start)
       .def_readonly("end", &FullStep::end)
       .def_readonly("mask", &FullStep::mask)
-      .def_readonly("is_causal", &FullStep::is_causal);
+      .def_readonly("is_causal", &FullStep::is_causal)
+      .def_readonly("local_start", &FullStep::local_start)
+      .def_readonly("local_mask", &FullStep::local_mask);
   py::class_<FullKV>(m, "FullKV", "the full-precision cache's k/v, all layers (kv_cache.h)")
-      .def(py::init<at::Tensor, at::Tensor>(), py::kw_only(), py::arg("k"), py::arg("v"))
+      .def(py::init<at::Tensor, at::Tensor, std::vector<int64_t>, double>(), py::kw_only(),
+           py::arg("k"), py::arg("v"), py::arg("windows") = std::vector<int64_t>(),
+           py::arg("softcap") = 0.0)
       .def("write", &FullKV::write, py::arg("layer"), py::arg("k"), py::arg("v"),
            py::arg("start"))
       .def("attend", &FullKV::attend, py::arg("layer"), py::arg("q"), py::arg("step"));
@@ -75,7 +81,7 @@ void bind_kv_cache(py::module& m) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("prefill_attention_cpu", &prefill_attention_cpu, "tiled causal prefill attention (CPU)",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("start"),
-        py::arg("products") = "fp32");
+        py::arg("products") = "fp32", py::arg("window") = 0);
   m.attr("PREFILL_BF16") = flash::bf16::kAvailable;  // whether the bf16 products exist
   m.attr("PREFILL_INT16") = flash::int16::kAvailable;  // whether the int16 products exist
   // keys a prefill block folds (its probabilities' steps are per block: the twins' blocks)

@@ -116,25 +116,28 @@ class FullPrecisionCache(torch.nn.Module):
         buffers = (self._buffers["k"], self._buffers["v"])
         if not cpu_kv.usable(*buffers):
             return None
-        return self._native.get(buffers, lambda: cpu_kv.full_kv(*buffers))
+        return self._native.get(
+            buffers, lambda: cpu_kv.full_kv(*buffers, self.windows, self.softcap)
+        )
 
     def native_step(self, input_pos: torch.Tensor, path: Precision, n_tokens: int):
         """For a forward of `native`'s C++ stack: the `FullStep` (`kernels/cpu/kv_cache.h`:
-        the attention `causal_attention` computes), its length bookkeeping done; None when
-        this forward goes layer by layer (no `native`, a KV view other than "fp", soft-capped
-        scores, a sliding window that hides keys: the C++ `FullStep` has one mask for every
-        layer and no cap)."""
-        if path.kv != "fp" or self.softcap is not None or self.native is None:
+        the attention `causal_attention` computes, soft cap and windows included: a local
+        layer's keys from `_keys`' lo under its mask), its length bookkeeping done; None when
+        this forward goes layer by layer (no `native`, a KV view other than "fp")."""
+        if path.kv != "fp" or self.native is None:
             return None  # (`attend` raises for another view)
-        if any(cuts(w, int(input_pos[-1]) + 1) for w in self.windows):
-            return None
         start, end = self._span(input_pos)
         self.seq_len = end
         # causal_attention's cases: the whole sequence at once is plain causal; one query at
         # the newest position sees every key (no mask); else the mask
         is_causal = n_tokens == end and start == 0
         mask = None if is_causal else self._mask[1][None][2]
-        return cpu_kv.full_step(start, end, mask, is_causal)
+        window = next((w for w in self.windows if cuts(w, end)), None)  # (one for all locals)
+        if window is None:
+            return cpu_kv.full_step(start, end, mask, is_causal)
+        lo, _, local_mask = self._keys(input_pos, start, end, window)
+        return cpu_kv.full_step(start, end, mask, is_causal, lo, local_mask)
 
     def truncate(self, length: int) -> None:
         if not 0 <= length <= self.seq_len:

@@ -87,9 +87,8 @@ class ChunkedPrefill:
         window, G = self.cache.windows[layer], self.cache.group_size
         first = 0 if not cuts(window, end) else min(nq, window_start(start, window) // G * G)
         keys, values = self._keys(layer, hi, first)
-        positions, n_keys = self._relative(input_pos, first)
-        # (the tiled kernel has no window: a local layer past it takes the reference)
-        tiled = prefill_usable(q, keys, values) and not cuts(window, n_keys)
+        positions, _ = self._relative(input_pos, first)
+        tiled = prefill_usable(q, keys, values) and self.cache.softcap is None
         mask = None if tiled else self._causal_mask(input_pos, first, window)
         cap = self.cache.softcap
         out = causal_attention(q, keys, values, positions, mask, cap, self.products, window)

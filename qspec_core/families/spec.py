@@ -57,9 +57,9 @@ class LayerSpec:
 
     def native_ok(self) -> bool:
         """Whether the CPU runner's one-call C++ step (`runner/cpu_stack.py`, `step.cpp`)
-        computes this layer: every field, the soft caps through the cache's attention (the
-        hierarchical cache's C++ step caps its scores; the full-precision cache's `FullStep`
-        does not, so there a capped model's step runs the layer loop)."""
+        computes this layer: every field, the soft caps and sliding windows through the
+        cache's attention (the hierarchical cache's `HierStep` and the full-precision cache's
+        `FullStep` both apply them)."""
         return True
 
 
