@@ -42,6 +42,27 @@ def test_attention_flops_count_the_causal_pairs(tokens, start):
     assert compute.prefill_flops(CONFIG, tokens, start)["attention"] == want
 
 
+@pytest.mark.parametrize("tokens,start", [(1, 0), (5, 0), (7, 11), (64, 3), (40, 100)])
+@pytest.mark.parametrize("window", [1, 6, 20])
+def test_a_local_layers_attention_flops_count_its_windows_pairs(tokens, start, window):
+    """A sliding-window layer (Gemma 3's pattern: layers 0 and 1 local, 2 global) counts the
+    pairs its windowed mask keeps, brute-forced; the global layer all causal pairs."""
+    from dataclasses import replace
+
+    config = replace(
+        CONFIG,
+        sliding_window=window,
+        layer_types=("sliding_attention", "sliding_attention", "full_attention"),
+    )
+    assert config.windows == (window, window, None)
+    pos = torch.arange(start, start + tokens)[:, None]
+    keys = torch.arange(start + tokens)[None, :]
+    local = int(((keys <= pos) & (keys > pos - window)).sum())
+    causal = int((keys <= pos).sum())
+    want = 2 * 2 * CONFIG.head_dim * CONFIG.num_attention_heads * (2 * local + causal)
+    assert compute.prefill_flops(config, tokens, start)["attention"] == want
+
+
 def test_probe_measures_each_element_type_and_the_line_divides_by_the_best():
     peaks = compute.gemm_peaks(shape=(64, 128, 128))
     assert set(peaks) == {"fp32", "bf16", "int8"}

@@ -80,7 +80,7 @@ def prefill_flops(
     """FLOPs of a prefill of `tokens` new tokens after `start` cached ones, fed `chunk` at a
     time: "linears" (every projection and the MLP; the LM head for one row a chunk, as each
     chunk computes its last position's logits) and "attention" (causal Q K^T and P V, all
-    layers and query heads)."""
+    layers and query heads; a local layer's queries see their sliding window only)."""
     c = config
     q_dim, kv_dim = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
     per_token = c.hidden_size * (q_dim + 2 * kv_dim) + q_dim * c.hidden_size
@@ -89,15 +89,26 @@ def prefill_flops(
     linears = (
         2 * tokens * per_token * c.num_hidden_layers + heads * 2 * c.hidden_size * c.vocab_size
     )
-    attention = attention_flops(c.head_dim, c.num_attention_heads, tokens, start)
-    return {"linears": float(linears), "attention": float(attention * c.num_hidden_layers)}
+    attention = sum(
+        attention_flops(c.head_dim, c.num_attention_heads, tokens, start, window)
+        for window in c.windows
+    )
+    return {"linears": float(linears), "attention": float(attention)}
 
 
-def attention_flops(head_dim: int, heads: int, tokens: int, start: int = 0) -> float:
+def attention_flops(
+    head_dim: int, heads: int, tokens: int, start: int = 0, window: int | None = None
+) -> float:
     """FLOPs of one layer's causal attention for `tokens` new queries after `start` cached
-    keys: Q K^T and P V over every visible (query, key) pair of every query head."""
-    # query i (0-based among the new) sees start + i + 1 keys; 2 products of 2 D FLOPs a pair
-    pairs = tokens * start + tokens * (tokens + 1) / 2
+    keys: Q K^T and P V over every visible (query, key) pair of every query head (under a
+    sliding `window`, a query sees at most `window` keys)."""
+    # query i (0-based among the new) sees min(start + i + 1, window) keys: the counts
+    # start + 1 .. start + tokens, those above the window capped; 2 products of 2 D FLOPs a pair
+    lo, hi = start + 1, start + tokens
+    top = hi if window is None else min(hi, window)
+    pairs = (lo + top) * (top - lo + 1) / 2 if top >= lo else 0.0
+    if window is not None and hi > window:
+        pairs += (hi - max(lo, window + 1) + 1) * window
     return 4 * head_dim * pairs * heads
 
 

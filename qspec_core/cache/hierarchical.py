@@ -461,8 +461,11 @@ class HierarchicalKVCache(PlaneStacks, torch.nn.Module):
         """Quantize F1 (confirmed, one whole K group) into the planes at [nq, nq + G)."""
         G, nq = self.group_size, self.n_quant[layer]
         self._fit(layer, nq + G)
-        k = quantize_keys_triton(self.fp_k[layer, :, :, :G], G)  # planes [B, n_kv, G, D/2]
-        v = quantize_values_triton(self.fp_v[layer, :, :, :G], G)  # (torch off CUDA)
+        k, v = self.fp_k[layer, :, :, :G], self.fp_v[layer, :, :, :G]
+        if k.is_cuda:  # planes [B, n_kv, G, D/2]
+            k, v = quantize_keys_triton(k, G), quantize_values_triton(v, G)
+        else:  # (the twins, bit for bit: on a CPU the interpreter, a test tool, ran them
+            k, v = quantize_keys(k, G), quantize_values(v, G)  # 100x slower; tests compare)
         self._write_planes(layer, nq - self.base[layer], k, v)
         self._staged[layer] = nq
 
