@@ -101,21 +101,7 @@ def full_kv(k: torch.Tensor, v: torch.Tensor, windows=(), softcap: float | None 
     return cpu_ext.load().FullKV(k=k, v=v, windows=windows, softcap=float(softcap or 0.0))
 
 
-def full_step(
-    start: int,
-    end: int,
-    mask: torch.Tensor | None,
-    is_causal: bool,
-    local_start: int = -1,
-    local_mask: torch.Tensor | None = None,
-):
-    """A `FullStep`: positions [start, end), SDPA's mask, or is_causal; a local layer's keys
-    from local_start (-1: none hidden) under local_mask."""
-    return cpu_ext.load().FullStep(
-        start=start,
-        end=end,
-        mask=mask,
-        is_causal=is_causal,
-        local_start=local_start,
-        local_mask=local_mask,
-    )
+def full_step(**fields):
+    """A `FullStep`: start, end (positions [start, end)), SDPA's mask or is_causal; a local
+    layer's keys from local_start (-1, the default: none hidden) under local_mask."""
+    return cpu_ext.load().FullStep(**fields)

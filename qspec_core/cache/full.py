@@ -133,11 +133,12 @@ class FullPrecisionCache(torch.nn.Module):
         # the newest position sees every key (no mask); else the mask
         is_causal = n_tokens == end and start == 0
         mask = None if is_causal else self._mask[1][None][2]
+        step = dict(start=start, end=end, mask=mask, is_causal=is_causal)
         window = next((w for w in self.windows if cuts(w, end)), None)  # (one for all locals)
-        if window is None:
-            return cpu_kv.full_step(start, end, mask, is_causal)
-        lo, _, local_mask = self._keys(input_pos, start, end, window)
-        return cpu_kv.full_step(start, end, mask, is_causal, lo, local_mask)
+        if window is not None:
+            lo, _, local_mask = self._keys(input_pos, start, end, window)
+            step |= dict(local_start=lo, local_mask=local_mask)
+        return cpu_kv.full_step(**step)
 
     def truncate(self, length: int) -> None:
         if not 0 <= length <= self.seq_len:
