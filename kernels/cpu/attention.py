@@ -252,11 +252,11 @@ def prefill_attention_int16_ref(
     their S = start + T rows to codes of step max|x| / 8191 (keys of heads wider than 64:
     / 4095, wider than 128: / 2047); q / sqrt(D) times the keys' steps rounded per row to
     step max / 4095; the scores the exact integer dots times the row's step; the softmax
-    folded over blocks of
-    `fold_block()` keys in order as the kernel folds them, each block's probabilities rounded
-    per row to step 2^(e - 11), 2^e <= their max (below 2^-115: codes 0), and summed with the
-    value codes exactly; the values' steps applied at the end. It differs from the kernel by
-    fp32 summation order and its exp polynomial, which may move a probability's code by one.
+    folded over blocks of `fold_block()` keys in order as the kernel folds them, each block's
+    probabilities rounded per row to step 2^(e - 11), 2^e <= their max (below 2^-115: codes
+    0), and summed with the value codes exactly; the values' steps applied at the end. It
+    differs from the kernel by fp32 summation order and its exp polynomial, which may move a
+    probability's code by one.
     q [B, H, T, D] at positions start.. over k/v [B, n_kv, S, D] (under a sliding `window`,
     its last `window` keys; the steps are still over all S rows)."""
     B, H, T, D = q.shape

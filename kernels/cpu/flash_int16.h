@@ -13,9 +13,9 @@
 // SmolLM2 layer's 512-row chunk after 7,168 tokens) the output was off by 1.3e-3 of its norm
 // against exact attention, bf16's by 6.6e-3 (docs/PERF.md). The int32 sums are exact: a
 // score's D terms, 64 * 4095 * 8191, 128 * 4095 * 4095 and 256 * 4095 * 2047 < 2^31, and a
-// block's value sums over KB <= 64 keys, 64 * 4096 * 8191 < 2^31. Each score and each block's value sums go to
-// fp32 with their steps (the values' channel steps once, at the end); the softmax, the masking
-// and the accumulators are flash_prefill.h's, fp32. The twin:
+// block's value sums over KB <= 64 keys, 64 * 4096 * 8191 < 2^31. Each score and each block's
+// value sums go to fp32 with their steps (the values' channel steps once, at the end); the
+// softmax, the masking and the accumulators are flash_prefill.h's, fp32. The twin:
 // `kernels.cpu.attention.prefill_attention_int16_ref`. A row's rounding depends on every key
 // of its call (the channels' steps): unlike the fp32 products, the same position can round
 // differently in another chunking.

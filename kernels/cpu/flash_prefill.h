@@ -476,10 +476,9 @@ enum class Operands { kFp32, kBf16, kBf16Values, kInt16 };
 
 // One batch item: q [H, T, D] (contiguous) at positions start .. start + T - 1 over the rows
 // of k/v (kv head g's row j at k + g * head_stride + j D, for j < start + T), under a sliding
-// `window` (0: none) -> out [H, T, D],
-// on the products P, in at least min_units units where the heads allow (`unit_heads`: about
-// 4 a thread keeps the threads' shares even). parallel_for(begin, end, grain, fn) as in
-// int_dot.h.
+// `window` (0: none) -> out [H, T, D], on the products P, in at least min_units units where
+// the heads allow (`unit_heads`: about 4 a thread keeps the threads' shares even).
+// parallel_for(begin, end, grain, fn) as in int_dot.h.
 template <class P, class For>
 void causal_on(const float* q, int64_t H, int64_t T, int64_t D, const float* k, const float* v,
                int64_t n_kv, int64_t head_stride, int64_t start, int64_t window, float* out,
