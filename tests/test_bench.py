@@ -176,6 +176,16 @@ def test_step_bytes_follow_the_weight_set(tiny_runtime):
     assert path_weight_bytes(model, "full", WeightLayouts(bf16_rows=False)) == full
 
 
+def test_a_step_reads_a_local_layers_window_not_the_history():
+    """Gemma 3's pattern at 8k: 4 global layers read 8,000 positions, 22 local ones 512."""
+    from qspec_core.bench.bandwidth import kv_read_positions
+
+    windows = (512,) * 22 + (None,) * 4
+    assert kv_read_positions(8000, windows) == pytest.approx((22 * 512 + 4 * 8000) / 26)
+    assert kv_read_positions(300, windows) == 300  # (within the window: all of it)
+    assert kv_read_positions(8000, (None, None)) == 8000
+
+
 def test_speedup_pairs_repeat_i_with_repeat_i():
     from qspec_core.bench.runner import Run
 

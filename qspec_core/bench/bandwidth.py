@@ -68,6 +68,13 @@ def path_weight_bytes(
     return total
 
 
+def kv_read_positions(history: float, windows: tuple[int | None, ...]) -> float:
+    """History positions a step reads per layer, on average over the layers: all `history` of
+    a global layer's, at most its `window` of a local one's (`ModelConfig.windows`). Times the
+    KV bytes per history token of all layers, the KV bytes a step reads."""
+    return sum(history if w is None else min(history, w) for w in windows) / len(windows)
+
+
 def step_traffic(
     seconds: float, steps: int, weight_bytes: int, kv_bytes: float, bandwidth: float
 ) -> dict:

@@ -19,7 +19,12 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from qspec_core.bench.bandwidth import path_weight_bytes, read_bandwidth, step_traffic
+from qspec_core.bench.bandwidth import (
+    kv_read_positions,
+    path_weight_bytes,
+    read_bandwidth,
+    step_traffic,
+)
 from qspec_core.bench.compute import gemm_peaks, prefill_compute, prefill_flops
 from qspec_core.bench.corpus import bench_prompt
 from qspec_core.cache.hierarchical import HierarchicalKVCache
@@ -369,13 +374,14 @@ def _draft_head_rows(model, prompt: list[int], plan: DecodePlan) -> int | None:
 def step_lines(runs: list[Run], model, config: BenchConfig, bandwidth: float, layouts=None) -> dict:
     """Per step kind of a mode (decode; or draft and verify): ms per step, MB it must read and
     the fraction of the measured read bandwidth that is (`bench/bandwidth.py`), medians over
-    the repeats. KV read at the run's middle length: the prompt plus half the new tokens.
+    the repeats. KV read at the run's middle length: the prompt plus half the new tokens (a
+    local layer's: at most its window, `kv_read_positions`).
     `layouts`: the runner's `WeightLayouts` (its bf16 copies are what its steps read)."""
     mode = MODES[runs[0].mode]
     kinds = {}  # kind -> (weights, KV view key, [(seconds, steps, history tokens, kv B/token)])
     rows = {"draft": runs[0].draft_head_rows}  # (lm_head rows a step reads; verify: all)
     for r in runs:
-        history = r.prompt_tokens + r.new_tokens / 2
+        history = kv_read_positions(r.prompt_tokens + r.new_tokens / 2, model.config.windows)
         weights = config.weights(r.mode)
         if r.spec is None:
             key = "ar" if "ar" in r.kv_bytes_per_token else "target"
