@@ -91,16 +91,16 @@ def causal_attention(
     prefill's chunk on a CPU through the tiled C++ kernel (`cpu_attention.prefill_attention`:
     no [T, S] scores in memory, 2-3x SDPA's speed there, docs/PERF.md), its products
     `products` (`cpu_attention.prefill_products`; None: QSPEC_PREFILL_PRODUCTS, else fp32).
-    A local layer's sliding `window` is the tiled kernel's too (its chunk reads the blocks its
-    window reaches). Decode and verify steps (at most `kernels.MAX_STEP_ROWS` rows), other
-    devices and soft-capped scores (`softcap`, Gemma 2: the tiled kernel has no cap) take the
-    reference, with `mask` where given (the reference's [T, S] mask of those rows)."""
+    A local layer's sliding `window` and Gemma 2's `softcap` are the tiled kernel's too (its
+    chunk reads the blocks its window reaches). Decode and verify steps (at most
+    `kernels.MAX_STEP_ROWS` rows) and other devices take the reference, with `mask` where
+    given (the reference's [T, S] mask of those rows)."""
     T = q.shape[2]
-    if softcap is None and cpu_attention.prefill_usable(q, k, v):
+    if cpu_attention.prefill_usable(q, k, v):
         start = int(input_pos[0])
         if start + T <= k.shape[2] and torch.equal(
             input_pos, torch.arange(start, start + T, device=input_pos.device)
         ):
             w = window if cuts(window, start + T) else None
-            return cpu_attention.prefill_attention(q, k, v, start, products, w)
+            return cpu_attention.prefill_attention(q, k, v, start, products, w, softcap)
     return causal_attention_ref(q, k, v, input_pos, mask, softcap, window)

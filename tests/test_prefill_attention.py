@@ -11,7 +11,7 @@ import torch
 from kernels import attention as dispatch
 from kernels.cpu import attention as cpu_attention
 from kernels.cpu import build
-from kernels.reference import causal_attention
+from kernels.reference import causal_attention, causal_visible
 
 pytestmark = pytest.mark.skipif(not build.available(), reason="the CPU kernels are not built here")
 
@@ -270,9 +270,9 @@ def test_int16_products_under_a_window_match_their_twin(D, window, monkeypatch):
     torch.testing.assert_close(got, exact, rtol=0, atol=3e-3)
 
 
-def test_dispatch_hands_a_local_layers_window_to_the_kernel(monkeypatch):
+def test_dispatch_hands_a_local_layers_window_and_a_soft_cap_to_the_kernel(monkeypatch):
     """A prefill chunk of a local layer runs the tiled kernel with its window (once the
-    window hides a key; before that, as a global layer's); a soft cap takes the reference."""
+    window hides a key; before that, as a global layer's), and Gemma 2's with its cap."""
     calls = []
     real = cpu_attention.prefill_attention
     monkeypatch.setattr(
@@ -283,5 +283,74 @@ def test_dispatch_hands_a_local_layers_window_to_the_kernel(monkeypatch):
     out = dispatch.causal_attention(q, k, v, pos, window=16)
     torch.testing.assert_close(out, causal_attention(q, k, v, pos, window=16))
     dispatch.causal_attention(q, k[:, :, :40], v[:, :, :40], torch.arange(40), window=64)
-    dispatch.causal_attention(q, k, v, pos, softcap=50.0, window=16)
-    assert calls == [(60, None, 16), (0, None, None)]
+    capped = dispatch.causal_attention(q, k, v, pos, softcap=1.5, window=16)
+    torch.testing.assert_close(capped, causal_attention(q, k, v, pos, softcap=1.5, window=16))
+    assert calls == [(60, None, 16, None), (0, None, None, None), (60, None, 16, 1.5)]
+
+
+def _spread_queries(q: torch.Tensor) -> torch.Tensor:
+    """q with its rows scaled from 1/50 to 50 times: scores from far inside a cap's linear
+    range (the tanh polynomial's) to far in its saturation (1 - e over 1 + e)."""
+    T = q.shape[2]
+    return q * torch.logspace(-1.7, 1.7, T).view(1, 1, T, 1)
+
+
+def _float64_attention(q, k, v, start, cap, window):
+    """The attention of q [B, H, T, D] at start.. in float64: scaled scores, the cap, the mask,
+    the softmax (the truth both fp32 paths round away from)."""
+    D, S = q.shape[3], start + q.shape[2]
+    group = q.shape[1] // k.shape[1]
+    keys = k[:, :, :S].double().repeat_interleave(group, 1)
+    values = v[:, :, :S].double().repeat_interleave(group, 1)
+    scores = q.double() @ keys.transpose(-1, -2) / D**0.5
+    scores = torch.tanh(scores / cap) * cap
+    visible = causal_visible(torch.arange(start, S), S, window)
+    return (scores.masked_fill(~visible, float("-inf")).softmax(-1) @ values).float()
+
+
+@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("cap", [0.7, 50.0])
+@pytest.mark.parametrize(("start", "T", "window"), [(0, 100, None), (200, 130, 33)])
+def test_a_soft_cap_matches_the_reference(D, cap, start, T, window):
+    """Gemma 2's scores, cap tanh(s / cap) of the scaled scores before the mask, from scores a
+    hundredth of the cap to a hundred times it (the tanh polynomial's range and the
+    saturated one), with and without a window: the kernel is as close to the float64 truth as
+    the reference's fp32 capped attention is (at a cap of 50 the scores reach 100, and both
+    round them to about 1e-5 of the output), the cap changes the output, and a row's bits do
+    not depend on its chunk."""
+    q, k, v = _qkv(1, 6, 2, T, start + T, D, seed=D + start + int(cap))
+    q = _spread_queries(q)
+    pos = torch.arange(start, start + T)
+    got = cpu_attention.prefill_attention(q, k, v, start, window=window, softcap=cap)
+    want = causal_attention(q, k, v, pos, softcap=cap, window=window)
+    truth = _float64_attention(q, k, v, start, cap, window)
+    reference_error = (want - truth).abs().max().item()
+    assert (got - truth).abs().max().item() <= 3 * reference_error + 1e-6
+    uncapped = causal_attention(q, k, v, pos, window=window)
+    assert (want - uncapped).abs().max() > 0.1  # (the cap bends these scores)
+    tail = cpu_attention.prefill_attention(q[:, :, 40:], k, v, start + 40, None, window, cap)
+    assert torch.equal(got[:, :, 40:], tail)
+
+
+@pytest.mark.parametrize("products", ["int16", "bf16", "bf16-values"])
+def test_other_products_cap_their_scores_as_their_twins(products, monkeypatch):
+    """The int16 and bf16 products cap the scores they compute (after the int16 steps): each
+    equals its twin under a cap, as without one."""
+    if products not in cpu_attention.built_products():
+        pytest.skip(f"no {products} products in this build")
+    q, k, v = _qkv(1, 6, 2, 130, 430, 128, seed=11)
+    q = _spread_queries(q)
+    monkeypatch.setenv(cpu_attention.PRODUCTS_ENV, products)
+    got = cpu_attention.prefill_attention(q, k, v, 300, window=100, softcap=1.5)
+    if products == "int16":
+        twin = cpu_attention.prefill_attention_int16_ref(q, k, v, 300, 100, 1.5)
+        torch.testing.assert_close(got, twin, rtol=1e-4, atol=2e-3)
+        assert (got - twin).abs().mean() < 2e-6
+    else:
+        twin = cpu_attention.prefill_attention_bf16_ref(
+            q, k, v, 300, products == "bf16", window=100, softcap=1.5
+        )
+        torch.testing.assert_close(got, twin, rtol=1e-3, atol=2e-3)
+        assert (got - twin).abs().mean() < 2e-5
+    exact = causal_attention(q, k, v, torch.arange(300, 430), softcap=1.5, window=100)
+    torch.testing.assert_close(got, exact, rtol=0, atol=3e-2)

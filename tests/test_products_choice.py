@@ -100,9 +100,9 @@ def _prefill(config: ModelConfig, monkeypatch) -> tuple[list[str | None], torch.
     asked = []
     real = cpu_attention.prefill_attention
 
-    def spy(q, k, v, start, products=None, window=None):
+    def spy(q, k, v, start, products=None, window=None, softcap=None):
         asked.append(products)
-        return real(q, k, v, start, products, window)
+        return real(q, k, v, start, products, window, softcap)
 
     monkeypatch.setattr(cpu_attention, "prefill_attention", spy)
     cache = HierarchicalKVCache(config, max_seq_len=256, group_size=32, dtype=torch.float32)
@@ -195,8 +195,8 @@ def test_the_full_precision_cache_takes_the_faster_fp32_path(fresh_choice, monke
     monkeypatch.setattr(
         cpu_attention,
         "prefill_attention",
-        lambda q, k, v, start, products=None, window=None: (
-            asked.append(products) or real(q, k, v, start, products, window)
+        lambda q, k, v, start, products=None, window=None, softcap=None: (
+            asked.append(products) or real(q, k, v, start, products, window, softcap)
         ),
     )
     config = ModelConfig(

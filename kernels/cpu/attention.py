@@ -18,7 +18,7 @@ from kernels.cpu import build as cpu_ext
 from kernels.cpu import kv_cache as cpu_kv
 from kernels.planes import HierLayerView, QueryRows, check_view
 from kernels.reference import causal_attention as causal_attention_ref
-from kernels.reference import causal_visible
+from kernels.reference import causal_visible, soft_cap
 
 DEFAULT_CHUNK = 512  # history tokens per task (the threads split the history in chunks)
 
@@ -162,20 +162,24 @@ def prefill_attention(
     start: int,
     products: str | None = None,
     window: int | None = None,
+    softcap: float | None = None,
 ):
     """Causal attention of queries at positions start .. start + T - 1 (q [B, H, T, D]) over
     keys 0 .. start + T - 1 (k/v [B, n_kv, S, D], S >= start + T, GQA by head groups), under a
-    sliding `window` only the last `window` of them: tiled in C++ (`flash_prefill.h`), no
-    [T, S] scores in memory; fp32 -> [B, H, T, D]. Equals `kernels.reference.
+    sliding `window` only the last `window` of them, the scaled scores capped by `softcap`
+    (Gemma 2) where given: tiled in C++ (`flash_prefill.h`), no [T, S] scores in memory;
+    fp32 -> [B, H, T, D]. Equals `kernels.reference.
     causal_attention` (SDPA) to rounding, its twin in the tests (with other products,
     `prefill_products(products)`, to the rounding of the operands)."""
     chosen = prefill_products(products)
     if chosen == TORCH_PRODUCTS:
         S = start + q.shape[2]
         positions = torch.arange(start, S, device=q.device)
-        return causal_attention_ref(q, k[:, :, :S], v[:, :, :S], positions, window=window)
+        keys, values = k[:, :, :S], v[:, :, :S]
+        return causal_attention_ref(q, keys, values, positions, softcap=softcap, window=window)
     ext = cpu_ext.load()
-    return ext.prefill_attention_cpu(q, k, v, start, products=chosen, window=window or 0)
+    cap = float(softcap or 0.0)
+    return ext.prefill_attention_cpu(q, k, v, start, chosen, window or 0, cap)
 
 
 def prefill_attention_bf16_ref(
@@ -185,6 +189,7 @@ def prefill_attention_bf16_ref(
     start: int,
     scores_bf16: bool = True,
     window: int | None = None,
+    softcap: float | None = None,
 ):
     """The bf16 products' twin (`flash_bf16.h`): q / sqrt(D) and k rounded to bf16 (unless
     not `scores_bf16`: "bf16-values"), v and the probabilities rounded to bf16, the products
@@ -192,7 +197,7 @@ def prefill_attention_bf16_ref(
     (each block's probabilities taken against the running max, then rounded). It differs from
     the kernel by fp32 summation order and its exp polynomial, which may move a probability's
     bf16 rounding by one step. q [B, H, T, D] at positions start.. over k/v [B, n_kv, S, D]
-    (under a sliding `window`, its last `window` keys)."""
+    (under a sliding `window`, its last `window` keys; the scores capped by `softcap`)."""
     B, H, T, D = q.shape
     S, group = start + T, H // k.shape[1]
     scale = 1 / torch.tensor(float(D)).sqrt()  # (1.f / sqrt(float(D)), as the kernel has it)
@@ -206,7 +211,7 @@ def prefill_attention_bf16_ref(
     def value_sums(p: torch.Tensor, k0: int) -> torch.Tensor:
         return p.bfloat16().float() @ values[:, :, k0 : k0 + p.shape[-1]]
 
-    return _block_folds(scores, start, D, value_sums, window)
+    return _block_folds(scores, start, D, value_sums, window, softcap)
 
 
 FOLD_BLOCK = 64  # keys a fold takes where no kernel is built (flash_prefill.h's KB on AVX-512)
@@ -219,16 +224,23 @@ def fold_block() -> int:
 
 
 def _block_folds(
-    scores: torch.Tensor, start: int, D: int, value_sums, window: int | None = None
+    scores: torch.Tensor,
+    start: int,
+    D: int,
+    value_sums,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """The kernel's online softmax, as its twins compute it: scores [B, H, T, S] of queries at
-    positions start.. (masked here past each one's position and, under a sliding `window`,
-    below its window), folded over blocks of `fold_block()` keys in order, each block's
-    probabilities p [B, H, T, <= that] taken against the running max and summed with the
-    block's values by `value_sums(p, k0)` -> [B, H, T, D]; the sums over the probabilities'
-    total. A block before any key a row sees leaves that row as it was (the kernel's)."""
+    positions start.. (capped by `softcap` where given, then masked here past each one's
+    position and, under a sliding `window`, below its window), folded over blocks of
+    `fold_block()` keys in order, each block's probabilities p [B, H, T, <= that] taken
+    against the running max and summed with the block's values by `value_sums(p, k0)` ->
+    [B, H, T, D]; the sums over the probabilities' total. A block before any key a row sees
+    leaves that row as it was (the kernel's)."""
     B, H, T, S = scores.shape
     visible = causal_visible(torch.arange(start, S), S, window)
+    scores = soft_cap(scores, softcap)
     scores = scores.masked_fill(~visible, float("-inf"))
     m = torch.full((B, H, T, 1), float("-inf"))
     acc, total = torch.zeros(B, H, T, D), torch.zeros(B, H, T, 1)
@@ -246,7 +258,12 @@ def _block_folds(
 
 
 def prefill_attention_int16_ref(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, window: int | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    start: int,
+    window: int | None = None,
+    softcap: float | None = None,
 ):
     """The int16 products' twin (`flash_int16.h`): keys and values rounded per channel over
     their S = start + T rows to codes of step max|x| / 8191 (keys of heads wider than 64:
@@ -258,7 +275,8 @@ def prefill_attention_int16_ref(
     differs from the kernel by fp32 summation order and its exp polynomial, which may move a
     probability's code by one.
     q [B, H, T, D] at positions start.. over k/v [B, n_kv, S, D] (under a sliding `window`,
-    its last `window` keys; the steps are still over all S rows)."""
+    its last `window` keys; the steps are still over all S rows; the scores capped by
+    `softcap`, after their steps)."""
     B, H, T, D = q.shape
     S, group = start + T, H // k.shape[1]
 
@@ -289,4 +307,4 @@ def prefill_attention_int16_ref(
         block = value_codes[:, :, k0 : k0 + p.shape[-1]]
         return (p_codes.double() @ block).float() * p_step
 
-    return _block_folds(scores, start, D, value_sums, window) * value_step
+    return _block_folds(scores, start, D, value_sums, window, softcap) * value_step

@@ -297,7 +297,7 @@ struct Products : ProductsBase {
 // its kv head's key steps.
 template <class For>
 void causal(const float* q, int64_t H, int64_t T, int64_t D, const float* k, const float* v,
-            int64_t n_kv, int64_t head_stride, int64_t start, int64_t window, float* out,
+            int64_t n_kv, int64_t head_stride, int64_t start, const ScoreRule& rule, float* out,
             int64_t min_units, const For& parallel_for) {
   const int64_t group = H / n_kv, end = start + T, key_blocks = (end + KB - 1) / KB;
   const int64_t per_head = key_blocks * D * KB;
@@ -329,7 +329,7 @@ void causal(const float* q, int64_t H, int64_t T, int64_t D, const float* k, con
           q_step[i * QB + r] = round_query(q + ((h0 + i) * T + r0 + r) * D, scale, s, D,
                                            qs.data() + (i * QB + r) * D);
       const Products::Context ctx{q_step.data(), s + 2 * D};
-      run_unit<Products>(D, ctx, qs.data(), rows, heads, start + r0, window,
+      run_unit<Products>(D, ctx, qs.data(), rows, heads, start + r0, rule,
                          kt.data() + g * per_head, vt.data() + g * per_head,
                          out + (h0 * T + r0) * D, T * D);
     }
@@ -340,7 +340,8 @@ constexpr bool kAvailable = false;
 struct Products;  // (none: flash::causal takes the int16 path only where kAvailable)
 template <class For>
 [[noreturn]] void causal(const float*, int64_t, int64_t, int64_t, const float*, const float*,
-                         int64_t, int64_t, int64_t, int64_t, float*, int64_t, const For&) {
+                         int64_t, int64_t, int64_t, const ScoreRule&, float*, int64_t,
+                         const For&) {
   std::abort();  // (never called: flash::causal checks kAvailable first)
 }
 #endif

@@ -19,9 +19,11 @@ struct TorchParallelFor {
 // "fp32", or "bf16" (every product) or "bf16-values" (the value sums) on flash_bf16.h's
 // products, which builds without AVX512-BF16 lack (PREFILL_BF16 false: refused), or "int16"
 // on flash_int16.h's, which need AVX2 (PREFILL_INT16). window: a local layer's sliding window
-// (query at p sees keys p - window + 1 .. p; 0: none).
+// (query at p sees keys p - window + 1 .. p; 0: none); softcap: Gemma 2's cap of the scaled
+// scores (s -> softcap tanh(s / softcap); 0: none).
 at::Tensor prefill_attention_cpu(at::Tensor q, at::Tensor k, at::Tensor v, int64_t start,
-                                 const std::string& products, int64_t window) {
+                                 const std::string& products, int64_t window,
+                                 double softcap) {
   flash::Operands operands = flash::Operands::kFp32;
   if (products == "bf16")
     operands = flash::Operands::kBf16;
@@ -45,6 +47,8 @@ at::Tensor prefill_attention_cpu(at::Tensor q, at::Tensor k, at::Tensor v, int64
                   H % n_kv == 0, "k, v [B, n_kv, S, D] with n_kv dividing H");
   TORCH_CHECK(start >= 0 && k.size(2) >= start + T, "keys for every position up to start + T");
   TORCH_CHECK(window >= 0, "a sliding window is positive (0: none)");
+  TORCH_CHECK(softcap >= 0, "a soft cap is positive (0: none)");
+  const flash::ScoreRule rule{window, float(softcap)};
   TORCH_CHECK(k.strides() == v.strides() && k.stride(3) == 1 && k.stride(2) == D,
               "k and v alike, rows contiguous per head");
   q = q.contiguous();
@@ -53,7 +57,7 @@ at::Tensor prefill_attention_cpu(at::Tensor q, at::Tensor k, at::Tensor v, int64
   for (int64_t b = 0; b < B; ++b)
     flash::causal(q.data_ptr<float>() + b * H * T * D, H, T, D,
                   k.data_ptr<float>() + b * k.stride(0), v.data_ptr<float>() + b * v.stride(0),
-                  n_kv, k.stride(1), start, window, out.data_ptr<float>() + b * H * T * D,
+                  n_kv, k.stride(1), start, rule, out.data_ptr<float>() + b * H * T * D,
                   operands, min_units, TorchParallelFor{});
   return out;
 }

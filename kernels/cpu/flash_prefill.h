@@ -7,7 +7,8 @@
 //   q [H, T, D] (a batch item's heads), k/v rows [n_kv, S, D] (GQA: head h reads kv head
 //   h / (H / n_kv)), out [H, T, D]; query t sits at position start + t and sees keys
 //   0 .. start + t, or under a sliding window W (a local layer's) the W keys up to its own,
-//   start + t - W + 1 .. start + t. fp32 throughout, D a multiple of 16.
+//   start + t - W + 1 .. start + t; Gemma 2's scores are soft-capped first (`ScoreRule`).
+//   fp32 throughout, D a multiple of 16.
 //
 // The arithmetic is plain fp32 in one fixed order per row (scores as 64-term dot products
 // summed over d in order, the softmax folded block by block in key order, exp by a fixed
@@ -168,6 +169,31 @@ inline vf exp_nonpositive(const vf& in) {
   return dead ? splat(0.f) : y * scale;
 }
 
+// tanh(x) lane by lane (Gemma 2's soft cap, cap tanh(s / cap)): Cephes' tanhf, an odd
+// polynomial below |x| = 0.625 and (1 - e) / (1 + e), e = exp(-2 |x|), above (no cancellation
+// there: e <= 0.29). Within a few fp32 ulps of std::tanh; NaN stays NaN.
+inline vf tanh_lanes(const vf& x) {
+  const vf a = x < 0.f ? -x : x;
+  const vf z = x * x;
+  vf poly = splat(-5.70498872745e-3f);
+  poly = poly * z + 2.06390887954e-2f;
+  poly = poly * z - 5.37397155531e-2f;
+  poly = poly * z + 1.33314422036e-1f;
+  poly = poly * z - 3.33332819422e-1f;
+  const vf small = poly * z * x + x;
+  const vf e = exp_nonpositive(-2.f * a);
+  const vf big = (1.f - e) / (1.f + e);
+  return a < 0.625f ? small : (x < 0.f ? -big : big);
+}
+
+// What a row's scores go through beside the causal bound: a local layer's sliding window
+// (query at p sees keys p - window + 1 .. p; 0: none) and Gemma 2's soft cap of the scaled
+// scores (s -> softcap tanh(s / softcap); 0: none).
+struct ScoreRule {
+  int64_t window = 0;
+  float softcap = 0.f;
+};
+
 // Keys [S, D] -> blocks [ceil(S / KB), D, KB] (key j of a block in lane j; zeros past S), so
 // a row's KB scores are D multiply-adds of a broadcast query element by NV vectors.
 inline void transpose_keys(const float* k, int64_t S, int64_t D, float* kt) {
@@ -183,14 +209,20 @@ inline void transpose_keys(const float* k, int64_t S, int64_t D, float* kt) {
 }
 
 // The online softmax of a score tile's rows t0 .. t0 + ST - 1 (those below `rows`) over the
-// block of keys from k0: masks the keys past each row's position (and, under a sliding
-// `window`, those at or below its position - window), sets p[r] = exp(s - new max) and
-// rescales the row's running max m, sum l and the factor alpha its accumulator takes.
-// l is kept per lane ([L] a row) and summed across lanes once, in `write`.
+// block of keys from k0: caps the scores under rule.softcap, masks the keys past each row's
+// position (and, under a sliding rule.window, those at or below its position - window), sets
+// p[r] = exp(s - new max) and rescales the row's running max m, sum l and the factor alpha
+// its accumulator takes. l is kept per lane ([L] a row) and summed across lanes once, in
+// `write`.
 inline void fold(vf sc[ST][NV], int64_t t0, int64_t rows, int64_t pos0, int64_t k0,
-                 int64_t window, float (*p)[KB], float* m, vf* l, float* alpha) {
+                 const ScoreRule& rule, float (*p)[KB], float* m, vf* l, float* alpha) {
+  const int64_t window = rule.window;
   for (int i = 0; i < ST && t0 + i < rows; ++i) {
     const int64_t r = t0 + i, last = pos0 + r;  // this row's newest visible key
+    if (rule.softcap != 0.f) {  // (before the mask, as the reference caps the scaled scores)
+      const float inv = 1.f / rule.softcap;
+      for (int c = 0; c < NV; ++c) sc[i][c] = tanh_lanes(sc[i][c] * inv) * rule.softcap;
+    }
     if (k0 + KB - 1 > last) {
       for (int c = 0; c < NV; ++c)
         for (int j = 0; j < L; ++j)
@@ -329,7 +361,7 @@ template <int DV, class P>
 __attribute__((always_inline)) inline void block(Rows<L * DV>& s, P& products,
                                                  const typename P::E* q, const typename P::E* kb,
                                                  const typename P::V* vb, int64_t k0,
-                                                 int64_t rows, int64_t pos0, int64_t window) {
+                                                 int64_t rows, int64_t pos0, const ScoreRule& rule) {
   constexpr int64_t D = L * DV;
   auto& acc = s.acc;
   float* alpha = s.alpha;
@@ -341,7 +373,7 @@ __attribute__((always_inline)) inline void block(Rows<L * DV>& s, P& products,
 #pragma GCC unroll 8
       for (int c = 0; c < NV; ++c) sc[i][c] = vf{};
     products.template scores<D>(q + t0 * D, t0, kb, sc);
-    fold(sc, t0, rows, pos0, k0, window, s.p, s.m, s.l, alpha);
+    fold(sc, t0, rows, pos0, k0, rule, s.p, s.m, s.l, alpha);
   }
   products.probabilities(s.p, rows);
   // acc = alpha acc + p V over the block's keys, G rows at a time (RG for D = 64; fewer for
@@ -380,8 +412,8 @@ template <int DV, class P>
 __attribute__((noinline)) void block_call(Rows<L * DV>& s, P& products, const typename P::E* q,
                                           const typename P::E* kb, const typename P::V* vb,
                                           int64_t k0, int64_t rows, int64_t pos0,
-                                          int64_t window) {
-  block<DV>(s, products, q, kb, vb, k0, rows, pos0, window);
+                                          const ScoreRule& rule) {
+  block<DV>(s, products, q, kb, vb, k0, rows, pos0, rule);
 }
 
 // One unit: query rows [r0, r0 + rows) (rows <= QB) of `heads` heads sharing a kv head
@@ -399,23 +431,23 @@ __attribute__((noinline)) void block_call(Rows<L * DV>& s, P& products, const ty
 // arithmetic is the same, in the same order, whatever heads share its unit. qs: head i's rows
 // pre-scaled by 1/sqrt(D) at qs + i QB D [QB, D] (rows past `rows` zero); kt, v: the kv
 // head's keys and values as P lays them out, D KB entries a block of KB keys; out: head i's
-// rows [rows, D] at out + i head_stride. Under a sliding `window` (0: none) the blocks below
+// rows [rows, D] at out + i head_stride. Under a sliding window (rule.window) the blocks below
 // the first row's window are not read: a local layer's chunk reads about window + QB keys.
 template <int DV, class P>
 void unit(const typename P::Context& ctx, const typename P::E* qs, int64_t rows, int64_t heads,
-          int64_t pos0, int64_t window, const typename P::E* kt, const typename P::V* v,
+          int64_t pos0, const ScoreRule& rule, const typename P::E* kt, const typename P::V* v,
           float* out, int64_t head_stride) {
   using E = typename P::E;
   constexpr int64_t D = L * DV;
   std::vector<Rows<D>> state(heads);
   P products(ctx);  // (a block's probabilities as its value products take them: a head at a time)
   const int64_t blocks = (pos0 + rows + KB - 1) / KB;  // keys [0, pos0 + rows) exist
-  const int64_t first = window ? std::max<int64_t>(0, pos0 - window + 1) / KB : 0;
+  const int64_t first = rule.window ? std::max<int64_t>(0, pos0 - rule.window + 1) / KB : 0;
   if (heads == 1) {  // (one head: its blocks in one loop, `block` inlined)
     products.head(0);
     for (int64_t b = first; b < blocks; ++b)
       block<DV>(state[0], products, qs, kt + b * D * KB, v + b * D * KB, b * KB, rows, pos0,
-                window);
+                rule);
   } else {
     const int64_t span = span_blocks(D * KB * (sizeof(E) + sizeof(typename P::V)));
     for (int64_t b0 = first; b0 < blocks; b0 += span)
@@ -423,7 +455,7 @@ void unit(const typename P::Context& ctx, const typename P::E* qs, int64_t rows,
         products.head(h);
         for (int64_t b = b0; b < std::min(blocks, b0 + span); ++b)
           block_call<DV>(state[h], products, qs + h * QB * D, kt + b * D * KB, v + b * D * KB,
-                         b * KB, rows, pos0, window);
+                         b * KB, rows, pos0, rule);
       }
   }
   for (int64_t h = 0; h < heads; ++h) {
@@ -440,18 +472,18 @@ inline bool supported(int64_t D) {
 
 template <class P>
 inline void run_unit(int64_t D, const typename P::Context& ctx, const typename P::E* qs,
-                     int64_t rows, int64_t heads, int64_t pos0, int64_t window,
+                     int64_t rows, int64_t heads, int64_t pos0, const ScoreRule& rule,
                      const typename P::E* kt, const typename P::V* v, float* out,
                      int64_t head_stride) {
   switch (D) {
-    case 64: unit<64 / L, P>(ctx, qs, rows, heads, pos0, window, kt, v, out, head_stride); break;
-    case 80: unit<80 / L, P>(ctx, qs, rows, heads, pos0, window, kt, v, out, head_stride); break;
-    case 96: unit<96 / L, P>(ctx, qs, rows, heads, pos0, window, kt, v, out, head_stride); break;
+    case 64: unit<64 / L, P>(ctx, qs, rows, heads, pos0, rule, kt, v, out, head_stride); break;
+    case 80: unit<80 / L, P>(ctx, qs, rows, heads, pos0, rule, kt, v, out, head_stride); break;
+    case 96: unit<96 / L, P>(ctx, qs, rows, heads, pos0, rule, kt, v, out, head_stride); break;
     case 128:
-      unit<128 / L, P>(ctx, qs, rows, heads, pos0, window, kt, v, out, head_stride);
+      unit<128 / L, P>(ctx, qs, rows, heads, pos0, rule, kt, v, out, head_stride);
       break;
     default:
-      unit<256 / L, P>(ctx, qs, rows, heads, pos0, window, kt, v, out, head_stride);
+      unit<256 / L, P>(ctx, qs, rows, heads, pos0, rule, kt, v, out, head_stride);
       break;
   }
 }
@@ -475,13 +507,13 @@ namespace flash {
 enum class Operands { kFp32, kBf16, kBf16Values, kInt16 };
 
 // One batch item: q [H, T, D] (contiguous) at positions start .. start + T - 1 over the rows
-// of k/v (kv head g's row j at k + g * head_stride + j D, for j < start + T), under a sliding
-// `window` (0: none) -> out [H, T, D], on the products P, in at least min_units units where
-// the heads allow (`unit_heads`: about 4 a thread keeps the threads' shares even).
+// of k/v (kv head g's row j at k + g * head_stride + j D, for j < start + T), under `rule`
+// (a sliding window, a soft cap) -> out [H, T, D], on the products P, in at least min_units
+// units where the heads allow (`unit_heads`: about 4 a thread keeps the threads' shares even).
 // parallel_for(begin, end, grain, fn) as in int_dot.h.
 template <class P, class For>
 void causal_on(const float* q, int64_t H, int64_t T, int64_t D, const float* k, const float* v,
-               int64_t n_kv, int64_t head_stride, int64_t start, int64_t window, float* out,
+               int64_t n_kv, int64_t head_stride, int64_t start, const ScoreRule& rule, float* out,
                int64_t min_units, const For& parallel_for) {
   using E = typename P::E;  // the queries' and keys' element type
   using V = typename P::V;  // the values'
@@ -526,7 +558,7 @@ void causal_on(const float* q, int64_t H, int64_t T, int64_t D, const float* k, 
         values = vt.data() + g * per_head;
       else
         values = v + g * head_stride;
-      run_unit<P>(D, typename P::Context{}, qs.data(), rows, heads, start + r0, window,
+      run_unit<P>(D, typename P::Context{}, qs.data(), rows, heads, start + r0, rule,
                   kt.data() + g * per_head, values, out + (h0 * T + r0) * D, T * D);
     }
   });
@@ -540,22 +572,22 @@ namespace flash {
 // checks; elsewhere: fp32).
 template <class For>
 void causal(const float* q, int64_t H, int64_t T, int64_t D, const float* k, const float* v,
-            int64_t n_kv, int64_t head_stride, int64_t start, int64_t window, float* out,
+            int64_t n_kv, int64_t head_stride, int64_t start, const ScoreRule& rule, float* out,
             Operands operands, int64_t min_units, const For& parallel_for) {
   if constexpr (bf16::kAvailable) {
     if (operands == Operands::kBf16)
-      return causal_on<bf16::Products>(q, H, T, D, k, v, n_kv, head_stride, start, window, out,
+      return causal_on<bf16::Products>(q, H, T, D, k, v, n_kv, head_stride, start, rule, out,
                                        min_units, parallel_for);
     if (operands == Operands::kBf16Values)
-      return causal_on<bf16::ValueProducts>(q, H, T, D, k, v, n_kv, head_stride, start, window,
+      return causal_on<bf16::ValueProducts>(q, H, T, D, k, v, n_kv, head_stride, start, rule,
                                             out, min_units, parallel_for);
   }
   if constexpr (int16::kAvailable) {
     if (operands == Operands::kInt16)
-      return int16::causal(q, H, T, D, k, v, n_kv, head_stride, start, window, out, min_units,
+      return int16::causal(q, H, T, D, k, v, n_kv, head_stride, start, rule, out, min_units,
                            parallel_for);
   }
-  causal_on<Fp32>(q, H, T, D, k, v, n_kv, head_stride, start, window, out, min_units,
+  causal_on<Fp32>(q, H, T, D, k, v, n_kv, head_stride, start, rule, out, min_units,
                   parallel_for);
 }
 

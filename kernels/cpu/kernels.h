@@ -12,7 +12,8 @@
 // hier_attention.cpp: hier_attention_cpu, over the named layer and step of kv_cache.h
 // flash_prefill.cpp
 at::Tensor prefill_attention_cpu(at::Tensor q, at::Tensor k, at::Tensor v, int64_t start,
-                                 const std::string& products, int64_t window);
+                                 const std::string& products, int64_t window,
+                                 double softcap);
 // dequant.cpp
 void dequantize_planes_cpu(at::Tensor upper, at::Tensor lower, at::Tensor scale,
                            at::Tensor zero, int64_t group_size, bool per_channel, bool int8,

@@ -81,7 +81,7 @@ void bind_kv_cache(py::module& m) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("prefill_attention_cpu", &prefill_attention_cpu, "tiled causal prefill attention (CPU)",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("start"),
-        py::arg("products") = "fp32", py::arg("window") = 0);
+        py::arg("products") = "fp32", py::arg("window") = 0, py::arg("softcap") = 0.0);
   m.attr("PREFILL_BF16") = flash::bf16::kAvailable;  // whether the bf16 products exist
   m.attr("PREFILL_INT16") = flash::int16::kAvailable;  // whether the int16 products exist
   // keys a prefill block folds (its probabilities' steps are per block: the twins' blocks)

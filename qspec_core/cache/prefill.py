@@ -88,7 +88,7 @@ class ChunkedPrefill:
         first = 0 if not cuts(window, end) else min(nq, window_start(start, window) // G * G)
         keys, values = self._keys(layer, hi, first)
         positions, _ = self._relative(input_pos, first)
-        tiled = prefill_usable(q, keys, values) and self.cache.softcap is None
+        tiled = prefill_usable(q, keys, values)
         mask = None if tiled else self._causal_mask(input_pos, first, window)
         cap = self.cache.softcap
         out = causal_attention(q, keys, values, positions, mask, cap, self.products, window)

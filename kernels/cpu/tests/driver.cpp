@@ -213,7 +213,7 @@ Case flash_case(const char* name, uint32_t seed, int64_t H, int64_t n_kv, int64_
   std::vector<float> k = floats(g, n_kv * stride, -512, 512);
   std::vector<float> v = floats(g, n_kv * stride, -512, 512);
   Case c{name, std::vector<float>(H * T * D), 2e-5, 1e-5};
-  flash::causal(q.data(), H, T, D, k.data(), v.data(), n_kv, stride, start, /*window=*/0,
+  flash::causal(q.data(), H, T, D, k.data(), v.data(), n_kv, stride, start, flash::ScoreRule{},
                 c.out.data(), flash::Operands::kFp32, /*min_units=*/1, SerialFor{});
   return c;
 }
