@@ -106,9 +106,8 @@ def plan(shape: Shape, out: Path, kinds: list[str], force: bool, tok: Tokenizer)
 
 def describe(p: Plan) -> str:
     c, q = p.shape.config, p.config
-    rope = (
-        q.rope_type if q.rope_type == "default" else f"{q.rope_type} x{q.rope_scaling['factor']:g}"
-    )
+    factor = (q.rope_scaling or {}).get("factor")  # (LongRoPE has per-frequency factors)
+    rope = q.rope_type if factor is None else f"{q.rope_type} x{factor:g}"
     return (
         f"{p.shape.name} ({p.shape.mirrors}): {sum(t.numel for t in p.tensors):,} parameters, "
         f"{c['num_hidden_layers']} layers, hidden {c['hidden_size']}, MLP "

@@ -96,6 +96,60 @@ _QWEN25 = {
 }
 
 
+# Phi-4-mini's LongRoPE factors past its 4k original context (one per rotated frequency pair:
+# 96 of the 128 channels rotate), as its config.json has them
+_PHI4_MINI_LONG_FACTOR = [
+    1.0,
+    1.118320672,
+    1.250641126,
+    1.398617824,
+    1.564103225,
+    1.74916897,
+    1.956131817,
+    2.187582649,
+    2.446418898,
+    2.735880826,
+    3.059592084,
+    3.421605075,
+    3.826451687,
+    4.279200023,
+    4.785517845,
+    5.351743533,
+    5.984965424,
+    6.693110555,
+    7.485043894,
+    8.370679318,
+    9.36110372,
+    10.4687158,
+    11.70738129,
+    13.09260651,
+    14.64173252,
+    16.37415215,
+    18.31155283,
+    20.47818807,
+    22.90118105,
+    25.61086418,
+    28.64115884,
+    32.03,
+    32.1,
+    32.13,
+    32.23,
+    32.6,
+    32.61,
+    32.64,
+    32.66,
+    32.7,
+    32.71,
+    32.93,
+    32.97,
+    33.28,
+    33.49,
+    33.5,
+    44.16,
+    47.77,
+]
+
+
 def _with_llama_twin(shape: Shape) -> tuple[Shape, Shape]:
     """`shape` and a Llama with its matrices (widths, heads, layers, vocabulary, tying, RoPE
     base): the same weight bytes through Llama's plain layer, which the C++ stack runs."""
@@ -255,6 +309,34 @@ SHAPES = {
         ),
         *_with_llama_twin(
             Shape(
+                "gemma-2-2b",
+                "google/gemma-2-2b-it",
+                {
+                    "architectures": ["Gemma2ForCausalLM"],
+                    "model_type": "gemma2",
+                    "attention_bias": False,
+                    "attn_logit_softcapping": 50.0,
+                    "final_logit_softcapping": 30.0,
+                    "hidden_activation": "gelu_pytorch_tanh",
+                    "initializer_range": 0.02,
+                    "hidden_size": 2304,
+                    "intermediate_size": 9216,
+                    "num_hidden_layers": 26,
+                    "num_attention_heads": 8,
+                    "num_key_value_heads": 4,
+                    "head_dim": 256,
+                    "max_position_embeddings": 8192,
+                    "query_pre_attn_scalar": 256,
+                    "rms_norm_eps": 1e-06,
+                    "rope_theta": 10000.0,
+                    "sliding_window": 4096,
+                    "tie_word_embeddings": True,
+                    "vocab_size": 256000,
+                },
+            )
+        ),
+        *_with_llama_twin(
+            Shape(
                 "olmo-2-1b",
                 "allenai/OLMo-2-0425-1B-Instruct",
                 {
@@ -274,6 +356,38 @@ SHAPES = {
                     "rope_theta": 500000.0,
                     "tie_word_embeddings": False,
                     "vocab_size": 100352,
+                },
+            )
+        ),
+        *_with_llama_twin(
+            Shape(
+                "phi-4-mini",
+                "microsoft/Phi-4-mini-instruct",
+                {
+                    "architectures": ["Phi3ForCausalLM"],
+                    "model_type": "phi3",
+                    "attention_bias": False,
+                    "hidden_act": "silu",
+                    "initializer_range": 0.02,
+                    "hidden_size": 3072,
+                    "intermediate_size": 8192,
+                    "num_hidden_layers": 32,
+                    "num_attention_heads": 24,
+                    "num_key_value_heads": 8,
+                    "head_dim": 128,
+                    "max_position_embeddings": 131072,
+                    "original_max_position_embeddings": 4096,
+                    "partial_rotary_factor": 0.75,
+                    "rms_norm_eps": 1e-05,
+                    "rope_scaling": {
+                        "type": "longrope",
+                        "long_factor": _PHI4_MINI_LONG_FACTOR,
+                        "short_factor": [1.0] * 48,
+                    },
+                    "rope_theta": 10000.0,
+                    "sliding_window": 262144,
+                    "tie_word_embeddings": True,
+                    "vocab_size": 200064,
                 },
             )
         ),
