@@ -361,7 +361,8 @@ template <int DV, class P>
 __attribute__((always_inline)) inline void block(Rows<L * DV>& s, P& products,
                                                  const typename P::E* q, const typename P::E* kb,
                                                  const typename P::V* vb, int64_t k0,
-                                                 int64_t rows, int64_t pos0, const ScoreRule& rule) {
+                                                 int64_t rows, int64_t pos0,
+                                                 const ScoreRule& rule) {
   constexpr int64_t D = L * DV;
   auto& acc = s.acc;
   float* alpha = s.alpha;
