@@ -32,12 +32,12 @@ import time
 import torch
 
 from kernels.cpu import linear as cpu_linear
-from qspec_core.bench.bandwidth import path_weight_bytes, read_bandwidth
+from qspec_core.bench.bandwidth import kv_read_positions, path_weight_bytes, read_bandwidth
 from qspec_core.bench.corpus import bench_prompt
 from qspec_core.cache.full import FullPrecisionCache
 from qspec_core.cache.hierarchical import HierarchicalKVCache
 from qspec_core.engine.draft_vocab import DraftVocab
-from qspec_core.engine.generate import prefill
+from qspec_core.engine.generate import prefill, prefill_hierarchical
 from qspec_core.precision import DRAFT, FP, TARGET
 from qspec_core.registry.runtime import prepare_and_load
 
@@ -95,7 +95,10 @@ def main() -> None:
     fp = FullPrecisionCache(model.config, ctx + a.gamma + 2, dtype=torch.float32)
     prefill(runner, fp, ids, 0, FP.with_weights(weights))
     hc = HierarchicalKVCache(model.config, ctx + a.gamma + 2, dtype=torch.float32)
-    hc.load_full_precision(fp.k[:, :, :, :ctx], fp.v[:, :, :, :ctx])
+    if fp.window is None:  # (the same KV, quantized: no second prefill)
+        hc.load_full_precision(fp.k[:, :, :, :ctx], fp.v[:, :, :, :ctx])
+    else:  # (a local layer's full-precision keys are only a window's worth: its own prefill)
+        prefill_hierarchical(runner, hc, ids, weights=weights)
     one, pos1 = torch.tensor([[42]]), torch.tensor([ctx])
     many, pos_many = torch.tensor([[42] * (a.gamma + 1)]), torch.arange(ctx, ctx + a.gamma + 1)
 
@@ -131,11 +134,12 @@ def main() -> None:
         fn()
     bandwidth = read_bandwidth()
     layouts = getattr(runner, "layouts", None)
-    fp_per_token = 2 * fp.k[:, :, :, 0].numel() * fp.k.element_size()
+    fp_per_token = fp.bytes_per_token()
+    history = kv_read_positions(ctx, model.config.windows)  # (per layer, on average)
     rows = {"draft": len(vocab.ids)} if vocab is not None else {}
     read = {  # bytes a step reads: its path's weights (the draft: its head's slice), its KV
         name: path_weight_bytes(model, path.weights, layouts, rows.get(name))
-        + ctx * (fp_per_token if path.kv == "fp" else hc.bytes_per_token(path.kv))
+        + history * (fp_per_token if path.kv == "fp" else hc.bytes_per_token(path.kv))
         for name, path in paths.items()
     }
     times = {name: [] for name in steps}

@@ -215,7 +215,8 @@ def bench_tables(report: dict) -> list[Table]:
             title=f"context {_size(ctx['context'])} ({ctx['prompt_tokens']:,} prompt tokens)",
             title_justify="left",
             caption=Text(
-                header + "\nKV B/token: bytes read per history token, all layers (draft / target)"
+                header + "\nKV B/token: bytes read per history token, all layers (draft / target;"
+                " a sliding-window layer's history is at most its window)"
                 "\ndoc rounds: rounds drafted from the prompt (lookup), of all; their acceptance;"
                 " + rounds of the prompt's token trees"
             ),

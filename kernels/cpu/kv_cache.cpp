@@ -78,14 +78,40 @@ at::Tensor HierKV::attend(int64_t layer, const at::Tensor& q, const HierStep& st
   return run_on_pool(attention(layer, q, step));
 }
 
-FullKV::FullKV(at::Tensor k, at::Tensor v, std::vector<int64_t> windows, double softcap)
-    : k_(k), v_(v), windows_(std::move(windows)), softcap_(softcap) {
+FullKV::FullKV(at::Tensor k, at::Tensor v, std::vector<int64_t> windows, double softcap,
+               at::Tensor local_k, at::Tensor local_v, std::vector<int64_t> slots)
+    : k_(k),
+      v_(v),
+      local_k_(local_k),
+      local_v_(local_v),
+      windows_(std::move(windows)),
+      slots_(std::move(slots)),
+      softcap_(softcap) {
   TORCH_CHECK(k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat, "fp32 cache only");
   TORCH_CHECK(k.dim() == 5 && k.sizes() == v.sizes(), "k/v [L, B, n_kv, S, D] alike");
-  TORCH_CHECK(windows_.empty() || int64_t(windows_.size()) == k.size(0),
+  const int64_t L = slots_.empty() ? k.size(0) : int64_t(slots_.size());
+  TORCH_CHECK(windows_.empty() || int64_t(windows_.size()) == L,
               "one window per layer (0: none), or none at all");
   for (const int64_t w : windows_) TORCH_CHECK(w >= 0, "a sliding window is positive (0: none)");
   TORCH_CHECK(softcap >= 0, "a soft cap is positive (0: none)");
+  TORCH_CHECK(local_k.defined() == local_v.defined(), "local k and v, or neither");
+  if (local_k.defined()) {
+    TORCH_CHECK(local_k.scalar_type() == at::kFloat && local_k.dim() == 5 &&
+                    local_k.sizes() == local_v.sizes() && local_v.scalar_type() == at::kFloat,
+                "local k/v [Ll, B, n_kv, Sw, D] fp32 alike");
+    TORCH_CHECK(!windows_.empty() && int64_t(slots_.size()) == L,
+                "a local stack needs each layer's window and slot");
+  }
+  for (int64_t l = 0; l < int64_t(slots_.size()); ++l) {
+    const int64_t n = is_local(l) ? local_k.size(0) : k.size(0);
+    TORCH_CHECK(slots_[l] >= 0 && slots_[l] < n, "layer ", l, "'s slot is outside its stack");
+  }
+}
+
+std::pair<at::Tensor, at::Tensor> FullKV::stack(int64_t layer) const {
+  const int64_t slot = slots_.empty() ? layer : slots_.at(layer);
+  if (is_local(layer)) return {local_k_.select(0, slot), local_v_.select(0, slot)};
+  return {k_.select(0, slot), v_.select(0, slot)};
 }
 
 namespace {
@@ -104,12 +130,14 @@ at::Tensor softcapped(const at::Tensor& q, const at::Tensor& k, const at::Tensor
 }
 }  // namespace
 
-void FullKV::write(int64_t layer, const at::Tensor& k, const at::Tensor& v,
-                   int64_t start) const {
+void FullKV::write(int64_t layer, const at::Tensor& k, const at::Tensor& v, int64_t start,
+                   int64_t local_base) const {
   check_kv(k, v);
-  const int64_t T = k.size(2);
-  k_.select(0, layer).narrow(2, start, T).copy_(k);
-  v_.select(0, layer).narrow(2, start, T).copy_(v);
+  const int64_t T = k.size(2), first = is_local(layer) ? start - local_base : start;
+  const auto [keys, values] = stack(layer);
+  TORCH_CHECK(first >= 0 && first + T <= keys.size(2), "a write outside the layer's positions");
+  keys.narrow(2, first, T).copy_(k);
+  values.narrow(2, first, T).copy_(v);
 }
 
 at::Tensor FullKV::attend(int64_t layer, const at::Tensor& q, const FullStep& step) const {
@@ -117,8 +145,12 @@ at::Tensor FullKV::attend(int64_t layer, const at::Tensor& q, const FullStep& st
   const bool local = step.local_start >= 0 && !windows_.empty() && windows_.at(layer);
   const int64_t lo = local ? step.local_start : 0;
   TORCH_CHECK(lo <= step.end, "a local layer's keys begin before the step's end");
-  const auto k = k_.select(0, layer).narrow(2, lo, step.end - lo);
-  const auto v = v_.select(0, layer).narrow(2, lo, step.end - lo);
+  // (a local stack's slot 0 holds position local_base: the keys before it were dropped)
+  const int64_t base = is_local(layer) ? step.local_base : 0;
+  TORCH_CHECK(lo >= base, "a step reads keys a local layer has dropped");
+  const auto [keys, values] = stack(layer);
+  const auto k = keys.narrow(2, lo - base, step.end - lo);
+  const auto v = values.narrow(2, lo - base, step.end - lo);
   const auto& mask = local ? step.local_mask : step.mask;
   const bool is_causal = !local && step.is_causal;
   if (softcap_ > 0) {  // (the keys a query sees, from the mask SDPA would take)

@@ -115,17 +115,25 @@ struct FullStep {
   // counted from local_start (-1: no window hides a key in this forward, every layer as above)
   int64_t local_start = -1;
   c10::optional<at::Tensor> local_mask;
+  // the position a local layer's slot 0 holds (FullKV's local stack; 0 when none dropped)
+  int64_t local_base = 0;
 };
 
-// The full-precision cache's k/v [L, B, n_kv, S, D] fp32; each layer's sliding window
+// The full-precision cache's k/v [Lg, B, n_kv, S, D] fp32; each layer's sliding window
 // (windows [L], 0: a global layer; empty: all global), which its attention applies from a
 // step's local_start; softcap: Gemma 2's cap on the scaled scores (0: none), which takes the
 // reference's written-out attention (`kernels.reference._softcapped_attention`, op for op).
+// local_k/local_v [Ll, B, n_kv, Sw, D]: the sliding-window layers' own stack, a window's worth
+// of positions from a step's local_base on (undefined: every layer in k/v); slots [L]: each
+// layer's index in its stack (empty: the identity).
 class FullKV {
  public:
-  FullKV(at::Tensor k, at::Tensor v, std::vector<int64_t> windows = {}, double softcap = 0.0);
-  // k/v [B, n_kv, T, D] -> the cache's [layer, :, :, start : start + T]
-  void write(int64_t layer, const at::Tensor& k, const at::Tensor& v, int64_t start) const;
+  FullKV(at::Tensor k, at::Tensor v, std::vector<int64_t> windows = {}, double softcap = 0.0,
+         at::Tensor local_k = {}, at::Tensor local_v = {}, std::vector<int64_t> slots = {});
+  // k/v [B, n_kv, T, D] -> the layer's positions [start, start + T), a local layer's slot 0
+  // holding position local_base
+  void write(int64_t layer, const at::Tensor& k, const at::Tensor& v, int64_t start,
+             int64_t local_base = 0) const;
   // q [B, H, T, D] over keys [0, step.end) -> [B, H, T, D]
   at::Tensor attend(int64_t layer, const at::Tensor& q, const FullStep& step) const;
   at::Tensor attention(int64_t layer, const at::Tensor& q, const FullStep& step) const {
@@ -133,8 +141,15 @@ class FullKV {
   }
 
  private:
-  at::Tensor k_, v_;
+  bool is_local(int64_t layer) const {
+    return local_k_.defined() && !windows_.empty() && windows_.at(layer);
+  }
+  // the layer's k and v in its stack, [B, n_kv, S, D]
+  std::pair<at::Tensor, at::Tensor> stack(int64_t layer) const;
+
+  at::Tensor k_, v_, local_k_, local_v_;
   std::vector<int64_t> windows_;  // [L] or empty
+  std::vector<int64_t> slots_;    // [L] or empty
   double softcap_;
 };
 

@@ -94,14 +94,28 @@ def hier_step(**fields):
     return cpu_ext.load().HierStep(**fields)
 
 
-def full_kv(k: torch.Tensor, v: torch.Tensor, windows=(), softcap: float | None = None):
+def full_kv(
+    k: torch.Tensor, v: torch.Tensor, windows=(), softcap: float | None = None, local=(), slots=()
+):
     """A `FullKV` over k/v [L, B, n_kv, S, D] fp32: each layer's sliding window (None or 0:
-    global; () all global) and Gemma 2's soft cap (None: none)."""
+    global; () all global) and Gemma 2's soft cap (None: none). `local`: the sliding-window
+    layers' own (k, v), [Ll, B, n_kv, Sw, D] each (`FullStep.local_base` says where they
+    begin), k/v then holding the global layers'; `slots` [L]: each layer's index in its stack."""
     windows = [int(w or 0) for w in windows]
-    return cpu_ext.load().FullKV(k=k, v=v, windows=windows, softcap=float(softcap or 0.0))
+    local_k, local_v = local or (None, None)
+    return cpu_ext.load().FullKV(
+        k=k,
+        v=v,
+        windows=windows,
+        softcap=float(softcap or 0.0),
+        local_k=local_k,
+        local_v=local_v,
+        slots=[int(s) for s in slots],
+    )
 
 
 def full_step(**fields):
     """A `FullStep`: start, end (positions [start, end)), SDPA's mask or is_causal; a local
-    layer's keys from local_start (-1, the default: none hidden) under local_mask."""
+    layer's keys from local_start (-1, the default: none hidden) under local_mask, its stack's
+    slot 0 holding position local_base."""
     return cpu_ext.load().FullStep(**fields)

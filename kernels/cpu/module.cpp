@@ -56,23 +56,32 @@ void bind_kv_cache(py::module& m) {
       .def_property_readonly("chunk", &HierKV::chunk);
   py::class_<FullStep>(m, "FullStep", "one forward over the full-precision cache (kv_cache.h)")
       .def(py::init([](int64_t start, int64_t end, c10::optional<at::Tensor> mask,
-                       bool is_causal, int64_t local_start, c10::optional<at::Tensor> local_mask) {
-             return FullStep{start, end, mask, is_causal, local_start, local_mask};
+                       bool is_causal, int64_t local_start, c10::optional<at::Tensor> local_mask,
+                       int64_t local_base) {
+             return FullStep{start, end, mask, is_causal, local_start, local_mask, local_base};
            }),
            py::kw_only(), py::arg("start"), py::arg("end"), py::arg("mask"),
-           py::arg("is_causal"), py::arg("local_start") = -1, py::arg("local_mask") = py::none())
+           py::arg("is_causal"), py::arg("local_start") = -1, py::arg("local_mask") = py::none(),
+           py::arg("local_base") = 0)
       .def_readonly("start", &FullStep::start)
       .def_readonly("end", &FullStep::end)
       .def_readonly("mask", &FullStep::mask)
       .def_readonly("is_causal", &FullStep::is_causal)
       .def_readonly("local_start", &FullStep::local_start)
-      .def_readonly("local_mask", &FullStep::local_mask);
+      .def_readonly("local_mask", &FullStep::local_mask)
+      .def_readonly("local_base", &FullStep::local_base);
   py::class_<FullKV>(m, "FullKV", "the full-precision cache's k/v, all layers (kv_cache.h)")
-      .def(py::init<at::Tensor, at::Tensor, std::vector<int64_t>, double>(), py::kw_only(),
-           py::arg("k"), py::arg("v"), py::arg("windows") = std::vector<int64_t>(),
-           py::arg("softcap") = 0.0)
+      .def(py::init([](at::Tensor k, at::Tensor v, std::vector<int64_t> windows, double softcap,
+                       c10::optional<at::Tensor> local_k, c10::optional<at::Tensor> local_v,
+                       std::vector<int64_t> slots) {
+             return FullKV(k, v, std::move(windows), softcap, local_k.value_or(at::Tensor()),
+                           local_v.value_or(at::Tensor()), std::move(slots));
+           }),
+           py::kw_only(), py::arg("k"), py::arg("v"), py::arg("windows") = std::vector<int64_t>(),
+           py::arg("softcap") = 0.0, py::arg("local_k") = py::none(),
+           py::arg("local_v") = py::none(), py::arg("slots") = std::vector<int64_t>())
       .def("write", &FullKV::write, py::arg("layer"), py::arg("k"), py::arg("v"),
-           py::arg("start"))
+           py::arg("start"), py::arg("local_base") = 0)
       .def("attend", &FullKV::attend, py::arg("layer"), py::arg("q"), py::arg("step"));
 }
 

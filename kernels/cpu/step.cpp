@@ -379,7 +379,10 @@ class DecoderStack {
     };
     // the cache's object writes layer l's k/v, then attends [B, H, T, D]
     auto attend = [&](int64_t l) {
-      cache.write(l, k.transpose(1, 2), v.transpose(1, 2), first);
+      if constexpr (std::is_same_v<Cache, FullKV>)  // (a local layer's slots from its base)
+        cache.write(l, k.transpose(1, 2), v.transpose(1, 2), first, step.local_base);
+      else
+        cache.write(l, k.transpose(1, 2), v.transpose(1, 2), first);
       return cache.attention(l, q.transpose(1, 2), step);
     };
 

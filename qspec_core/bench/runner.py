@@ -280,7 +280,7 @@ def _kv_bytes_per_token(mode: Mode, cache) -> dict[str, float]:
         if mode.speculative:
             views["draft"] = cache.bytes_per_token(mode.draft.kv)
         return views
-    per_token = 2 * cache.k[:, :, :, 0].numel() * cache.k.element_size()
+    per_token = cache.bytes_per_token()
     return {"target": per_token, "draft": per_token} if mode.speculative else {"ar": per_token}
 
 

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 
+from kernels import MAX_STEP_ROWS
 from kernels.attention import causal_attention
 from kernels.cpu import kv_cache as cpu_kv
 from kernels.reference import causal_mask, cuts, window_start
@@ -15,6 +17,25 @@ from qspec_core.precision import FP, Precision
 
 __all__ = ["FullPrecisionCache", "KVCache"]
 
+# Positions a local layer's stack holds beyond its window: a prefill chunk's (the engine's
+# PREFILL_CHUNK), so that a drop (a copy of the window down to slot 0) comes once a chunk or
+# once every LOCAL_ROOM decoded tokens; a longer forward grows the stack.
+LOCAL_ROOM = 512
+# How far back of a forward's first position a later one may start once a local layer has
+# dropped keys: a speculative round's verify goes back over its drafts (at most MAX_DRAFTS).
+REWIND = MAX_STEP_ROWS
+
+
+@dataclass(frozen=True)
+class FullCheckpoint:
+    """`FullPrecisionCache.checkpoint()`: its length and the local layers' positions
+    [local_base, seq_len) (None without local layers), which later drops overwrite."""
+
+    seq_len: int
+    local_base: int = 0
+    local_k: torch.Tensor | None = None
+    local_v: torch.Tensor | None = None
+
 
 class FullPrecisionCache(torch.nn.Module):
     """Preallocated full-precision K/V for all layers: the autoregressive baseline.
@@ -23,6 +44,12 @@ class FullPrecisionCache(torch.nn.Module):
 
     Writing at positions p..q makes q + 1 the new length, so a write below the current
     length (a verify step over rejected draft positions) also rolls back what lay beyond.
+
+    Sliding-window layers keep their K/V in a stack of their own, `local_k`/`local_v`
+    [Ll, B, n_kv, window + LOCAL_ROOM + REWIND, D], slot 0 holding position `local_base`: a
+    forward that would run past its end first drops the keys no query of it (nor of a
+    forward up to REWIND positions back) sees, so a local layer's memory is O(window), not
+    O(context). Rolling back further than that (`rewind_floor`) needs a `checkpoint`.
     """
 
     def __init__(
@@ -36,19 +63,26 @@ class FullPrecisionCache(torch.nn.Module):
         products: str = "fp32",
     ):
         super().__init__()
-        shape = (
-            config.num_hidden_layers,
-            batch_size,
-            config.num_key_value_heads,
-            max_seq_len,
-            config.head_dim,
-        )  # [L, B, n_kv, S, D]
-        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.windows = config.windows  # each layer's sliding window (None: global)
+        self._local = [w is not None for w in self.windows]
+        self._slot = [self._local[:i].count(self._local[i]) for i in range(len(self._local))]
+        self.window = max((w for w in self.windows if w is not None), default=None)
+        B, n_kv, D = batch_size, config.num_key_value_heads, config.head_dim
+
+        def buf(name, layers, S):  # [layers, B, n_kv, S, D]
+            t = torch.zeros(layers, B, n_kv, S, D, dtype=dtype, device=device)
+            self.register_buffer(name, t, persistent=False)
+
+        n_local = self._local.count(True)
+        buf("k", len(self._local) - n_local, max_seq_len)  # the global layers'
+        buf("v", len(self._local) - n_local, max_seq_len)
+        if n_local:
+            buf("local_k", n_local, self._local_capacity(max_seq_len))
+            buf("local_v", n_local, self._local_capacity(max_seq_len))
+        self.local_base = 0  # the position a local layer's slot 0 holds
         self.max_seq_len = max_seq_len
         self.rope_capacity = rope_capacity or max_seq_len  # (KVCache: `grow` keeps it)
         self.softcap = config.attn_logit_softcapping  # (Gemma 2's; None: none)
-        self.windows = config.windows  # each layer's sliding window (None: global)
         self.seq_len = 0
         # (positions key, {window: (first key, positions, mask)}): once per forward and
         # window (`_keys`), not per layer
@@ -59,16 +93,27 @@ class FullPrecisionCache(torch.nn.Module):
         # runner's choice (`runner/kernel_table.prefill_attention`), handed in by the engine
         self.products = products
 
+    def _local_capacity(self, max_seq_len: int) -> int:
+        return min(max_seq_len, self.window + LOCAL_ROOM + REWIND)
+
+    def _stack(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """A layer's (k, v) [B, n_kv, S, D] in its stack and the position its slot 0 holds."""
+        if self._local[layer]:
+            slot = self._slot[layer]
+            return self.local_k[slot], self.local_v[slot], self.local_base
+        return self.k[self._slot[layer]], self.v[self._slot[layer]], 0
+
     def attend(self, layer, q, k, v, input_pos, path: Precision = FP):
         if path.kv != "fp":
             raise ValueError(f"the full-precision cache serves the 'fp' KV view, not {path.kv!r}")
         start, end = self._span(input_pos)
         self._put(layer, k, v, start)
-        if layer == self.k.shape[0] - 1:
+        if layer == len(self.windows) - 1:
             self.seq_len = end
         window = self.windows[layer]
         lo, positions, mask = self._keys(input_pos, start, end, window)
-        k_all, v_all = self.k[layer, :, :, lo:end], self.v[layer, :, :, lo:end]
+        keys, values, base = self._stack(layer)
+        k_all, v_all = keys[:, :, lo - base : end - base], values[:, :, lo - base : end - base]
         t0 = time.perf_counter()
         # (`products` run a prefill's chunk on a CPU; a decode or verify step takes its own)
         out = causal_attention(
@@ -84,6 +129,7 @@ class FullPrecisionCache(torch.nn.Module):
             raise ValueError(f"position {end - 1} is beyond the cache ({self.max_seq_len})")
         if start > self.seq_len:
             raise ValueError(f"write at {start} leaves a gap after length {self.seq_len}")
+        self._make_room(start, end)
         key = (start, end)
         if self._mask[0] != key:
             self._mask = (key, {None: (0, input_pos, causal_mask(input_pos, end))})
@@ -103,22 +149,69 @@ class FullPrecisionCache(torch.nn.Module):
             masks[window] = (lo, positions, causal_mask(positions, end - lo, window))
         return masks[window]
 
+    @property
+    def rewind_floor(self) -> int:
+        """The shortest length `truncate` goes back to: past it, a local layer's window
+        reaches keys it has dropped (0 without local layers, or before any drop)."""
+        return self.local_base + self.window - 1 if self.local_base else 0
+
+    def _make_room(self, start: int, end: int) -> None:
+        """Room in the local stack for a forward at [start, end): the keys before what it,
+        or a forward up to REWIND positions back, sees are dropped (the rest moved down to
+        slot 0); a stack too short even then grows."""
+        if self.window is None:
+            return
+        if start < self.rewind_floor:
+            raise ValueError(
+                f"a forward at {start} reads keys dropped below {self.local_base} (the local "
+                f"layers keep {self.window} positions back from {self.rewind_floor})"
+            )
+        held = self.local_k.shape[3]
+        if end - self.local_base <= held:
+            return
+        keep = max(self.local_base, window_start(start, self.window) - REWIND)
+        if end - keep > held:  # (a forward longer than LOCAL_ROOM: the whole prompt at once)
+            self._resize_local(end - keep + LOCAL_ROOM)
+        n, shift = start - keep, keep - self.local_base
+        if shift:
+            for t in (self.local_k, self.local_v):  # (clone: the two ranges may overlap)
+                t[:, :, :, :n] = t[:, :, :, shift : shift + n].clone()
+        self.local_base = keep
+
+    def _resize_local(self, S: int) -> None:
+        """The local stack reallocated to S positions, keeping those it holds."""
+        for name in ("local_k", "local_v"):
+            old = getattr(self, name)
+            with torch.inference_mode(False):  # (still writable after an inference-mode prefill)
+                new = old.new_zeros(*old.shape[:3], S, old.shape[4])
+                keep = min(S, old.shape[3])
+                new[:, :, :, :keep] = old[:, :, :, :keep]
+            setattr(self, name, new)
+
     def _put(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
         """Writes k/v [B, n_kv, T, D] at positions [start, start + T): through the C++
         `FullKV` where there is one (`write_kv`)."""
-        write_kv(self.native, self.k, self.v, layer, k, v, start)
+        local = self._local[layer]
+        keys, values = (self.local_k, self.local_v) if local else (self.k, self.v)
+        base = self.local_base if local else 0
+        write_kv(self.native, keys, values, layer, k, v, start, self._slot[layer], base)
 
     @property
     def native(self):
         """The C++ `FullKV` over k/v (`kernels/cpu/kv_cache.py`), made on first use and again
         when a buffer is replaced (`grow`, `.to()`); None off the CPU, for k/v not fp32, or
         before a runner has loaded the kernels."""
-        buffers = (self._buffers["k"], self._buffers["v"])
+        names = ("k", "v", "local_k", "local_v") if self.window is not None else ("k", "v")
+        buffers = tuple(self._buffers[name] for name in names)
         if not cpu_kv.usable(*buffers):
             return None
-        return self._native.get(
-            buffers, lambda: cpu_kv.full_kv(*buffers, self.windows, self.softcap)
-        )
+
+        def make():
+            local = buffers[2:] if self.window is not None else ()
+            slots = self._slot if self.window is not None else ()
+            return cpu_kv.full_kv(buffers[0], buffers[1], self.windows, self.softcap, local, slots)
+
+        return self._native.get(buffers, make)
 
     def native_step(self, input_pos: torch.Tensor, path: Precision, n_tokens: int):
         """For a forward of `native`'s C++ stack: the `FullStep` (`kernels/cpu/kv_cache.h`:
@@ -134,6 +227,8 @@ class FullPrecisionCache(torch.nn.Module):
         is_causal = n_tokens == end and start == 0
         mask = None if is_causal else self._mask[1][None][2]
         step = dict(start=start, end=end, mask=mask, is_causal=is_causal)
+        if self.local_base:
+            step["local_base"] = self.local_base
         window = next((w for w in self.windows if cuts(w, end)), None)  # (one for all locals)
         if window is not None:
             lo, _, local_mask = self._keys(input_pos, start, end, window)
@@ -141,14 +236,38 @@ class FullPrecisionCache(torch.nn.Module):
         return cpu_kv.full_step(**step)
 
     def truncate(self, length: int) -> None:
-        if not 0 <= length <= self.seq_len:
-            raise ValueError(f"cannot truncate a cache of length {self.seq_len} to {length}")
+        if not self.rewind_floor <= length <= self.seq_len:
+            raise ValueError(
+                f"cannot truncate a cache of length {self.seq_len} to {length}"
+                + (f" (its local layers go back to {self.rewind_floor})" if length >= 0 else "")
+            )
         self.seq_len = length
 
     def commit(self, length: int) -> None:
         """Nothing to do: a full-precision cache never quantizes."""
         if length > self.seq_len:
             raise ValueError(f"cannot commit {length} positions of a cache of {self.seq_len}")
+
+    def checkpoint(self) -> FullCheckpoint:
+        """A way back to this state past `rewind_floor` (a chat's document end): positions
+        below seq_len are never rewritten before a rollback to them, so only the local
+        layers' (a window's worth, which later drops overwrite) are kept."""
+        if self.window is None:
+            return FullCheckpoint(self.seq_len)
+        n = self.seq_len - self.local_base
+        lk, lv = self.local_k[:, :, :, :n].clone(), self.local_v[:, :, :, :n].clone()
+        return FullCheckpoint(self.seq_len, self.local_base, lk, lv)
+
+    def restore(self, point: FullCheckpoint) -> None:
+        """Return to `point`'s state exactly; whatever came after it is dropped."""
+        if point.local_k is not None:
+            n = point.local_k.shape[3]
+            if n > self.local_k.shape[3]:
+                self._resize_local(n + LOCAL_ROOM)
+            self.local_k[:, :, :, :n] = point.local_k
+            self.local_v[:, :, :, :n] = point.local_v
+            self.local_base = point.local_base
+        self.seq_len = point.seq_len
 
     def grow(self, max_seq_len: int) -> None:
         """Reallocate to a larger capacity, keeping the valid positions."""
@@ -159,15 +278,28 @@ class FullPrecisionCache(torch.nn.Module):
             new = old.new_zeros(*old.shape[:3], max_seq_len, old.shape[4])
             new[:, :, :, : self.seq_len] = old[:, :, :, : self.seq_len]
             setattr(self, name, new)
+        if self.window is not None and self._local_capacity(max_seq_len) > self.local_k.shape[3]:
+            self._resize_local(self._local_capacity(max_seq_len))
         self.max_seq_len = max_seq_len
 
     def reset(self) -> None:
         self.seq_len = 0
+        self.local_base = 0
 
     def nbytes(self) -> dict[str, int]:
-        """Bytes the valid positions occupy (the preallocated capacity is `capacity_nbytes`)."""
-        per_pos = 2 * self.k[:, :, :, 0].numel() * self.k.element_size()
-        return {"payload": 0, "scales": 0, "full_precision": per_pos * self.seq_len}
+        """Bytes the valid positions occupy (the preallocated capacity is `capacity_nbytes`):
+        a global layer's every position, a local layer's from local_base on."""
+        held = 2 * self.k[:, :, :, 0].numel() * self.k.element_size() * self.seq_len
+        if self.window is not None:
+            per_pos = 2 * self.local_k[:, :, :, 0].numel() * self.local_k.element_size()
+            held += per_pos * (self.seq_len - self.local_base)
+        return {"payload": 0, "scales": 0, "full_precision": held}
+
+    def bytes_per_token(self) -> float:
+        """Bytes a step reads per history token over all layers and KV heads (a local
+        layer's: within its window; `bench.bandwidth.kv_read_positions`)."""
+        B, n_kv, _, D = self.k.shape[1:]
+        return 2 * len(self.windows) * B * n_kv * D * self.k.element_size()
 
     def capacity_nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
+        return sum(t.nbytes for t in self.buffers())

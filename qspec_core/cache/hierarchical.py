@@ -162,6 +162,11 @@ class HierarchicalKVCache(PlaneStacks, torch.nn.Module):
     def quantized_len(self) -> int:
         return min(self.n_quant)
 
+    @property
+    def rewind_floor(self) -> int:
+        """The shortest length `truncate` goes back to: the positions below are quantized."""
+        return max(self.n_quant)
+
     def commit(self, length: int) -> None:
         """Positions < length are confirmed by the target path (may now be quantized)."""
         if length > self.seq_len:

@@ -66,7 +66,13 @@ class KVCache(Protocol):
         ...
 
     def truncate(self, length: int) -> None:
-        """Forget every position >= length (rollback)."""
+        """Forget every position >= length (rollback), for length >= `rewind_floor`."""
+        ...
+
+    @property
+    def rewind_floor(self) -> int:
+        """The shortest length `truncate` goes back to (a quantized or dropped history below;
+        `checkpoint()` and `restore(point)` go back further)."""
         ...
 
     def commit(self, length: int) -> None:
@@ -78,14 +84,21 @@ class KVCache(Protocol):
         ...
 
 
-def write_kv(native, keys: torch.Tensor, values: torch.Tensor, layer: int, k, v, start: int):
+def write_kv(native, keys: torch.Tensor, values: torch.Tensor, layer: int, k, v, start: int,
+             slot: int | None = None, base: int = 0):  # fmt: skip
     """Writes a forward's k/v [B, n_kv, T, D] at positions [start, start + T) of one layer of
     the buffers `keys`/`values` [L, B, n_kv, S, D]: through the cache's C++ object `native`
     where there is one (the very object the C++ stack writes through: one writer per cache),
-    else by slice assignment."""
+    else by slice assignment. A layer in a stack of its own: `slot`, its index there, and
+    `base`, the position its slot 0 holds (the full cache's local layers)."""
     if native is not None:
-        native.write(layer, k, v, start)
+        if base:  # (`FullKV`'s local stack; a `HierKV` never gets one)
+            native.write(layer, k, v, start, base)
+        else:
+            native.write(layer, k, v, start)
         return
-    end = start + k.shape[2]
-    keys[layer, :, :, start:end] = k
-    values[layer, :, :, start:end] = v
+    first = start - base
+    end = first + k.shape[2]
+    slot = layer if slot is None else slot
+    keys[slot, :, :, first:end] = k
+    values[slot, :, :, first:end] = v

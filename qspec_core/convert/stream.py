@@ -94,7 +94,8 @@ class _LayerCache:
     layer's sliding window."""
 
     def __init__(self, config: ModelConfig, n_tokens: int):
-        one = replace(config, num_hidden_layers=1, layer_types=())
+        # (no window of its own: the slot keeps every position, and masks by the layer's)
+        one = replace(config, num_hidden_layers=1, layer_types=(), sliding_window=None)
         self._inner = FullPrecisionCache(one, n_tokens, dtype=torch.float32)
         self._windows = config.windows  # (the one slot takes each layer's in turn)
         self.rope_capacity = self._inner.rope_capacity

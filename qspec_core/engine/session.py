@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from qspec_core.cache.full import FullPrecisionCache
+from qspec_core.cache.full import FullCheckpoint, FullPrecisionCache
 from qspec_core.cache.hierarchical import HierarchicalKVCache
 from qspec_core.cache.protocol import CacheCheckpoint
 from qspec_core.engine.generate import prefill, prefill_hierarchical
@@ -145,7 +145,7 @@ class ChatSession:
         self._cached_ids: list[int] = []
         # (n_tokens, checkpoint) of the hierarchical cache holding exactly the document
         # prefix: a later question goes back there even after answers were quantized
-        self._doc_point: tuple[int, CacheCheckpoint] | None = None
+        self._doc_point: tuple[int, CacheCheckpoint | FullCheckpoint] | None = None
 
     @property
     def limit(self) -> int:
@@ -258,6 +258,12 @@ class ChatSession:
         """
         runner = self.runtime.runner
         if self.mode == "ar":
+            doc = self.document_prefix_ids() if cache.window is not None and not reuse else []
+            if doc and ids[: len(doc)] == doc and len(doc) < len(ids):
+                # local layers drop their old keys as the answer goes on: a way back to the
+                # document's end for the next question
+                prefill(runner, cache, doc, 0, self.path, on_progress=progress)
+                self._doc_point, reuse = (len(doc), cache.checkpoint()), len(doc)
             return prefill(runner, cache, ids[reuse:], reuse, self.path, on_progress=progress)
         if reuse == 0:
             doc = self.document_prefix_ids()
@@ -297,10 +303,11 @@ class ChatSession:
         self.check_fits(len(ids), question)
         cache = self._ensure_cache(len(ids) + self.max_new_tokens)
         reuse = min(common_prefix(ids, self._cached_ids[: cache.seq_len]), len(ids) - 1)
-        if isinstance(cache, HierarchicalKVCache) and reuse < max(cache.n_quant):
-            # the divergence lies in the quantized history: back to the document's end if it
-            # is still shared (the usual case: /reset, or an answer quantized past the
-            # document), else start over
+        if reuse < cache.rewind_floor:
+            # the divergence lies in the quantized history (or, for the full cache, before
+            # the keys its local layers keep): back to the document's end if it is still
+            # shared (the usual case: /reset, or an answer quantized past the document),
+            # else start over
             point = self._doc_point
             if point is not None and reuse >= point[0]:
                 cache.restore(point[1])
