@@ -62,32 +62,41 @@ def real_runtime(default_model_dir):
     return load_runtime(str(default_model_dir), dtype="fp32", log=lambda m: None)
 
 
+def tiny_converted(tmp_path_factory, default_model_dir, config, name: str) -> Path:
+    """A random model of the transformers `config` (seed 0, the default model's tokenizer and
+    chat template), converted with an RTN 4-bit draft of group 32: its folder."""
+    import transformers
+
+    from qspec_core.convert.convert import convert
+    from qspec_core.model.checkpoint import load_model
+
+    folder = tmp_path_factory.mktemp(f"tiny-{name}-hf")
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    for file in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(default_model_dir / file, folder / file)
+    converted = tmp_path_factory.mktemp("tiny") / name
+    convert(folder, converted, load_model(folder, dtype=torch.float32), "rtn", 32)
+    return converted
+
+
+# the vocabulary and token ids of the default model's tokenizer (the tiny models' own)
+TINY_VOCAB = dict(vocab_size=49152, tie_word_embeddings=True, eos_token_id=2, bos_token_id=1)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory, default_model_dir) -> Path:
     """A tiny random Llama with the real tokenizer and an RTN 4-bit draft (fast CLI and
     session tests in every mode)."""
     import transformers
 
-    from qspec_core.convert.convert import convert
-    from qspec_core.model.checkpoint import load_model
-
-    folder = tmp_path_factory.mktemp("tiny-llama-hf")
     config = transformers.LlamaConfig(
         **TINY_SHAPE | dict(intermediate_size=128),  # a wider MLP than hf_tiny's
         num_key_value_heads=2,
-        vocab_size=49152,
         max_position_embeddings=512,
-        tie_word_embeddings=True,
-        eos_token_id=2,
-        bos_token_id=1,
+        **TINY_VOCAB,
     )
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).save_pretrained(folder)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(default_model_dir / name, folder / name)
-    converted = tmp_path_factory.mktemp("tiny") / "llama"
-    convert(folder, converted, load_model(folder, dtype=torch.float32), "rtn", 32)
-    return converted
+    return tiny_converted(tmp_path_factory, default_model_dir, config, "llama")
 
 
 @pytest.fixture

@@ -3,11 +3,10 @@ stack of a window's worth of positions: the keys no query sees are dropped as ne
 nothing any query sees changes (bit for bit, on the C++ stack and on the layer loop), a
 rollback past what is kept is refused, and a checkpoint brings the dropped keys back."""
 
-import shutil
-
 import pytest
 import torch
 import transformers
+from conftest import TINY_SHAPE, TINY_VOCAB, tiny_converted
 from hf_tiny import ours_from_hf, tiny_hf
 
 from kernels.cpu import build as cpu_ext
@@ -134,29 +133,14 @@ def test_the_local_stack_stays_a_windows_size_at_any_context():
 @pytest.fixture(scope="module")
 def windowed_runtime(tmp_path_factory, default_model_dir):
     """A tiny random Mistral (every layer local, window 24) with the real tokenizer."""
-    from qspec_core.convert.convert import convert
-    from qspec_core.model.checkpoint import load_model
-
-    folder = tmp_path_factory.mktemp("tiny-mistral-hf")
     config = transformers.MistralConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
+        **TINY_SHAPE | dict(intermediate_size=128),
         num_key_value_heads=2,
-        vocab_size=49152,
         max_position_embeddings=512,
         sliding_window=24,
-        tie_word_embeddings=True,
-        eos_token_id=2,
-        bos_token_id=1,
+        **TINY_VOCAB,
     )
-    torch.manual_seed(0)
-    transformers.MistralForCausalLM(config).save_pretrained(folder)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(default_model_dir / name, folder / name)
-    converted = tmp_path_factory.mktemp("tiny") / "mistral"
-    convert(folder, converted, load_model(folder, dtype=torch.float32), "rtn", 32)
+    converted = tiny_converted(tmp_path_factory, default_model_dir, config, "mistral")
     return load_runtime(str(converted), dtype="fp32", log=lambda m: None)
 
 
