@@ -237,9 +237,10 @@ class FullPrecisionCache(torch.nn.Module):
 
     def truncate(self, length: int) -> None:
         if not self.rewind_floor <= length <= self.seq_len:
+            floor = self.rewind_floor
             raise ValueError(
                 f"cannot truncate a cache of length {self.seq_len} to {length}"
-                + (f" (its local layers go back to {self.rewind_floor})" if length >= 0 else "")
+                + (f" (its local layers go back to {floor})" if 0 <= length < floor else "")
             )
         self.seq_len = length
 
