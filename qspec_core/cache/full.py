@@ -11,7 +11,7 @@ from kernels import MAX_STEP_ROWS
 from kernels.attention import causal_attention
 from kernels.cpu import kv_cache as cpu_kv
 from kernels.reference import causal_mask, cuts, window_start
-from qspec_core.cache.protocol import KVCache, write_kv
+from qspec_core.cache.protocol import KVCache, layer_stacks, write_kv
 from qspec_core.config import ModelConfig
 from qspec_core.precision import FP, Precision
 
@@ -64,8 +64,7 @@ class FullPrecisionCache(torch.nn.Module):
     ):
         super().__init__()
         self.windows = config.windows  # each layer's sliding window (None: global)
-        self._local = [w is not None for w in self.windows]
-        self._slot = [self._local[:i].count(self._local[i]) for i in range(len(self._local))]
+        self._local, self._slot = layer_stacks(self.windows)
         self.window = max((w for w in self.windows if w is not None), default=None)
         B, n_kv, D = batch_size, config.num_key_value_heads, config.head_dim
 

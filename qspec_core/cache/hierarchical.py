@@ -66,7 +66,7 @@ from qspec_core.cache.hier_planes import (  # noqa: F401 (K_GROUPED, PLANE_BUFFE
     PlaneStacks,
     local_slots,
 )
-from qspec_core.cache.protocol import write_kv
+from qspec_core.cache.protocol import layer_stacks, write_kv
 from qspec_core.config import ModelConfig
 from qspec_core.precision import Precision
 
@@ -111,8 +111,7 @@ class HierarchicalKVCache(PlaneStacks, torch.nn.Module):
         L, B, n_kv = config.num_hidden_layers, batch_size, config.num_key_value_heads
         S = -(-max_seq_len // G) * G  # quantized capacity, whole groups
         # each layer's stack (global, or local: `LOCAL`) and its index there
-        self._local = [w is not None for w in self.windows]
-        self._slot = [self._local[:i].count(self._local[i]) for i in range(L)]
+        self._local, self._slot = layer_stacks(self.windows)
         self.window = max((w for w in self.windows if w is not None), default=None)
         n_local = self._local.count(True)
         self.base = [0] * L  # per layer: the position its planes begin at (0 unless local)

@@ -102,3 +102,10 @@ def write_kv(native, keys: torch.Tensor, values: torch.Tensor, layer: int, k, v,
     slot = layer if slot is None else slot
     keys[slot, :, :, first:end] = k
     values[slot, :, :, first:end] = v
+
+
+def layer_stacks(windows) -> tuple[list[bool], list[int]]:
+    """Where each layer's K/V live in a cache with a stack for the sliding-window layers:
+    (is_local [L], each layer's index in its stack [L]), from `ModelConfig.windows`."""
+    local = [w is not None for w in windows]
+    return local, [local[:i].count(local[i]) for i in range(len(local))]
