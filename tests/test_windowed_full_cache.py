@@ -18,7 +18,7 @@ from qspec_core.precision import FP
 from qspec_core.registry.runtime import load_runtime
 from qspec_core.runner import CpuRunner, build_runner
 
-WINDOW, LONG, ROOM = 16, 400, 8
+WINDOW, LONG = 16, 400  # (the local stack's room: WINDOW // LOCAL_ROOM_SHARE, 2)
 # Qwen2 with its window from layer 1 on: layer 0 global, layer 1 local (one layer per stack)
 QWEN = dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)
 
@@ -61,16 +61,16 @@ def _decode(runner, cache, tokens, start):
 
 
 @pytest.mark.parametrize("kind", ["stack", "loop"])
-def test_dropping_what_no_query_sees_changes_no_logit(kind, monkeypatch):
+def test_dropping_what_no_query_sees_changes_no_logit(kind):
     """Prefill in chunks of 8, then decode with rollbacks: the logits of a cache whose local
     stack holds a window and a few positions are those of one that never drops, to the bit."""
-    monkeypatch.setattr(full_cache, "LOCAL_ROOM", ROOM)
     model = _model()
     runner = _runner(kind, model)
     assert model.config.windows == (None, WINDOW)
     tokens, half = _tokens(LONG), LONG // 2
     windowed = FullPrecisionCache(model.config, LONG, dtype=torch.float32)
     never = FullPrecisionCache(model.config, LONG, dtype=torch.float32)
+    never.room = LONG  # (a stack of the whole context: it never drops)
     never._resize_local(LONG)
     logits = []
     with torch.no_grad():
@@ -78,15 +78,15 @@ def test_dropping_what_no_query_sees_changes_no_logit(kind, monkeypatch):
             prefill(runner, cache, tokens[:half], 0, FP, chunk_size=8)
             logits.append(_decode(runner, cache, tokens, half))
     assert torch.equal(logits[0], logits[1])
-    held = WINDOW + ROOM + REWIND
+    held = WINDOW + REWIND + windowed.room
+    assert windowed.room == WINDOW // full_cache.LOCAL_ROOM_SHARE
     assert windowed.local_k.shape[3] == held and windowed.k.shape == never.k.shape
     assert windowed.local_base > LONG - held and never.local_base == 0
     full = never.nbytes()["full_precision"]
     assert windowed.nbytes()["full_precision"] < 0.6 * full  # (the local layer's half: a window)
 
 
-def test_a_rollback_past_the_kept_keys_is_refused_and_a_checkpoint_goes_back(monkeypatch):
-    monkeypatch.setattr(full_cache, "LOCAL_ROOM", ROOM)
+def test_a_rollback_past_the_kept_keys_is_refused_and_a_checkpoint_goes_back():
     model = _model()
     runner = build_runner(model)
     tokens, more = _tokens(200), _tokens(100, seed=1)
@@ -113,20 +113,26 @@ def test_a_rollback_past_the_kept_keys_is_refused_and_a_checkpoint_goes_back(mon
 
 
 def test_the_local_stack_stays_a_windows_size_at_any_context():
-    """At 4x the context (default room), the local layer's stack stays put, the global
-    layer's grows with it; a whole prompt in one forward grows the local stack for it."""
+    """At 4x the context, the local layer's stack is the same size once decoding, the global
+    layer's grows with it; a prefill chunk (512) grows the local stack for itself, and the
+    next decode step shrinks it back; a whole prompt in one forward grows it for it."""
     model = _model(4096)
     runner = build_runner(model)
     held = {}
     with torch.no_grad():
         for n in (1024, 4096):
-            cache = FullPrecisionCache(model.config, n, dtype=torch.float32)
-            prefill(runner, cache, _tokens(n), 0, FP)
-            held[n] = (cache.local_k.shape[3], cache.k.shape[3])
+            cache = FullPrecisionCache(model.config, n + 1, dtype=torch.float32)
+            tokens = _tokens(n + 1)
+            prefill(runner, cache, tokens[:n], 0, FP)
+            prefilled = cache.local_k.shape[3]
+            runner(torch.tensor([tokens[n:]]), torch.tensor([n]), cache, FP)
+            held[n] = (prefilled, cache.local_k.shape[3], cache.k.shape[3])
         one = FullPrecisionCache(model.config, 1024, dtype=torch.float32)
         runner(torch.tensor([_tokens(1024)]), torch.arange(1024), one, FP)
-    assert held[1024][0] == held[4096][0] == WINDOW + full_cache.LOCAL_ROOM + REWIND
-    assert held[4096][1] == 4096
+    size = WINDOW + REWIND + cache.room
+    assert held[1024][0] >= 512 + WINDOW and held[4096][0] >= 512 + WINDOW
+    assert held[1024][1] == held[4096][1] == size
+    assert held[1024][2] == 1025 and held[4096][2] == 4097
     assert one.local_k.shape[3] >= 1024 - one.local_base
 
 
@@ -148,11 +154,10 @@ DOC = "The lighthouse keeper counted 41 ships in March and 17 in April. " * 3
 
 
 def test_an_ar_chat_goes_back_to_the_document_after_its_local_layers_dropped_it(
-    windowed_runtime, monkeypatch
+    windowed_runtime,
 ):
     """Answers push the local layers' keys of the document's end out; the next question
     goes back to the document's checkpoint and answers as a fresh session does."""
-    monkeypatch.setattr(full_cache, "LOCAL_ROOM", 4)
     session = ChatSession(windowed_runtime, DOC, max_new_tokens=40, mode="ar")
     doc = len(session.document_prefix_ids())
     "".join(session.ask("How many ships?"))

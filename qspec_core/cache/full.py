@@ -17,10 +17,13 @@ from qspec_core.precision import FP, Precision
 
 __all__ = ["FullPrecisionCache", "KVCache"]
 
-# Positions a local layer's stack holds beyond its window: a prefill chunk's (the engine's
-# PREFILL_CHUNK), so that a drop (a copy of the window down to slot 0) comes once a chunk or
-# once every LOCAL_ROOM decoded tokens; a longer forward grows the stack.
-LOCAL_ROOM = 512
+# A local layer's stack holds window / LOCAL_ROOM_SHARE positions of room past its window and
+# REWIND, so a drop (the window copied down to slot 0) comes once every that many decoded
+# tokens: a copy of the window once every 64 tokens at Gemma 3's 512, 512 at Mistral's 4,096,
+# under a hundredth of a step's bytes either way. A longer forward (a prefill chunk, a chat's
+# question) grows the stack to what it needs, and the next forward that fits the decoding size
+# shrinks it back: after a prompt a local layer holds window + REWIND + room positions.
+LOCAL_ROOM_SHARE = 8
 # How far back of a forward's first position a later one may start once a local layer has
 # dropped keys: a speculative round's verify goes back over its drafts (at most MAX_DRAFTS).
 REWIND = MAX_STEP_ROWS
@@ -46,7 +49,7 @@ class FullPrecisionCache(torch.nn.Module):
     length (a verify step over rejected draft positions) also rolls back what lay beyond.
 
     Sliding-window layers keep their K/V in a stack of their own, `local_k`/`local_v`
-    [Ll, B, n_kv, window + LOCAL_ROOM + REWIND, D], slot 0 holding position `local_base`: a
+    [Ll, B, n_kv, window + REWIND + room, D], slot 0 holding position `local_base`: a
     forward that would run past its end first drops the keys no query of it (nor of a
     forward up to REWIND positions back) sees, so a local layer's memory is O(window), not
     O(context). Rolling back further than that (`rewind_floor`) needs a `checkpoint`.
@@ -66,6 +69,7 @@ class FullPrecisionCache(torch.nn.Module):
         self.windows = config.windows  # each layer's sliding window (None: global)
         self._local, self._slot = layer_stacks(self.windows)
         self.window = max((w for w in self.windows if w is not None), default=None)
+        self.room = max(1, (self.window or 0) // LOCAL_ROOM_SHARE)  # (see LOCAL_ROOM_SHARE)
         B, n_kv, D = batch_size, config.num_key_value_heads, config.head_dim
 
         def buf(name, layers, S):  # [layers, B, n_kv, S, D]
@@ -93,7 +97,7 @@ class FullPrecisionCache(torch.nn.Module):
         self.products = products
 
     def _local_capacity(self, max_seq_len: int) -> int:
-        return min(max_seq_len, self.window + LOCAL_ROOM + REWIND)
+        return min(max_seq_len, self.window + REWIND + self.room)
 
     def _stack(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, int]:
         """A layer's (k, v) [B, n_kv, S, D] in its stack and the position its slot 0 holds."""
@@ -157,7 +161,8 @@ class FullPrecisionCache(torch.nn.Module):
     def _make_room(self, start: int, end: int) -> None:
         """Room in the local stack for a forward at [start, end): the keys before what it,
         or a forward up to REWIND positions back, sees are dropped (the rest moved down to
-        slot 0); a stack too short even then grows."""
+        slot 0). A forward longer than the room grows the stack; the first one after it that
+        fits the decoding size (`_local_capacity`) shrinks it back."""
         if self.window is None:
             return
         if start < self.rewind_floor:
@@ -165,26 +170,28 @@ class FullPrecisionCache(torch.nn.Module):
                 f"a forward at {start} reads keys dropped below {self.local_base} (the local "
                 f"layers keep {self.window} positions back from {self.rewind_floor})"
             )
-        held = self.local_k.shape[3]
-        if end - self.local_base <= held:
-            return
+        held, size = self.local_k.shape[3], self._local_capacity(self.max_seq_len)
         keep = max(self.local_base, window_start(start, self.window) - REWIND)
-        if end - keep > held:  # (a forward longer than LOCAL_ROOM: the whole prompt at once)
-            self._resize_local(end - keep + LOCAL_ROOM)
+        need = end - keep  # (what this forward's stack must hold, after the drop)
+        if end - self.local_base <= held and (held <= size or need > size):
+            return  # (it fits, and the stack is no larger than decoding or this forward needs)
         n, shift = start - keep, keep - self.local_base
-        if shift:
+        if need > held or (held > size and need <= size):
+            self._resize_local(max(size, need), shift, n)
+        elif shift:
             for t in (self.local_k, self.local_v):  # (clone: the two ranges may overlap)
                 t[:, :, :, :n] = t[:, :, :, shift : shift + n].clone()
         self.local_base = keep
 
-    def _resize_local(self, S: int) -> None:
-        """The local stack reallocated to S positions, keeping those it holds."""
+    def _resize_local(self, S: int, shift: int = 0, n: int | None = None) -> None:
+        """The local stack reallocated to S positions, holding the n it held from slot
+        `shift` on (all it held, by default) from slot 0."""
         for name in ("local_k", "local_v"):
             old = getattr(self, name)
             with torch.inference_mode(False):  # (still writable after an inference-mode prefill)
                 new = old.new_zeros(*old.shape[:3], S, old.shape[4])
-                keep = min(S, old.shape[3])
-                new[:, :, :, :keep] = old[:, :, :, :keep]
+                keep = min(S, old.shape[3] - shift) if n is None else n
+                new[:, :, :, :keep] = old[:, :, :, shift : shift + keep]
             setattr(self, name, new)
 
     def _put(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
@@ -263,7 +270,7 @@ class FullPrecisionCache(torch.nn.Module):
         if point.local_k is not None:
             n = point.local_k.shape[3]
             if n > self.local_k.shape[3]:
-                self._resize_local(n + LOCAL_ROOM)
+                self._resize_local(n + self.room)
             self.local_k[:, :, :, :n] = point.local_k
             self.local_v[:, :, :, :n] = point.local_v
             self.local_base = point.local_base
