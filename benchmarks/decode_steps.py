@@ -17,7 +17,11 @@ few-row fp32 linear -> F.linear), `w4a8` (the W4A8 draft linear -> PyTorch's int
 with bf16 activations) and `stack` (all layers in one C++ call -> the Python layer loop;
 `linear` and `w4a8` switch the stack off too, since it calls those kernels itself). Medians
 of `--repeats`; the estimate is tokens_per_round * ar / (gamma * draft + verify), with
-tokens_per_round from `qspec bench`.
+tokens_per_round from `qspec bench`. The read bandwidth is probed in every repeat, beside its
+steps, and a step's share is the median of its repeats' shares, each against its own
+repeat's probe: on a shared machine the bandwidth drifts within a run (28-54 GB/s between
+runs minutes apart on 2 Zen 4 cores, 2026-12-07), and one probe at the start put the same
+step at 60% in one run and 82% in the next.
 
     python benchmarks/decode_steps.py --context 8192 --compare linear,w4a8 --json out.json
 """
@@ -32,7 +36,12 @@ import time
 import torch
 
 from kernels.cpu import linear as cpu_linear
-from qspec_core.bench.bandwidth import kv_read_positions, path_weight_bytes, read_bandwidth
+from qspec_core.bench.bandwidth import (
+    kv_read_positions,
+    path_weight_bytes,
+    probe_buffer,
+    read_bandwidth,
+)
 from qspec_core.bench.corpus import bench_prompt
 from qspec_core.cache.full import FullPrecisionCache
 from qspec_core.cache.hierarchical import HierarchicalKVCache
@@ -45,6 +54,7 @@ from qspec_core.registry.runtime import prepare_and_load
 # stands for the runner's `stack` (then the model's layer loop runs, with the runner's ops)
 STACK = "stack"
 WHOLE_HEAD = "draft, whole head"  # the draft step without its vocabulary slice
+PROBE_READS = 2  # timed reads of the bandwidth probe per repeat (its best)
 SWITCHES = {
     "linear": [(cpu_linear, "usable"), STACK],
     "w4a8": [(cpu_linear, "int4_usable"), STACK],
@@ -132,7 +142,7 @@ def main() -> None:
             steps[f"{base} without {name}"] = _without(SWITCHES[name], steps[base], runner)
     for fn in steps.values():  # warm up: lazy layouts, allocator
         fn()
-    bandwidth = read_bandwidth()
+    probe = probe_buffer()
     layouts = getattr(runner, "layouts", None)
     fp_per_token = fp.bytes_per_token()
     history = kv_read_positions(ctx, model.config.windows)  # (per layer, on average)
@@ -143,25 +153,33 @@ def main() -> None:
         for name, path in paths.items()
     }
     times = {name: [] for name in steps}
+    probes = []  # each repeat's read bandwidth, bytes/s
     for _ in range(a.repeats):
+        probes.append(read_bandwidth(repeats=PROBE_READS, buf=probe))
         for name, fn in steps.items():
             t0 = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)
+    del probe
     ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+    bandwidth = statistics.median(probes)
     head = model.lm_head.out_features
     print(f"context {ctx}, gamma {a.gamma}, {torch.get_num_threads()} threads, target weights "
           f"{weights}, medians of {a.repeats} interleaved repeats; read bandwidth "
-          f"{bandwidth / 1e9:.1f} GB/s; the draft scores {rows.get('draft', head):,} of "
+          f"{bandwidth / 1e9:.1f} GB/s ({min(probes) / 1e9:.1f}-{max(probes) / 1e9:.1f}, "
+          f"probed in each repeat); the draft scores {rows.get('draft', head):,} of "
           f"{head:,} vocabulary rows")  # fmt: skip
     print(f"  {'step':28s} {'ms':>8s} {'MB read':>9s} {'of bandwidth':>13s}")
     share = {}
     for name, v in ms.items():
         base = name.split(" without ")[0]
-        share[name] = read[base] / (v / 1e3) / bandwidth
+        share[name] = statistics.median(
+            read[base] / t / bw for t, bw in zip(times[name], probes, strict=True)
+        )
         print(f"  {name:28s} {v:8.1f} {read[base] / 1e6:9.1f} {share[name]:12.0%}")
     result = {"context": ctx, "gamma": a.gamma, "repeats": a.repeats, "ms": ms,
               "target_weights": weights, "read_bandwidth": bandwidth,
+              "read_bandwidth_per_repeat": probes,
               "mb_read": {n: b / 1e6 for n, b in read.items()}, "of_bandwidth": share,
               "draft_head_rows": rows.get("draft", head), "vocab_size": head}  # fmt: skip
     result["ar_over_draft"] = ms["ar"] / ms["draft"]

@@ -9,7 +9,7 @@ import pytest
 import torch
 from test_cli import assert_user_error, run_qspec
 
-from qspec_core.bench.bandwidth import path_weight_bytes, read_bandwidth
+from qspec_core.bench.bandwidth import path_weight_bytes, probe_buffer, read_bandwidth
 from qspec_core.bench.runner import (
     MODES,
     BenchConfig,
@@ -165,6 +165,8 @@ def test_step_bytes_follow_the_weight_set(tiny_runtime):
     assert path_weight_bytes(model, "int8") >= int8  # (+ biases, where there are)
     assert path_weight_bytes(model, "int4") < path_weight_bytes(model, "int8") < full
     assert 1e8 < read_bandwidth(mib=8, repeats=2)  # bytes/s: no machine reads under 100 MB/s
+    buf = probe_buffer(8)  # (kept between probes: decode_steps.py probes in every repeat)
+    assert 1e8 < read_bandwidth(repeats=1, buf=buf) and buf.numel() == 8 * 2**20 // 4
     # where the runner reads bf16 copies of bf16-valued fp32 weights: 2 bytes a weight there
     model = copy.deepcopy(model)
     head = model.lm_head.weight

@@ -29,11 +29,20 @@ PROBE_MIB = 512  # far past the last-level cache of any CPU we run on
 PROBE_REPEATS = 5
 
 
-def read_bandwidth(mib: int = PROBE_MIB, repeats: int = PROBE_REPEATS) -> float:
-    """The best of `repeats` timed reads of a `mib` MiB fp32 buffer on torch's current CPU
-    threads, in bytes/s (a reduction: each byte read once, nothing written back)."""
-    buf = torch.ones(mib * 2**20 // 4)  # (written once: the pages exist before timing)
+def probe_buffer(mib: int = PROBE_MIB) -> torch.Tensor:
+    """A `mib` MiB fp32 buffer for `read_bandwidth`, written once (its pages exist)."""
+    buf = torch.ones(mib * 2**20 // 4)
     buf.sum()
+    return buf
+
+
+def read_bandwidth(
+    mib: int = PROBE_MIB, repeats: int = PROBE_REPEATS, buf: torch.Tensor | None = None
+) -> float:
+    """The best of `repeats` timed reads of a `mib` MiB fp32 buffer (or of `buf`, a
+    `probe_buffer` kept between probes) on torch's current CPU threads, in bytes/s (a
+    reduction: each byte read once, nothing written back)."""
+    buf = probe_buffer(mib) if buf is None else buf
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
