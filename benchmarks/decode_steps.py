@@ -19,7 +19,7 @@ with bf16 activations) and `stack` (all layers in one C++ call -> the Python lay
 of `--repeats`; the estimate is tokens_per_round * ar / (gamma * draft + verify), with
 tokens_per_round from `qspec bench`. The read bandwidth is probed in every repeat, beside its
 steps, and a step's share is the median of its repeats' shares, each against its own
-repeat's probe: on a shared machine the bandwidth drifts within a run (28-54 GB/s between
+repeat's probe: on a shared machine the bandwidth drifts within a run (31-65 GB/s between
 runs minutes apart on 2 Zen 4 cores, 2026-12-07), and one probe at the start put the same
 step at 60% in one run and 82% in the next.
 

@@ -20,7 +20,7 @@ __all__ = ["FullPrecisionCache", "KVCache"]
 # A local layer's stack holds window / LOCAL_ROOM_SHARE positions of room past its window and
 # REWIND, so a drop (the window copied down to slot 0) comes once every that many decoded
 # tokens: a copy of the window once every 64 tokens at Gemma 3's 512, 512 at Mistral's 4,096,
-# under a hundredth of a step's bytes either way. A longer forward (a prefill chunk, a chat's
+# about a thousandth of a step's bytes either way. A longer forward (a prefill chunk, a chat's
 # question) grows the stack to what it needs, and the next forward that fits the decoding size
 # shrinks it back: after a prompt a local layer holds window + REWIND + room positions.
 LOCAL_ROOM_SHARE = 8
@@ -173,14 +173,15 @@ class FullPrecisionCache(torch.nn.Module):
         held, size = self.local_k.shape[3], self._local_capacity(self.max_seq_len)
         keep = max(self.local_base, window_start(start, self.window) - REWIND)
         need = end - keep  # (what this forward's stack must hold, after the drop)
-        if end - self.local_base <= held and (held <= size or need > size):
-            return  # (it fits, and the stack is no larger than decoding or this forward needs)
+        S = size if need <= size else max(held, need)  # decoding's size, or this forward's
         n, shift = start - keep, keep - self.local_base
-        if need > held or (held > size and need <= size):
-            self._resize_local(max(size, need), shift, n)
-        elif shift:
+        if S != held:
+            self._resize_local(S, shift, n)
+        elif end - self.local_base > held:
             for t in (self.local_k, self.local_v):  # (clone: the two ranges may overlap)
                 t[:, :, :, :n] = t[:, :, :, shift : shift + n].clone()
+        else:
+            return  # (it fits as it is)
         self.local_base = keep
 
     def _resize_local(self, S: int, shift: int = 0, n: int | None = None) -> None:
